@@ -1,0 +1,1 @@
+"""Offline data jobs: building the demo dataset, converting raw trees to TFRecords."""

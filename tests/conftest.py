@@ -1,0 +1,43 @@
+"""Shared fixtures. The CPU is split into 2 logical devices once, at collection,
+before any test initialises TensorFlow, so in-process tests can run real
+2-replica MirroredStrategy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tfdp  # noqa: F401  (sets TensorFlow's environment defaults before TF loads)
+from tfdp.strategy import split_cpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_DEVICES = split_cpu(2)
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory) -> str:
+    """The real demo dataset (1,797 JPEGs), written once per test session."""
+    from pipelines.digits import write_digits
+    out = str(tmp_path_factory.mktemp("data") / "digits")
+    write_digits(out, progress=False)
+    return out
+
+
+def run_tfdp(*args: str, timeout: float = 300, cwd: str = REPO) -> subprocess.CompletedProcess:
+    """Runs the real command line, as a user would, in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "tfdp", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,135 @@
+"""The command line as a user runs it: real processes, real files, exit codes."""
+
+import os
+
+import pytest
+import yaml
+
+from conftest import last_line, read_jsonl, run_tfdp
+
+FAST = ["--model=simple_cnn", "--set=data.image_size=16", "--batch_size_per_replica=32"]
+
+
+def write_config(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def assert_one_line_error(result, message):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert last_line(result.stderr).startswith("tfdp: error: ")
+    assert message in last_line(result.stderr)
+
+
+@pytest.mark.parametrize("config, extra, message", [
+    (None, ["--config=/nonexistent/x.yaml"], "config file not found: /nonexistent/x.yaml"),
+    ("train:\n  epohcs: 3\n", [], "unknown config key 'train.epohcs'; did you mean 'train.epochs'?"),
+    ("train:\n  epochs: three\n", [], "config field 'train.epochs': input should be a valid integer"),
+    ("train:\n  batch_size_per_replica: 0\n", [], "config field 'train.batch_size_per_replica': input should be greater than 0"),
+    (None, ["--batch_size_per_replica=-4"], "config field 'train.batch_size_per_replica': input should be greater than 0"),
+    (None, ["--set=optimizer.lrr=0.1"], "unknown config key 'optimizer.lrr'; did you mean 'optimizer.lr'?"),
+])
+def test_bad_config_fails_fast_with_one_line(tmp_path, config, extra, message):
+    args = ["train", *extra]
+    if config is not None:
+        args.append("--config=" + write_config(tmp_path, config))
+    result = run_tfdp(*args, timeout=60)
+    assert_one_line_error(result, message)
+
+
+def test_missing_data_directory(tmp_path):
+    result = run_tfdp("train", "--data_format=image_folder", f"--data_dir={tmp_path}/nope",
+                      f"--model_dir={tmp_path}/run", timeout=120)
+    assert_one_line_error(result, f"data directory not found: {tmp_path}/nope")
+
+
+def test_empty_data_directory(tmp_path):
+    (tmp_path / "data").mkdir()
+    result = run_tfdp("train", "--data_format=image_folder", f"--data_dir={tmp_path}/data",
+                      f"--model_dir={tmp_path}/run", timeout=120)
+    assert_one_line_error(result, "has no 'train' split folder")
+
+
+def test_unknown_model_lists_valid_names(tmp_path, digits_dir):
+    result = run_tfdp("train", "--model=resnet9000", "--data_format=image_folder", f"--data_dir={digits_dir}",
+                      f"--model_dir={tmp_path}/run", timeout=120)
+    assert_one_line_error(result, "unknown model 'resnet9000' (valid: ")
+    assert "resnet18_small" in last_line(result.stderr) and "resnet50" in last_line(result.stderr)
+
+
+def test_unknown_command_is_a_usage_error():
+    result = run_tfdp("trian", timeout=60)
+    assert result.returncode != 0
+    assert "expected a command 'trian': one of train" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_helpfull_documents_every_flag():
+    result = run_tfdp("--helpfull", timeout=60)
+    assert "tfdp COMMAND" in result.stdout  # the usage text, then every flag
+    for flag in ("--config", "--set", "--model_dir", "--epochs", "--batch_size_per_replica", "--strategy",
+                 "--cpu_replicas", "--flagfile"):
+        assert flag in result.stdout
+
+
+@pytest.mark.slow
+def test_train_two_replicas_reaches_accuracy_saves_config_and_evaluates(tmp_path, digits_dir):
+    """The demo recipe on the real digits (simple_cnn for CI speed): 2 replicas, held-out accuracy."""
+    model_dir = tmp_path / "run"
+    flagfile = write_config(tmp_path, f"--model_dir={model_dir}\n--epochs=8\n", name="flags.txt")
+    result = run_tfdp("train", "--config=configs/digits.yaml", f"--flagfile={flagfile}", *FAST,
+                      f"--data_dir={digits_dir}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = yaml.safe_load((model_dir / "config.yaml").read_text())
+    assert saved["train"]["epochs"] == 8 and saved["model"]["name"] == "simple_cnn"  # flagfile + flags applied
+    assert saved["distribute"] == {"strategy": "mirrored", "cpu_replicas": 2}
+    rows = read_jsonl(model_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["val_top1"] >= 0.97
+    summary = last_line(result.stdout)
+    assert summary.startswith("tfdp: done: 8 epochs, validation top-1 ")
+    assert f"{100 * rows[-1]['val_top1']:.2f}%" in summary and "on 2 replica(s), global batch 64" in summary
+    assert (model_dir / "checkpoints" / "best.weights.h5").exists()
+
+    evaluated = run_tfdp("evaluate", "--config=configs/digits.yaml", f"--model_dir={model_dir}", *FAST,
+                         f"--data_dir={digits_dir}", timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    best = max(r["val_top1"] for r in rows)
+    assert f"top1 {best:.4f}" in evaluated.stdout
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_after_the_last_complete_epoch(tmp_path, digits_dir):
+    """kill -9 during epoch 2, run the same command again: it resumes at epoch 2, each epoch logged once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "tfdp", "train", "--config=configs/digits.yaml", f"--model_dir={model_dir}",
+            "--epochs=3", *FAST, "--set=data.image_size=32", f"--data_dir={digits_dir}"]
+    first = subprocess.Popen(args, cwd=os.path.dirname(os.path.dirname(__file__)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    epoch1 = model_dir / "checkpoints" / "epoch-0001"
+    deadline = time.time() + 300
+    while not epoch1.exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert epoch1.exists(), "the first run never finished epoch 1"
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert not (model_dir / "checkpoints" / "epoch-0002").exists(), "epoch 2 finished before the kill"
+    assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1]
+
+    second = run_tfdp(*args[3:], timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "tfdp: resuming at epoch 2 of 3" in second.stdout
+    assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert not [p for p in os.listdir(model_dir / "checkpoints") if p.startswith(".tmp")]
+
+    third = run_tfdp(*args[3:], timeout=300)  # already complete: nothing retrained, same summary
+    assert third.returncode == 0
+    assert "tfdp: all 3 epochs already trained" in third.stdout and "Epoch " not in third.stdout
+    assert last_line(third.stdout) == last_line(second.stdout)

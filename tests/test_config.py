@@ -1,0 +1,81 @@
+import pytest
+
+from tfdp import config as config_lib
+from tfdp.errors import UserError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_values_and_overrides_reach_typed_fields(tmp_path):
+    path = write(tmp_path, "train:\n  epochs: 7\noptimizer:\n  lr: 0.4\n")
+    cfg = config_lib.load_config(path, {"optimizer.lr": 0.2, "distribute.cpu_replicas": 2})
+    assert cfg.train.epochs == 7
+    assert cfg.optimizer.lr == 0.2          # the override wins over the file
+    assert cfg.distribute.cpu_replicas == 2
+    assert cfg.model.name == config_lib.ModelConfig().name  # untouched defaults stay
+
+
+def test_set_values_are_parsed_as_yaml():
+    assert config_lib.parse_assignment("optimizer.lr=0.2") == ("optimizer.lr", 0.2)
+    assert config_lib.parse_assignment("data.hflip=false") == ("data.hflip", False)
+    assert config_lib.parse_assignment("data.mean=[1, 2, 3]") == ("data.mean", [1, 2, 3])
+    with pytest.raises(UserError, match="KEY=VALUE"):
+        config_lib.parse_assignment("optimizer.lr")
+
+
+def test_ints_are_accepted_for_float_fields():
+    assert config_lib.validate({"optimizer": {"lr": 1}}).optimizer.lr == 1.0
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"data": {"imge_size": 32}}, "unknown config key 'data.imge_size'; did you mean 'data.image_size'?"),
+    ({"trian": {}}, "unknown config key 'trian'; did you mean 'train'?"),
+    ({"train": {"epochs": "ten"}}, "config field 'train.epochs': input should be a valid integer"),
+    ({"train": {"epochs": 2.5}}, "config field 'train.epochs': input should be a valid integer"),
+    ({"data": {"hflip": "yes"}}, "config field 'data.hflip': input should be a valid boolean"),
+    ({"train": {"batch_size_per_replica": 0}}, "config field 'train.batch_size_per_replica': input should be greater than 0"),
+    ({"optimizer": {"lr": -0.1}}, "config field 'optimizer.lr': input should be greater than 0"),
+    ({"schedule": {"name": "cos"}}, "config field 'schedule.name': input should be 'cosine', 'step' or 'constant'"),
+    ({"data": 5}, "config section 'data' must be a mapping"),
+    ({"data": {"min_crop_area": 0.9, "max_crop_area": 0.5}}, "data.min_crop_area must not exceed data.max_crop_area"),
+    ({"schedule": {"warmup_epochs": 20}, "train": {"epochs": 10}}, "warmup_epochs must be smaller than train.epochs"),
+])
+def test_bad_values_name_the_field(raw, message):
+    with pytest.raises(UserError) as err:
+        config_lib.validate(raw)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_key_without_a_close_match_lists_valid_keys():
+    with pytest.raises(UserError, match=r"valid keys: .*epochs.*batch_size_per_replica"):
+        config_lib.validate({"train": {"zzz": 1}})
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        config_lib.load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(UserError, match=r"not valid YAML \(line \d+\)"):
+        config_lib.load_config(write(tmp_path, "train:\n  epochs: [1\n"))
+    with pytest.raises(UserError, match="must hold a mapping"):
+        config_lib.load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_dumped_config_loads_back_identically(tmp_path):
+    cfg = config_lib.validate({"data": {"mean": [1.0, 2.0, 3.0]}, "train": {"epochs": 3}})
+    again = config_lib.load_config(write(tmp_path, config_lib.dump_yaml(cfg)))
+    assert again == cfg
+
+
+def test_every_shipped_config_is_valid():
+    import glob
+    import os
+    from conftest import REPO
+    paths = glob.glob(os.path.join(REPO, "configs", "*.yaml"))
+    assert paths
+    for path in paths:
+        config_lib.load_config(path)

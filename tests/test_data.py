@@ -1,0 +1,106 @@
+import collections
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pipelines import digits as digits_lib
+from tfdp.config import DataConfig
+from tfdp.data import build_source
+from tfdp.data.pipeline import eval_dataset, train_dataset
+from tfdp.errors import UserError
+
+
+def test_digits_tree_is_complete_stratified_and_real_jpeg(digits_dir):
+    source = build_source(DataConfig(format="image_folder", dir=digits_dir))
+    train, val = source.split("train"), source.split("val")
+    assert source.class_names == tuple(str(d) for d in range(10))
+    assert (train.num_examples, val.num_examples) == (1437, 360)
+    assert not set(train.files) & set(val.files)
+    # Stratified: every class keeps its share of the validation split.
+    per_class = collections.Counter(val.labels)
+    assert min(per_class.values()) >= 34 and max(per_class.values()) <= 38
+    data = tf.io.read_file(val.files[0])
+    assert bool(tf.io.is_jpeg(data))
+    assert tuple(tf.io.decode_jpeg(data).shape) == (32, 32, 3)
+
+
+def test_labels_come_from_the_class_folder(digits_dir):
+    from sklearn.datasets import load_digits
+    target = load_digits().target
+    source = build_source(DataConfig(format="image_folder", dir=digits_dir))
+    for path, label in zip(source.split("val").files, source.split("val").labels):
+        index = int(os.path.basename(path)[len("digits_"):-len(".JPEG")])
+        assert target[index] == label
+
+
+def test_split_is_fixed():
+    labels = np.arange(100) % 10
+    a, b = digits_lib.split_indices(labels), digits_lib.split_indices(labels)
+    assert np.array_equal(a["val"], b["val"])
+
+
+def test_digits_format_creates_the_tree_on_first_use(tmp_path):
+    target = tmp_path / "fresh" / "digits"
+    source = build_source(DataConfig(format="digits", dir=str(target)))
+    assert source.split("train").num_examples == 1437
+    assert not any(p.name.startswith("digits.tmp") for p in target.parent.iterdir())
+
+
+def test_train_pipeline_ships_uint8_batches_of_the_per_replica_size(digits_dir):
+    cfg = DataConfig(format="image_folder", dir=digits_dir, image_size=24, min_crop_area=0.5)
+    split = build_source(cfg).split("train")
+    ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=2)
+    images, labels = next(iter(train_dataset(split, cfg, global_batch=64, seed=0, input_context=ctx)))
+    assert images.dtype == tf.uint8 and tuple(images.shape) == (32, 24, 24, 3)
+    assert labels.dtype == tf.int32 and set(labels.numpy()) <= set(range(10))
+    assert int(tf.reduce_max(images)) > 100  # real pixels, not zeros
+
+
+def test_eval_pipeline_reads_every_example_exactly_once(digits_dir):
+    cfg = DataConfig(format="image_folder", dir=digits_dir)
+    split = build_source(cfg).split("val")
+    labels = np.concatenate([lab.numpy() for _, lab in eval_dataset(split, cfg, global_batch=64)])
+    assert len(labels) == 360  # 5 full batches and a partial one: nothing dropped
+    assert collections.Counter(labels) == collections.Counter(split.labels)
+
+
+def test_workers_read_disjoint_files(digits_dir):
+    cfg = DataConfig(format="image_folder", dir=digits_dir)
+    split = build_source(cfg).split("val")
+    seen = []
+    for worker in range(2):
+        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=worker, num_replicas_in_sync=2)
+        seen.append(sum(int(lab.shape[0]) for _, lab in eval_dataset(split, cfg, 32, ctx)))
+    assert seen == [180, 180]
+
+
+def test_png_images_are_read_too(tmp_path, digits_dir):
+    from PIL import Image
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            d = tmp_path / split / cls
+            d.mkdir(parents=True)
+            Image.new("RGB", (40, 30), (200, 10, 10)).save(d / "x.png")
+    cfg = DataConfig(format="image_folder", dir=str(tmp_path), image_size=16)
+    images, _ = next(iter(eval_dataset(build_source(cfg).split("val"), cfg, 2)))
+    assert tuple(images.shape) == (2, 16, 16, 3) and int(images[0, 8, 8, 0]) == 200
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root: None, "data directory not found"),
+    (lambda root: root.mkdir(), "has no 'train' split folder"),
+    (lambda root: (root / "train").mkdir(parents=True), "no class folders"),
+    (lambda root: (root / "train" / "cat").mkdir(parents=True), "no images"),
+])
+def test_missing_or_empty_data_is_a_clear_error(tmp_path, make, message):
+    root = tmp_path / "data"
+    make(root)
+    with pytest.raises(UserError, match=message):
+        build_source(DataConfig(format="image_folder", dir=str(root)))
+
+
+def test_unknown_format_lists_the_valid_ones():
+    with pytest.raises(UserError, match=r"unknown data.format 'lmdb' \(valid: digits, image_folder"):
+        build_source(DataConfig(format="lmdb"))

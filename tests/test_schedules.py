@@ -1,0 +1,40 @@
+import numpy as np
+import pytest
+
+from tfdp.config import ScheduleConfig
+from tfdp.schedules import build_schedule, peak_lr
+
+
+def lr_at(schedule, step):
+    return float(np.asarray(schedule(step)))
+
+
+def test_linear_scaling_rule():
+    assert peak_lr(0.1, 256) == pytest.approx(0.1)
+    assert peak_lr(0.1, 1024) == pytest.approx(0.4)
+    assert peak_lr(0.1, 64) == pytest.approx(0.025)
+
+
+def test_warmup_then_cosine_to_zero():
+    s = build_schedule(ScheduleConfig(name="cosine", warmup_epochs=2), lr_per_256=0.1, global_batch=512,
+                       steps_per_epoch=10, epochs=12)
+    peak = 0.2
+    assert lr_at(s, 0) == pytest.approx(peak / 20)         # first warmup step
+    assert lr_at(s, 9) == pytest.approx(peak / 2)          # halfway through warmup
+    assert lr_at(s, 20) == pytest.approx(peak)             # warmup done
+    assert lr_at(s, 70) == pytest.approx(peak / 2, rel=1e-5)  # cosine midpoint
+    assert lr_at(s, 120) == pytest.approx(0.0, abs=1e-7)
+    rates = [lr_at(s, i) for i in range(20, 121)]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))  # monotone decay
+
+
+def test_step_decay_at_boundaries():
+    s = build_schedule(ScheduleConfig(name="step", decay_epochs=(3, 6), decay_rate=0.1), 0.1, 256, 10, 9)
+    assert lr_at(s, 29) == pytest.approx(0.1)
+    assert lr_at(s, 30) == pytest.approx(0.01)
+    assert lr_at(s, 60) == pytest.approx(0.001)
+
+
+def test_constant_with_warmup():
+    s = build_schedule(ScheduleConfig(name="constant", warmup_epochs=1), 0.1, 256, 4, 3)
+    assert [round(lr_at(s, i), 6) for i in range(6)] == [0.025, 0.05, 0.075, 0.1, 0.1, 0.1]

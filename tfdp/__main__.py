@@ -1,0 +1,3 @@
+from tfdp.cli import run
+
+run()

@@ -1,0 +1,119 @@
+"""The `tfdp` absl application: `tfdp COMMAND [--flags]`.
+
+Flags override the YAML config: the dedicated ones below for common fields,
+`--set=section.key=value` (repeatable) for any field. The config is validated
+once, here, before any TensorFlow work starts, and a `UserError` from anywhere
+becomes one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+from tfdp import config as config_lib
+from tfdp.errors import UserError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", None, "YAML config file (see configs/). Defaults apply to anything it leaves out.")
+flags.DEFINE_multi_string("set", [], "Override any config field: --set=optimizer.lr=0.2 (value parsed as YAML; repeatable).")
+flags.DEFINE_string("model_dir", None, "Override model_dir: checkpoints, logs and the resolved config go here.")
+flags.DEFINE_integer("epochs", None, "Override train.epochs.")
+flags.DEFINE_integer("batch_size_per_replica", None, "Override train.batch_size_per_replica (global batch = this x replicas).")
+flags.DEFINE_string("strategy", None, "Override distribute.strategy: one_device | mirrored.")
+flags.DEFINE_integer("cpu_replicas", None, "Override distribute.cpu_replicas: logical CPU devices to split a GPU-less host into.")
+flags.DEFINE_string("model", None, "Override model.name (a registry name, see tfdp/models).")
+flags.DEFINE_string("data_dir", None, "Override data.dir.")
+flags.DEFINE_string("data_format", None, "Override data.format (a registry name, see tfdp/data).")
+flags.DEFINE_string("checkpoint", None, "evaluate: weights file to load (default: the best checkpoint in model_dir).")
+
+# Dedicated flag → the config field it overrides.
+FLAG_FIELDS = {
+    "model_dir": "model_dir",
+    "epochs": "train.epochs",
+    "batch_size_per_replica": "train.batch_size_per_replica",
+    "strategy": "distribute.strategy",
+    "cpu_replicas": "distribute.cpu_replicas",
+    "model": "model.name",
+    "data_dir": "data.dir",
+    "data_format": "data.format",
+}
+
+
+def overrides_from_flags() -> dict:
+    overrides = dict(config_lib.parse_assignment(s) for s in FLAGS.set)
+    for flag, field in FLAG_FIELDS.items():
+        value = FLAGS[flag].value
+        if value is not None:
+            overrides[field] = value
+    return overrides
+
+
+def resolved_config() -> config_lib.Config:
+    return config_lib.load_config(FLAGS.config, overrides_from_flags())
+
+
+def config_and_runtime(args: list[str]):
+    """Validated config, then the strategy: built before Keras is imported,
+    because importing Keras initialises TensorFlow's devices and the CPU could
+    no longer be split into replicas."""
+    _no_positional(args)
+    cfg = resolved_config()
+    from tfdp.strategy import make_runtime
+    return cfg, make_runtime(cfg.distribute)
+
+
+def cmd_train(args: list[str]) -> None:
+    cfg, runtime = config_and_runtime(args)
+    from tfdp.trainer import train
+    train(cfg, runtime)
+
+
+def cmd_evaluate(args: list[str]) -> None:
+    cfg, runtime = config_and_runtime(args)
+    from tfdp.evaluate import evaluate
+    evaluate(cfg, runtime, FLAGS.checkpoint)
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "evaluate": cmd_evaluate,
+}
+
+
+def _no_positional(args: list[str]) -> None:
+    if args:
+        raise UserError(f"unexpected argument(s): {' '.join(args)}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        got = f" '{argv[1]}'" if len(argv) > 1 else ""
+        raise app.UsageError(f"expected a command{got}: one of {', '.join(COMMANDS)}")
+    logging.set_verbosity(logging.INFO)
+    try:
+        COMMANDS[argv[1]](argv[2:])
+    except UserError as e:
+        sys.stderr.write(f"tfdp: error: {e}\n")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.stderr.write("tfdp: interrupted\n")
+        sys.exit(130)
+
+
+USAGE = """tfdp COMMAND [--flags]
+
+Commands:
+  train      train (or resume) the run in model_dir
+  evaluate   top-1/top-5 of a checkpoint on the validation split
+
+Example:
+  tfdp train --config=configs/digits.yaml --epochs=4 --set=optimizer.lr=0.4
+"""
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.modules["__main__"].__doc__ = USAGE  # absl prints the main module's doc as usage
+    app.run(main)

@@ -1,0 +1,65 @@
+"""Model registry: architecture name → builder.
+
+A builder takes `(input_shape, num_classes, dropout)` and returns a Keras model
+mapping float images (already normalised) to logits. `build_model` wraps it
+with the uint8 input and the on-device normalisation every model shares.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import keras
+
+from tfdp.config import DataConfig, ModelConfig
+from tfdp.errors import UserError
+
+Builder = Callable[..., keras.Model]
+MODELS: dict[str, Builder] = {}
+
+
+def register(name: str) -> Callable[[Builder], Builder]:
+    def add(fn: Builder) -> Builder:
+        if name in MODELS:
+            raise ValueError(f"model '{name}' registered twice")
+        MODELS[name] = fn
+        return fn
+    return add
+
+
+def check_model_name(name: str) -> None:
+    if name not in MODELS:
+        raise UserError(f"unknown model '{name}' (valid: {', '.join(sorted(MODELS))})")
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class Standardize(keras.layers.Layer):
+    """(x - mean) / std on the device, so the input pipeline can ship uint8."""
+
+    def __init__(self, mean, std, **kwargs):
+        super().__init__(**kwargs)
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+
+    def call(self, inputs):
+        x = keras.ops.cast(inputs, self.compute_dtype)
+        mean = keras.ops.convert_to_tensor(self.mean, self.compute_dtype)
+        inv_std = keras.ops.convert_to_tensor([1.0 / s for s in self.std], self.compute_dtype)
+        return (x - mean) * inv_std
+
+    def get_config(self):
+        return {**super().get_config(), "mean": self.mean, "std": self.std}
+
+
+def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
+    """uint8 images → Standardize → backbone → logits."""
+    check_model_name(model_cfg.name)
+    shape = (data_cfg.image_size, data_cfg.image_size, 3)
+    backbone = MODELS[model_cfg.name](input_shape=shape, num_classes=model_cfg.num_classes, dropout=model_cfg.dropout)
+    inputs = keras.Input(shape, dtype="uint8", name="image")
+    logits = backbone(Standardize(data_cfg.mean, data_cfg.std, name="standardize")(inputs))
+    return keras.Model(inputs, logits, name=model_cfg.name)
+
+
+# Importing the model files fills the registry.
+from tfdp.models import keras_apps, resnet_small, simple  # noqa: E402,F401

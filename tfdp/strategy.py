@@ -1,0 +1,88 @@
+"""The one place that chooses and builds the tf.distribute strategy.
+
+Everything else receives a `Runtime` and uses `runtime.strategy` through the
+generic Strategy API (`scope`, `distribute_datasets_from_function`), plus the
+replica/worker counts it reports; nothing outside this module asks which
+strategy it is.
+
+On a host without GPUs, `cpu_replicas=N` splits the CPU into N logical devices
+before TensorFlow initialises them, so MirroredStrategy really runs N replicas
+(with their own variables and an all-reduce) on a laptop or CI machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+from absl import logging
+
+from tfdp.config import DistributeConfig
+from tfdp.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """A built strategy and the facts about it the rest of tfdp needs."""
+    strategy: tf.distribute.Strategy
+    kind: str
+    devices: tuple[str, ...]
+    num_workers: int = 1
+    worker_index: int = 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def is_chief(self) -> bool:
+        """The one process that writes checkpoints, logs and the final model."""
+        return self.worker_index == 0
+
+
+def split_cpu(n: int) -> list[str]:
+    """Splits the (first) CPU into `n` logical devices; must run before TF picks its devices."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have != n:
+            raise UserError(f"cannot split the CPU into {n} devices: TensorFlow already "
+                            f"initialised {have}; set distribute.cpu_replicas before any TF work") from None
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def _local_devices(cfg: DistributeConfig) -> list[str]:
+    """All local GPUs, else `cpu_replicas` logical CPUs (or the one CPU)."""
+    if tf.config.list_physical_devices("GPU"):  # physical: listing logical devices would initialise them
+        if cfg.cpu_replicas:
+            logging.warning("GPUs found; ignoring distribute.cpu_replicas=%d", cfg.cpu_replicas)
+        return [d.name for d in tf.config.list_logical_devices("GPU")]
+    if cfg.cpu_replicas > 1:
+        return split_cpu(cfg.cpu_replicas)
+    return ["/device:CPU:0"]
+
+
+def _one_device(cfg: DistributeConfig) -> Runtime:
+    device = _local_devices(cfg)[0]
+    return Runtime(tf.distribute.OneDeviceStrategy(device), "one_device", (device,))
+
+
+def _mirrored(cfg: DistributeConfig) -> Runtime:
+    devices = _local_devices(cfg)
+    return Runtime(tf.distribute.MirroredStrategy(devices), "mirrored", tuple(devices))
+
+
+STRATEGIES: dict[str, Callable[[DistributeConfig], Runtime]] = {
+    "one_device": _one_device,
+    "mirrored": _mirrored,
+}
+
+
+def make_runtime(cfg: DistributeConfig) -> Runtime:
+    runtime = STRATEGIES[cfg.strategy](cfg)
+    logging.info("strategy %s: %d replica(s) on %s, %d worker(s)", runtime.kind, runtime.num_replicas,
+                 ", ".join(runtime.devices), runtime.num_workers)
+    return runtime

@@ -1,0 +1,159 @@
+"""`tfdp train`: config → data → model (in the strategy's scope) → fit → summary.
+
+Read top to bottom, this is the whole training run; everything it calls lives
+in a module of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import warnings
+
+import keras
+from absl import logging
+
+from tfdp import config as config_lib
+from tfdp.callbacks import Checkpointer, EpochStats, MetricsLog, read_metrics
+from tfdp.checkpoints import CheckpointStore, atomic_write_text
+from tfdp.config import Config
+from tfdp.data import Source, build_source
+from tfdp.data.pipeline import eval_dataset, train_dataset
+from tfdp.errors import UserError
+from tfdp.losses import SparseSmoothedCrossentropy
+from tfdp.models import build_model, check_model_name
+from tfdp.schedules import build_schedule
+from tfdp.strategy import Runtime
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The numbers a run is sized by, derived once from config, data and strategy."""
+    global_batch: int
+    steps_per_epoch: int
+    train_examples: int
+    val_examples: int
+    num_classes: int
+
+
+def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
+    if source.num_classes != cfg.model.num_classes:
+        raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
+    train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
+    global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
+    steps = train.num_examples // global_batch
+    if steps == 0:
+        raise UserError(f"the training split has {train.num_examples} images, fewer than one global batch "
+                        f"of {global_batch} ({cfg.train.batch_size_per_replica} per replica x {runtime.num_replicas} replicas)")
+    return Plan(global_batch, steps, train.num_examples, val.num_examples, source.num_classes)
+
+
+def compile_model(cfg: Config, plan: Plan) -> keras.Model:
+    """Builds and compiles the model; call inside `strategy.scope()` so variables are mirrored."""
+    model = build_model(cfg.model, cfg.data)
+    schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs)
+    optimizer = keras.optimizers.SGD(
+        learning_rate=schedule, momentum=cfg.optimizer.momentum, nesterov=cfg.optimizer.nesterov,
+        weight_decay=cfg.optimizer.weight_decay or None)
+    metrics = [keras.metrics.SparseCategoricalAccuracy(name="top1")]
+    if plan.num_classes > 5:
+        metrics.append(keras.metrics.SparseTopKCategoricalAccuracy(k=5, name="top5"))
+    model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
+                  metrics=metrics, jit_compile=False)
+    # Built now, not lazily in the first step, so a checkpoint can restore its state.
+    optimizer.build(model.trainable_variables)
+    return model
+
+
+def distributed_datasets(cfg: Config, source: Source, runtime: Runtime, plan: Plan):
+    train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
+    strategy = runtime.strategy
+    train_ds = strategy.distribute_datasets_from_function(
+        lambda ctx: train_dataset(train, cfg.data, plan.global_batch, cfg.train.seed, ctx))
+    val_ds = strategy.distribute_datasets_from_function(
+        lambda ctx: eval_dataset(val, cfg.data, plan.global_batch, ctx))
+    return train_ds, val_ds
+
+
+def train(cfg: Config, runtime: Runtime) -> dict:
+    """Trains (or resumes) the run described by `cfg`; returns the final summary."""
+    check_model_name(cfg.model.name)
+    keras.utils.set_random_seed(cfg.train.seed)
+    source = build_source(cfg.data)
+    plan = make_plan(cfg, source, runtime)
+    logging.info("data: %d train / %d val images, %d classes; global batch %d (%d x %d replicas), %d steps/epoch",
+                 plan.train_examples, plan.val_examples, plan.num_classes, plan.global_batch,
+                 cfg.train.batch_size_per_replica, runtime.num_replicas, plan.steps_per_epoch)
+    model_dir = os.path.abspath(os.path.expanduser(cfg.model_dir))
+    os.makedirs(model_dir, exist_ok=True)
+    save_config(cfg, model_dir)
+
+    with runtime.strategy.scope():
+        model = compile_model(cfg, plan)
+    store = CheckpointStore(model_dir)
+    store.remove_partial()
+    state = store.restore_latest(model)
+    initial_epoch = state["epoch"] if state else 0
+    metrics_path = os.path.join(model_dir, METRICS_FILE)
+    if initial_epoch >= cfg.train.epochs:
+        print(f"tfdp: all {cfg.train.epochs} epochs already trained in {model_dir}", flush=True)
+    elif initial_epoch:
+        print(f"tfdp: resuming at epoch {initial_epoch + 1} of {cfg.train.epochs} from {store.root}", flush=True)
+
+    if initial_epoch < cfg.train.epochs:
+        train_ds, val_ds = distributed_datasets(cfg, source, runtime, plan)
+        callbacks = [
+            EpochStats(plan.global_batch, plan.steps_per_epoch),
+            MetricsLog(metrics_path, initial_epoch),
+            Checkpointer(store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None),
+        ]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*ran out of data.*")
+            model.fit(train_ds, validation_data=val_ds, epochs=cfg.train.epochs, initial_epoch=initial_epoch,
+                      steps_per_epoch=plan.steps_per_epoch, callbacks=callbacks, shuffle=False,
+                      verbose=1 if sys.stdout.isatty() else 2)
+    summary = summarize(read_metrics(metrics_path), runtime, plan)
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def save_config(cfg: Config, model_dir: str) -> None:
+    """Saves the resolved config; warns when a resumed run's config changed."""
+    path = os.path.join(model_dir, "config.yaml")
+    text = config_lib.dump_yaml(cfg)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            if f.read() != text:
+                logging.warning("config differs from the one saved in %s; the new one replaces it", path)
+    atomic_write_text(path, text)
+    logging.info("resolved config:\n%s", text)
+
+
+def summarize(rows: list[dict], runtime: Runtime, plan: Plan) -> dict:
+    """Final numbers from the metrics log; throughput skips the first epoch (tracing) when it can."""
+    if not rows:
+        raise UserError("no epochs recorded in the metrics log")
+    last = rows[-1]
+    timed = rows[1:] if len(rows) > 1 else rows
+    best = max(rows, key=lambda r: r.get("val_top1", 0.0))
+    return {
+        "epochs": last["epoch"],
+        "val_top1": last.get("val_top1"),
+        "val_top5": last.get("val_top5"),
+        "best_val_top1": best.get("val_top1"),
+        "best_epoch": best["epoch"],
+        "seconds_per_epoch": sum(r["seconds"] for r in timed) / len(timed),
+        "images_per_sec": sum(r["images_per_sec"] for r in timed) / len(timed),
+        "replicas": runtime.num_replicas,
+        "global_batch": plan.global_batch,
+    }
+
+
+def format_summary(s: dict) -> str:
+    return (f"tfdp: done: {s['epochs']} epochs, validation top-1 {100 * s['val_top1']:.2f}% "
+            f"(best {100 * s['best_val_top1']:.2f}% at epoch {s['best_epoch']}), "
+            f"{s['seconds_per_epoch']:.1f} s/epoch, {s['images_per_sec']:.0f} images/s "
+            f"on {s['replicas']} replica(s), global batch {s['global_batch']}")
