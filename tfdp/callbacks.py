@@ -47,16 +47,16 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 class MetricsLog(keras.callbacks.Callback):
-    """One JSON line per epoch in `path`; a resumed run first drops rows it will redo.
+    """One JSON line per epoch in `path`, after the `previous` rows of the epochs a resumed run keeps.
 
     The file is rewritten atomically each epoch, so after any crash and resume
     every epoch appears exactly once.
     """
 
-    def __init__(self, path: str, initial_epoch: int):
+    def __init__(self, path: str, previous: list[dict[str, Any]]):
         super().__init__()
         self.path = path
-        self.rows = [r for r in read_metrics(path) if r["epoch"] <= initial_epoch]
+        self.rows = list(previous)
 
     def on_train_begin(self, logs=None):
         self._write()

@@ -26,6 +26,8 @@ flags.DEFINE_integer("cpu_replicas", None, "Override distribute.cpu_replicas: lo
 flags.DEFINE_string("model", None, "Override model.name (a registry name, see tfdp/models).")
 flags.DEFINE_string("data_dir", None, "Override data.dir.")
 flags.DEFINE_string("data_format", None, "Override data.format (a registry name, see tfdp/data).")
+flags.DEFINE_integer("workers", 2, "launch: number of worker processes to start on this host.")
+flags.DEFINE_string("launch_logs", "tfdp-logs", "launch: directory for one log file per worker.")
 flags.DEFINE_string("checkpoint", None, "evaluate: weights file to load (default: the best checkpoint in model_dir).")
 
 # Dedicated flag → the config field it overrides.
@@ -76,9 +78,15 @@ def cmd_evaluate(args: list[str]) -> None:
     evaluate(cfg, runtime, FLAGS.checkpoint)
 
 
+def cmd_launch(args: list[str]) -> None:
+    from tfdp.launch import launch
+    sys.exit(launch(FLAGS.workers, args, FLAGS.launch_logs))
+
+
 COMMANDS = {
     "train": cmd_train,
     "evaluate": cmd_evaluate,
+    "launch": cmd_launch,
 }
 
 
@@ -107,6 +115,7 @@ USAGE = """tfdp COMMAND [--flags]
 Commands:
   train      train (or resume) the run in model_dir
   evaluate   top-1/top-5 of a checkpoint on the validation split
+  launch     start an N-worker cluster on this host: tfdp launch --workers=2 -- train --config=...
 
 Example:
   tfdp train --config=configs/digits.yaml --epochs=4 --set=optimizer.lr=0.4

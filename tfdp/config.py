@@ -98,10 +98,14 @@ class TrainConfig:
 @dataclasses.dataclass
 class DistributeConfig:
     __pydantic_config__ = _FORBID
-    strategy: Literal["one_device", "mirrored"] = "mirrored"
+    strategy: Literal["one_device", "mirrored", "multi_worker"] = "mirrored"
     # On a host without GPUs, split the CPU into this many logical devices so
     # `mirrored` really runs that many replicas. 0 keeps one CPU device.
     cpu_replicas: NonNegInt = 0
+    # multi_worker: the all-reduce implementation across hosts.
+    communication: Literal["auto", "ring", "nccl"] = "auto"
+    # multi_worker: seconds to wait for every worker to join before giving up.
+    startup_timeout: PosFloat = 120.0
 
 
 @dataclasses.dataclass

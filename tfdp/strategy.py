@@ -13,13 +13,22 @@ before TensorFlow initialises them, so MirroredStrategy really runs N replicas
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import tensorflow as tf
 from absl import logging
 
+from tfdp import cluster as cluster_lib
+from tfdp import watchdog
 from tfdp.config import DistributeConfig
 from tfdp.errors import UserError
+
+COMMUNICATION = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +84,31 @@ def _mirrored(cfg: DistributeConfig) -> Runtime:
     return Runtime(tf.distribute.MirroredStrategy(devices), "mirrored", tuple(devices))
 
 
+def _multi_worker(cfg: DistributeConfig) -> Runtime:
+    """MultiWorkerMirroredStrategy over the cluster in TF_CONFIG (or Slurm).
+
+    Each worker mirrors over its local GPUs; on a CPU-only host each worker is
+    one replica (TensorFlow's collective strategy uses one CPU device).
+    """
+    cluster = cluster_lib.from_environment()
+    cluster_lib.check_port_free(cluster)
+    os.environ["TF_CONFIG"] = cluster_lib.to_tf_config(cluster)  # Slurm-derived clusters too
+    if cfg.cpu_replicas > 1 and not tf.config.list_physical_devices("GPU"):
+        logging.warning("multi_worker runs one replica per CPU-only worker; ignoring cpu_replicas=%d",
+                        cfg.cpu_replicas)
+    options = tf.distribute.experimental.CommunicationOptions(implementation=COMMUNICATION[cfg.communication])
+    with watchdog.deadline(cfg.startup_timeout):
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        # The first collective blocks until every worker has joined.
+        strategy.reduce("SUM", strategy.run(lambda: tf.constant(1)), axis=None)
+    devices = tuple(strategy.extended.worker_devices)
+    return Runtime(strategy, "multi_worker", devices, num_workers=cluster.num_workers, worker_index=cluster.rank)
+
+
 STRATEGIES: dict[str, Callable[[DistributeConfig], Runtime]] = {
     "one_device": _one_device,
     "mirrored": _mirrored,
+    "multi_worker": _multi_worker,
 }
 
 

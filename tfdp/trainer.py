@@ -6,14 +6,20 @@ in a module of its own.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 
 import keras
+import numpy as np
 from absl import logging
 
+from tfdp import compat
 from tfdp import config as config_lib
 from tfdp.callbacks import Checkpointer, EpochStats, MetricsLog, read_metrics
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
@@ -81,43 +87,73 @@ def distributed_datasets(cfg: Config, source: Source, runtime: Runtime, plan: Pl
 def train(cfg: Config, runtime: Runtime) -> dict:
     """Trains (or resumes) the run described by `cfg`; returns the final summary."""
     check_model_name(cfg.model.name)
+    compat.apply()
     keras.utils.set_random_seed(cfg.train.seed)
     source = build_source(cfg.data)
     plan = make_plan(cfg, source, runtime)
-    logging.info("data: %d train / %d val images, %d classes; global batch %d (%d x %d replicas), %d steps/epoch",
-                 plan.train_examples, plan.val_examples, plan.num_classes, plan.global_batch,
-                 cfg.train.batch_size_per_replica, runtime.num_replicas, plan.steps_per_epoch)
+    logging.info("data: %d train / %d val images, %d classes; global batch %d (%d x %d replicas, %d worker(s)), "
+                 "%d steps/epoch", plan.train_examples, plan.val_examples, plan.num_classes, plan.global_batch,
+                 cfg.train.batch_size_per_replica, runtime.num_replicas, runtime.num_workers, plan.steps_per_epoch)
     model_dir = os.path.abspath(os.path.expanduser(cfg.model_dir))
-    os.makedirs(model_dir, exist_ok=True)
-    save_config(cfg, model_dir)
-
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
-    store = CheckpointStore(model_dir)
-    store.remove_partial()
-    state = store.restore_latest(model)
+    state = CheckpointStore(model_dir).restore_latest(model)
     initial_epoch = state["epoch"] if state else 0
-    metrics_path = os.path.join(model_dir, METRICS_FILE)
+    previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= initial_epoch]
     if initial_epoch >= cfg.train.epochs:
         print(f"tfdp: all {cfg.train.epochs} epochs already trained in {model_dir}", flush=True)
     elif initial_epoch:
-        print(f"tfdp: resuming at epoch {initial_epoch + 1} of {cfg.train.epochs} from {store.root}", flush=True)
+        print(f"tfdp: resuming at epoch {initial_epoch + 1} of {cfg.train.epochs} from {model_dir}", flush=True)
 
-    if initial_epoch < cfg.train.epochs:
-        train_ds, val_ds = distributed_datasets(cfg, source, runtime, plan)
-        callbacks = [
-            EpochStats(plan.global_batch, plan.steps_per_epoch),
-            MetricsLog(metrics_path, initial_epoch),
-            Checkpointer(store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None),
-        ]
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*ran out of data.*")
-            model.fit(train_ds, validation_data=val_ds, epochs=cfg.train.epochs, initial_epoch=initial_epoch,
-                      steps_per_epoch=plan.steps_per_epoch, callbacks=callbacks, shuffle=False,
-                      verbose=1 if sys.stdout.isatty() else 2)
-    summary = summarize(read_metrics(metrics_path), runtime, plan)
+    with output_dir(runtime, model_dir) as out:
+        save_config(cfg, out)
+        store = CheckpointStore(out)
+        store.remove_partial()
+        metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
+        if initial_epoch < cfg.train.epochs:
+            train_ds, val_ds = distributed_datasets(cfg, source, runtime, plan)
+            callbacks = [
+                EpochStats(plan.global_batch, plan.steps_per_epoch),
+                metrics_log,
+                Checkpointer(store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None),
+            ]
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*ran out of data.*")
+                model.fit(train_ds, validation_data=val_ds, epochs=cfg.train.epochs, initial_epoch=initial_epoch,
+                          steps_per_epoch=plan.steps_per_epoch, callbacks=callbacks, shuffle=False,
+                          verbose=1 if sys.stdout.isatty() else 2)
+    summary = summarize(metrics_log.rows, runtime, plan)
+    summary["fingerprint"] = weights_fingerprint(model)
+    print(f"tfdp: worker {runtime.worker_index} of {runtime.num_workers}: weights fingerprint {summary['fingerprint']}",
+          flush=True)
     print(format_summary(summary), flush=True)
     return summary
+
+
+@contextlib.contextmanager
+def output_dir(runtime: Runtime, model_dir: str):
+    """model_dir on the chief; a temporary directory, removed afterwards, on every other worker.
+
+    All workers run the same callbacks (saving may involve collectives), but
+    only the chief's files are kept: the documented multi-worker pattern.
+    """
+    if runtime.is_chief:
+        os.makedirs(model_dir, exist_ok=True)
+        yield model_dir
+        return
+    tmp = tempfile.mkdtemp(prefix=f"tfdp-worker{runtime.worker_index}-")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def weights_fingerprint(model: keras.Model) -> str:
+    """A short hash of every weight: equal on all workers of a healthy data-parallel run."""
+    digest = hashlib.sha256()
+    for w in model.weights:
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(w)).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def save_config(cfg: Config, model_dir: str) -> None:

@@ -1,0 +1,161 @@
+"""Real multi-process clusters on 127.0.0.1: `tfdp launch` and hand-made TF_CONFIGs."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import REPO, last_line, read_jsonl, run_tfdp
+from tfdp.cluster import free_ports
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(digits_dir, tmp_path_factory):
+    """64 training digits: with a global batch of 64 every step sees all of them, whatever the topology."""
+    root = tmp_path_factory.mktemp("tiny")
+    for split, per_class in (("train", None), ("val", 4)):
+        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
+            files = sorted(os.listdir(os.path.join(digits_dir, split, cls)))
+            keep = files[: (7 if cls < "4" else 6)] if split == "train" else files[:per_class]
+            os.makedirs(root / split / cls)
+            for f in keep:
+                shutil.copy(os.path.join(digits_dir, split, cls, f), root / split / cls / f)
+    assert sum(len(os.listdir(root / "train" / c)) for c in os.listdir(root / "train")) == 64
+    return str(root)
+
+
+def deterministic(data_dir):
+    """No augmentation randomness, no warmup: every replica layout computes the same mean gradient."""
+    return [f"--data_dir={data_dir}", "--data_format=image_folder", "--set=data.min_crop_area=1.0",
+            "--set=data.hflip=false", "--set=data.eval_crop_fraction=1.0", "--set=schedule.name=constant",
+            "--set=schedule.warmup_epochs=0", "--set=train.label_smoothing=0.0", "--set=optimizer.lr=0.4",
+            "--set=optimizer.weight_decay=0.0", "--epochs=4"]
+
+
+def layer_weights(path):
+    out = {}
+    with h5py.File(path) as f:
+        f["layers"].visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
+    launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
+                        f"--model_dir={tmp_path}/mw", "--batch_size_per_replica=32", *deterministic(tiny_dir),
+                        timeout=600)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
+    prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", launched.stdout))
+    assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
+    assert "on 2 replica(s), global batch 64" in launched.stdout
+    for i in (0, 1):
+        assert "tfdp: done: 4 epochs" in (tmp_path / "logs" / f"worker-{i}.log").read_text()
+
+    single = run_tfdp("train", *FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
+                      "--batch_size_per_replica=32", *deterministic(tiny_dir), timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    assert ours.keys() == reference.keys() and len(ours) >= 8
+    for name in ours:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    # Only the chief wrote into model_dir; the other worker's temporary output is gone.
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "mw" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert not [p for p in os.listdir("/tmp") if p.startswith("tfdp-worker1-")]
+
+
+def test_killed_worker_then_same_command_resumes(tmp_path, digits_dir):
+    common = [*FAST, "--set=data.image_size=32", "--batch_size_per_replica=32", f"--data_dir={digits_dir}",
+              "--epochs=4"]
+    clean = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/l0", "--", "train", *common,
+                     f"--model_dir={tmp_path}/clean", timeout=600)
+    assert clean.returncode == 0, clean.stdout[-3000:]
+
+    model_dir = tmp_path / "killed"
+    args = [sys.executable, "-m", "tfdp", "launch", "--workers=2", f"--launch_logs={tmp_path}/l1", "--", "train",
+            *common, f"--model_dir={model_dir}"]
+    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = {}
+    while len(pids) < 2:
+        line = launcher.stdout.readline()
+        assert line, "launcher ended before starting its workers"
+        if m := re.match(r"tfdp: launch: worker (\d) pid (\d+)", line):
+            pids[int(m.group(1))] = int(m.group(2))
+    epoch1 = model_dir / "checkpoints" / "epoch-0001"
+    deadline = time.time() + 300
+    while not epoch1.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(pids[0], signal.SIGKILL)  # the chief, during epoch 2
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert "tfdp: error: worker 0 exited with status -9; stopped the other workers" in err
+    for pid in pids.values():  # nothing left running
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    done = {int(p[-4:]) for p in os.listdir(model_dir / "checkpoints") if p.startswith("epoch-")}
+    assert max(done) < 4
+
+    again = run_tfdp(*args[3:], timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert f"tfdp: resuming at epoch {max(done) + 1} of 4" in again.stdout
+    rows = read_jsonl(model_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4]
+    reference = read_jsonl(tmp_path / "clean" / "metrics.jsonl")[-1]["val_top1"]
+    assert abs(rows[-1]["val_top1"] - reference) <= 0.03
+
+
+def worker(tf_config, *extra, timeout=120):
+    env = {**os.environ, "TF_CONFIG": tf_config if isinstance(tf_config, str) else json.dumps(tf_config)}
+    start = time.time()
+    result = subprocess.run([sys.executable, "-m", "tfdp", "train", *FAST, "--strategy=multi_worker",
+                             "--model_dir=/tmp/tfdp-never-written", *extra],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return result, time.time() - start
+
+
+def two_workers(ports, index=0):
+    return {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
+
+
+@pytest.mark.parametrize("tf_config, message", [
+    ('{"cluster": {"worker": ["127.0.0.1:1"]}', "TF_CONFIG is not valid JSON: Expecting ',' delimiter at character 39"),
+    (two_workers([2001, 2002], index=5), "TF_CONFIG task index 5 is out of range: the cluster has 2 'worker' task(s)"),
+    ({"cluster": {"worker": ["127.0.0.1:2001"]}, "task": {"type": "chief", "index": 0}},
+     "TF_CONFIG task type 'chief' is not in the cluster (it has: worker)"),
+    (two_workers([2001, 2001]), "TF_CONFIG lists 127.0.0.1:2001 twice (worker 0 and worker 1)"),
+])
+def test_bad_cluster_spec_is_one_line_and_fast(tf_config, message):
+    result, seconds = worker(tf_config)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert last_line(result.stderr) == f"tfdp: error: {message}"
+    assert seconds < 60
+
+
+def test_port_in_use():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result, _ = worker(two_workers([port, free_ports(1)[0]]))
+    assert result.returncode == 2
+    assert last_line(result.stderr) == f"tfdp: error: port {port} of worker 0 (127.0.0.1:{port}) is already in use"
+
+
+def test_worker_that_never_comes_up_is_named_within_the_timeout():
+    ports = free_ports(2)
+    result, seconds = worker(two_workers(ports), "--set=distribute.startup_timeout=8")
+    assert result.returncode == -9  # killed by its watchdog: TensorFlow's wait cannot be interrupted
+    assert last_line(result.stderr) == (f"tfdp: error: cluster did not come up within 8 s; "
+                                        f"not reachable: worker 1 (127.0.0.1:{ports[1]})")
+    assert seconds < 60

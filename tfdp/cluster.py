@@ -1,0 +1,155 @@
+"""The cluster a multi-worker run belongs to, from TF_CONFIG or Slurm.
+
+TF_CONFIG is the standard JSON that Kubernetes operators, Docker Compose files
+and custom schedulers hand each process:
+  {"cluster": {"chief": ["host:port"], "worker": ["host:port", ...]},
+   "task": {"type": "worker", "index": 0}}
+It is checked here, before TensorFlow sees it, because TensorFlow's own errors
+for a bad spec are a hang or a stack trace. Pure Python: no TensorFlow import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+
+from tfdp.errors import UserError
+
+TASK_TYPES = ("chief", "worker")  # in global rank order: the chief, if any, is rank 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    tasks: dict[str, tuple[str, ...]]   # task type → addresses
+    task_type: str
+    task_index: int
+
+    @property
+    def members(self) -> list[tuple[str, int, str]]:
+        """(type, index, address) of every task, in rank order."""
+        return [(t, i, a) for t in TASK_TYPES for i, a in enumerate(self.tasks.get(t, ()))]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.members)
+
+    @property
+    def rank(self) -> int:
+        return [(t, i) for t, i, _ in self.members].index((self.task_type, self.task_index))
+
+    @property
+    def address(self) -> str:
+        return self.tasks[self.task_type][self.task_index]
+
+    def describe(self, task_type: str, index: int) -> str:
+        return f"{task_type} {index} ({self.tasks[task_type][index]})"
+
+
+def parse_tf_config(text: str) -> Cluster:
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"TF_CONFIG is not valid JSON: {e.msg} at character {e.pos}") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("cluster"), dict) or not isinstance(spec.get("task"), dict):
+        raise UserError('TF_CONFIG must be an object with "cluster" and "task" objects')
+    tasks: dict[str, tuple[str, ...]] = {}
+    for task_type, addresses in spec["cluster"].items():
+        if task_type not in TASK_TYPES:
+            raise UserError(f"TF_CONFIG cluster has task type '{task_type}'; multi-worker training "
+                            f"uses only {' and '.join(TASK_TYPES)}")
+        if not isinstance(addresses, list) or not addresses or not all(isinstance(a, str) for a in addresses):
+            raise UserError(f"TF_CONFIG cluster.{task_type} must be a non-empty list of \"host:port\" strings")
+        tasks[task_type] = tuple(addresses)
+    if not tasks:
+        raise UserError("TF_CONFIG cluster lists no workers")
+    if len(tasks.get("chief", ())) > 1:
+        raise UserError(f"TF_CONFIG cluster has {len(tasks['chief'])} chiefs; at most one is allowed")
+    task_type, index = spec["task"].get("type"), spec["task"].get("index", 0)
+    if task_type not in tasks:
+        raise UserError(f"TF_CONFIG task type '{task_type}' is not in the cluster (it has: {', '.join(tasks)})")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tasks[task_type]):
+        raise UserError(f"TF_CONFIG task index {index!r} is out of range: the cluster has "
+                        f"{len(tasks[task_type])} '{task_type}' task(s)")
+    cluster = Cluster(tasks, task_type, index)
+    _check_addresses(cluster)
+    return cluster
+
+
+def _check_addresses(cluster: Cluster) -> None:
+    seen: dict[str, str] = {}
+    for task_type, index, address in cluster.members:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"TF_CONFIG address '{address}' of {task_type} {index} is not host:port")
+        if address in seen:
+            raise UserError(f"TF_CONFIG lists {address} twice ({seen[address]} and {task_type} {index})")
+        seen[address] = f"{task_type} {index}"
+
+
+def from_environment() -> Cluster:
+    """The cluster from TF_CONFIG, else from a Slurm job step, else a clear error."""
+    if os.environ.get("TF_CONFIG"):
+        return parse_tf_config(os.environ["TF_CONFIG"])
+    if "SLURM_PROCID" in os.environ and "SLURM_STEP_NODELIST" in os.environ:
+        return from_slurm()
+    raise UserError("distribute.strategy multi_worker needs TF_CONFIG (or a Slurm job step); "
+                    "use `tfdp launch --workers=N -- train ...` to start a local cluster")
+
+
+def from_slurm(port_base: int = 8888) -> Cluster:
+    """One worker per Slurm task, through TensorFlow's SlurmClusterResolver (hostlist expansion, ports)."""
+    from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import SlurmClusterResolver
+    try:
+        # GPU counts only matter to the resolver's CUDA_VISIBLE_DEVICES step, which is off; each
+        # worker's MirroredStrategy finds its GPUs itself. Non-zero values avoid its range(step=0).
+        resolver = SlurmClusterResolver(jobs={"worker": int(os.environ.get("SLURM_NTASKS", "1"))},
+                                        port_base=port_base, auto_set_gpu=False,
+                                        gpus_per_node=1 << 10, gpus_per_task=1)
+        spec = resolver.cluster_spec().as_dict()
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UserError(f"cannot read the Slurm allocation: {e}") from None
+    return Cluster({"worker": tuple(spec["worker"])}, "worker", resolver.task_id)
+
+
+def to_tf_config(cluster: Cluster) -> str:
+    return json.dumps({"cluster": {t: list(a) for t, a in cluster.tasks.items()},
+                       "task": {"type": cluster.task_type, "index": cluster.task_index}})
+
+
+def check_port_free(cluster: Cluster) -> None:
+    """Fails fast when this task's own port is taken, instead of a gRPC error deep in TF."""
+    port = int(cluster.address.rpartition(":")[2])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise UserError(f"port {port} of {cluster.describe(cluster.task_type, cluster.task_index)} "
+                            "is already in use") from None
+
+
+def unreachable(cluster: Cluster, timeout: float = 1.0) -> list[str]:
+    """Members that accept no TCP connection: the ones that never came up."""
+    missing = []
+    for task_type, index, address in cluster.members:
+        if (task_type, index) == (cluster.task_type, cluster.task_index):
+            continue
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except OSError:
+            missing.append(cluster.describe(task_type, index))
+    return missing
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (held open together, so they differ)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
