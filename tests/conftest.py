@@ -27,10 +27,12 @@ def digits_dir(tmp_path_factory) -> str:
     return out
 
 
-def run_tfdp(*args: str, timeout: float = 300, cwd: str = REPO) -> subprocess.CompletedProcess:
+def run_tfdp(*args: str, timeout: float = 300, cwd: str = REPO, env_extra: dict | None = None
+             ) -> subprocess.CompletedProcess:
     """Runs the real command line, as a user would, in a fresh process."""
+    env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "tfdp", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+                          timeout=timeout, cwd=cwd, env=env)
 
 
 def last_line(text: str) -> str:

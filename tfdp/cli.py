@@ -8,6 +8,7 @@ becomes one line on stderr with exit status 2.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -28,6 +29,10 @@ flags.DEFINE_string("data_dir", None, "Override data.dir.")
 flags.DEFINE_string("data_format", None, "Override data.format (a registry name, see tfdp/data).")
 flags.DEFINE_integer("workers", 2, "launch: number of worker processes to start on this host.")
 flags.DEFINE_string("launch_logs", "tfdp-logs", "launch: directory for one log file per worker.")
+flags.DEFINE_integer("max_replicas", 2, "benchmark: measure 1..max_replicas replicas.")
+flags.DEFINE_integer("steps", 20, "benchmark: timed training steps per measurement.")
+flags.DEFINE_integer("warmup_steps", 5, "benchmark: untimed steps first (tracing, autotuning).")
+flags.DEFINE_string("benchmark_dir", None, "benchmark: output directory (default: model_dir/benchmark).")
 flags.DEFINE_string("checkpoint", None, "evaluate: weights file to load (default: the best checkpoint in model_dir).")
 
 # Dedicated flag → the config field it overrides.
@@ -78,6 +83,25 @@ def cmd_evaluate(args: list[str]) -> None:
     evaluate(cfg, runtime, FLAGS.checkpoint)
 
 
+def cmd_report(args: list[str]) -> None:
+    if len(args) != 1:
+        raise UserError("usage: tfdp report MODEL_DIR")
+    from tfdp.report import report
+    path = report(args[0])
+    print(f"tfdp: report: {path}")
+    print(open(path, encoding="utf-8").read())
+
+
+def cmd_benchmark(args: list[str]) -> None:
+    _no_positional(args)
+    from tfdp.benchmark import benchmark, format_table
+    cfg = resolved_config()
+    out = FLAGS.benchmark_dir or os.path.join(os.path.expanduser(cfg.model_dir), "benchmark")
+    result = benchmark(cfg, FLAGS.max_replicas, FLAGS.steps, FLAGS.warmup_steps, out)
+    print(format_table(result))
+    print(f"tfdp: benchmark: wrote {out}/benchmark.json and {out}/scaling.png")
+
+
 def cmd_launch(args: list[str]) -> None:
     from tfdp.launch import launch
     sys.exit(launch(FLAGS.workers, args, FLAGS.launch_logs))
@@ -87,6 +111,8 @@ COMMANDS = {
     "train": cmd_train,
     "evaluate": cmd_evaluate,
     "launch": cmd_launch,
+    "report": cmd_report,
+    "benchmark": cmd_benchmark,
 }
 
 
@@ -115,6 +141,8 @@ USAGE = """tfdp COMMAND [--flags]
 Commands:
   train      train (or resume) the run in model_dir
   evaluate   top-1/top-5 of a checkpoint on the validation split
+  report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR
+  benchmark  scaling analysis over 1..N replicas: images/s, efficiency, input- or compute-bound
   launch     start an N-worker cluster on this host: tfdp launch --workers=2 -- train --config=...
 
 Example:

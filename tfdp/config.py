@@ -109,6 +109,18 @@ class DistributeConfig:
 
 
 @dataclasses.dataclass
+class LogConfig:
+    """What the chief records besides metrics.jsonl (see tfdp/callbacks.py)."""
+    __pydantic_config__ = _FORBID
+    tensorboard: Bool = True
+    # Profile training steps [first, last] (1-based, first epoch) into the TensorBoard logs; [0, 0] = off.
+    profile_steps: tuple[NonNegInt, NonNegInt] = (0, 0)
+    # Weights & Biases project; empty = off. `wandb_mode: offline` logs without a network.
+    wandb_project: Str = ""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+
+
+@dataclasses.dataclass
 class Config:
     __pydantic_config__ = _FORBID
     model_dir: Str = "runs/default"
@@ -118,6 +130,7 @@ class Config:
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     distribute: DistributeConfig = dataclasses.field(default_factory=DistributeConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
 
 _ADAPTER = pydantic.TypeAdapter(Config)
@@ -208,6 +221,9 @@ def _check_cross_field(cfg: Config) -> None:
         raise UserError("data.mean and data.std must each have 3 values (R, G, B)")
     if cfg.schedule.name == "step" and list(cfg.schedule.decay_epochs) != sorted(cfg.schedule.decay_epochs):
         raise UserError("schedule.decay_epochs must be in increasing order")
+    first, last = cfg.log.profile_steps
+    if (first or last) and not 0 < first <= last:
+        raise UserError("log.profile_steps must be [first, last] with 0 < first <= last, or [0, 0] for off")
     if cfg.schedule.warmup_epochs >= cfg.train.epochs:
         raise UserError("schedule.warmup_epochs must be smaller than train.epochs")
 

@@ -112,6 +112,16 @@ STRATEGIES: dict[str, Callable[[DistributeConfig], Runtime]] = {
 }
 
 
+def local_replicas(n: int) -> DistributeConfig:
+    """A mirrored config with exactly n local replicas: the first n GPUs, or n logical CPUs."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if n > len(gpus):
+            raise UserError(f"asked for {n} replicas but this host has {len(gpus)} GPU(s)")
+        tf.config.set_visible_devices(gpus[:n], "GPU")
+    return DistributeConfig(strategy="mirrored", cpu_replicas=n)
+
+
 def make_runtime(cfg: DistributeConfig) -> Runtime:
     runtime = STRATEGIES[cfg.strategy](cfg)
     logging.info("strategy %s: %d replica(s) on %s, %d worker(s)", runtime.kind, runtime.num_replicas,

@@ -21,7 +21,7 @@ from absl import logging
 
 from tfdp import compat
 from tfdp import config as config_lib
-from tfdp.callbacks import Checkpointer, EpochStats, MetricsLog, read_metrics
+from tfdp.callbacks import Checkpointer, EpochStats, MetricsLog, WandbLog, read_metrics, tensorboard
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config
 from tfdp.data import Source, build_source
@@ -116,6 +116,7 @@ def train(cfg: Config, runtime: Runtime) -> dict:
                 EpochStats(plan.global_batch, plan.steps_per_epoch),
                 metrics_log,
                 Checkpointer(store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None),
+                *loggers(cfg, out, runtime, initial_epoch),
             ]
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*ran out of data.*")
@@ -128,6 +129,16 @@ def train(cfg: Config, runtime: Runtime) -> dict:
           flush=True)
     print(format_summary(summary), flush=True)
     return summary
+
+
+def loggers(cfg: Config, out: str, runtime: Runtime, initial_epoch: int) -> list[keras.callbacks.Callback]:
+    """TensorBoard (into `out`, so only the chief's survives) and, on the chief, Weights & Biases."""
+    found = []
+    if cfg.log.tensorboard:
+        found.append(tensorboard(os.path.join(out, "tensorboard"), cfg.log.profile_steps))
+    if cfg.log.wandb_project and runtime.is_chief:
+        found.append(WandbLog(cfg.log.wandb_project, cfg.log.wandb_mode, out, config_lib.to_dict(cfg), initial_epoch))
+    return found
 
 
 @contextlib.contextmanager

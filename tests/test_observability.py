@@ -1,0 +1,120 @@
+"""TensorBoard event files, the metrics log, `tfdp report`, `tfdp benchmark`, Weights & Biases offline."""
+
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import read_jsonl, run_tfdp
+from tfdp.benchmark import verdict
+
+FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16"]
+
+
+def scalar_steps(event_dir):
+    import tensorflow as tf
+    tags = {}
+    for path in glob.glob(os.path.join(event_dir, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append(event.step)
+    return tags
+
+
+@pytest.fixture(scope="module")
+def finished_run(digits_dir, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("obs") / "run"
+    wandb_dir = model_dir.parent / "wandb-home"
+    result = run_tfdp("train", *FAST, f"--model_dir={model_dir}", f"--data_dir={digits_dir}", "--epochs=3",
+                      "--set=log.profile_steps=[2, 3]", "--set=log.wandb_project=tfdp-test",
+                      "--set=log.wandb_mode=offline", timeout=600,
+                      env_extra={"WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return model_dir, result
+
+
+def test_tensorboard_scalars_have_one_point_per_epoch(finished_run):
+    model_dir, _ = finished_run
+    train = scalar_steps(model_dir / "tensorboard" / "train")
+    for tag in ("epoch_loss", "epoch_top1", "epoch_top5", "epoch_lr", "epoch_images_per_sec", "epoch_seconds"):
+        assert sorted(train[tag]) == [0, 1, 2], tag
+    val = scalar_steps(model_dir / "tensorboard" / "validation")
+    for tag in ("epoch_loss", "epoch_top1", "epoch_top5"):
+        assert sorted(val[tag]) == [0, 1, 2], tag
+
+
+def test_profiler_trace_is_written_for_the_configured_steps(finished_run):
+    model_dir, _ = finished_run
+    assert glob.glob(str(model_dir / "tensorboard" / "train" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+
+
+def test_metrics_file_has_one_row_per_epoch_with_throughput(finished_run):
+    model_dir, _ = finished_run
+    rows = read_jsonl(model_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["images_per_sec"] > 0 and r["seconds"] > 0 and 0 <= r["val_top1"] <= 1
+    lrs = [r["lr"] for r in rows]
+    assert lrs[0] > lrs[1] > lrs[2] >= 0  # cosine decay, recorded at each epoch end
+
+
+def test_wandb_offline_run_holds_the_epochs(finished_run):
+    model_dir, _ = finished_run
+    runs = glob.glob(str(model_dir / "wandb" / "offline-run-*"))
+    assert len(runs) == 1
+    assert glob.glob(os.path.join(runs[0], "*.wandb"))
+
+
+def test_report_draws_curves_and_summarises_the_metrics(finished_run):
+    model_dir, _ = finished_run
+    result = run_tfdp("report", str(model_dir), timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = read_jsonl(model_dir / "metrics.jsonl")
+    summary = (model_dir / "report" / "report.md").read_text()
+    best = max(rows, key=lambda r: r["val_top1"])
+    assert f"| final validation top-1 | {100 * rows[-1]['val_top1']:.2f}% |" in summary
+    assert f"| final validation top-5 | {100 * rows[-1]['val_top5']:.2f}% |" in summary
+    assert f"{100 * best['val_top1']:.2f}% (epoch {best['epoch']})" in summary
+    mean_rate = np.mean([r["images_per_sec"] for r in rows[1:]])
+    assert f"| throughput | {mean_rate:.1f} images/s" in summary
+    for name in ("loss", "accuracy", "lr", "throughput"):
+        pixels = np.asarray(Image.open(model_dir / "report" / f"{name}.png").convert("RGB")).astype(int)
+        # matplotlib's first colours (blue, orange) are drawn: curves, not just axes.
+        coloured = (np.abs(pixels[..., 0] - pixels[..., 2]) > 80).sum()
+        assert coloured > 200, name
+
+
+def test_report_on_a_directory_without_metrics(tmp_path):
+    result = run_tfdp("report", str(tmp_path), timeout=60)
+    assert result.returncode == 2 and f"no metrics.jsonl in {tmp_path}" in result.stderr
+
+
+@pytest.mark.parametrize("input_rate, compute_rate, expected", [
+    (100.0, 500.0, "input-bound"), (900.0, 500.0, "compute-bound"), (500.0, 500.0, "compute-bound")])
+def test_verdict_follows_from_the_two_rates(input_rate, compute_rate, expected):
+    name, reason = verdict(input_rate, compute_rate)
+    assert name == expected and f"{input_rate:.0f} images/s" in reason
+
+
+@pytest.mark.slow
+def test_benchmark_measures_one_and_two_replicas(tmp_path, digits_dir):
+    out = tmp_path / "bench"
+    result = run_tfdp("benchmark", *FAST, f"--data_dir={digits_dir}", "--max_replicas=2", "--steps=5",
+                      "--warmup_steps=2", f"--benchmark_dir={out}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((out / "benchmark.json").read_text())
+    assert set(data) >= {"model", "image_size", "batch_size_per_replica", "rows", "input_pipeline_images_per_sec",
+                         "verdict", "verdict_reason"}
+    assert [r["replicas"] for r in data["rows"]] == [1, 2]
+    assert [r["global_batch"] for r in data["rows"]] == [32, 64]
+    one, two = data["rows"]
+    assert one["scaling_efficiency"] == pytest.approx(1.0)
+    assert two["per_replica_images_per_sec"] == pytest.approx(two["synthetic_images_per_sec"] / 2)
+    assert two["scaling_efficiency"] == pytest.approx(two["synthetic_images_per_sec"] / (2 * one["synthetic_images_per_sec"]))
+    assert all(r["real_data_images_per_sec"] > 0 for r in data["rows"])
+    assert data["verdict"] == verdict(data["input_pipeline_images_per_sec"], two["synthetic_images_per_sec"])[0]
+    assert Image.open(out / "scaling.png").size[0] > 100
+    assert "verdict: " in result.stdout
