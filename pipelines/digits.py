@@ -60,7 +60,12 @@ def write_digits(out_dir: str, progress: bool = True) -> dict[str, int]:
                 to_rgb_image(digits.images[i]).save(path, format="JPEG", quality=95)
                 bar.update(1)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    os.rename(tmp_dir, out_dir)
+    try:
+        os.rename(tmp_dir, out_dir)
+    except OSError:
+        if not os.path.isdir(out_dir):
+            raise
+        shutil.rmtree(tmp_dir)  # another process (a second worker) finished the same tree first
     return {split: len(v) for split, v in splits.items()}
 
 

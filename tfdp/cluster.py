@@ -89,13 +89,49 @@ def _check_addresses(cluster: Cluster) -> None:
 
 
 def from_environment() -> Cluster:
-    """The cluster from TF_CONFIG, else from a Slurm job step, else a clear error."""
+    """The cluster from TF_CONFIG, else TFDP_WORKERS (Kubernetes), else a Slurm job step."""
     if os.environ.get("TF_CONFIG"):
         return parse_tf_config(os.environ["TF_CONFIG"])
+    if os.environ.get("TFDP_WORKERS"):
+        return from_worker_list(os.environ["TFDP_WORKERS"], os.environ.get("TFDP_WORKER_INDEX",
+                                                                           os.environ.get("JOB_COMPLETION_INDEX")))
     if "SLURM_PROCID" in os.environ and "SLURM_STEP_NODELIST" in os.environ:
         return from_slurm()
-    raise UserError("distribute.strategy multi_worker needs TF_CONFIG (or a Slurm job step); "
+    raise UserError("distribute.strategy multi_worker needs TF_CONFIG (or TFDP_WORKERS, or a Slurm job step); "
                     "use `tfdp launch --workers=N -- train ...` to start a local cluster")
+
+
+def from_worker_list(workers: str, index: str | None) -> Cluster:
+    """`TFDP_WORKERS=host0:2222,host1:2222` plus this worker's index.
+
+    The index comes from TFDP_WORKER_INDEX or, in a Kubernetes Indexed Job,
+    from JOB_COMPLETION_INDEX, so one pod template serves every worker.
+    """
+    if index is None or not index.strip().isdigit():
+        raise UserError(f"TFDP_WORKERS is set but this worker's index is missing or not a number: {index!r} "
+                        "(set TFDP_WORKER_INDEX, or run as a Kubernetes Indexed Job)")
+    addresses = [a.strip() for a in workers.split(",") if a.strip()]
+    return parse_tf_config(json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": int(index)}}))
+
+
+def check_consistent(tf_configs: dict[str, str]) -> None:
+    """Checks that the TF_CONFIGs handed to each member (name → JSON) describe one cluster.
+
+    Same task lists everywhere, and every task of the cluster claimed by exactly one member.
+    """
+    clusters = {name: parse_tf_config(text) for name, text in tf_configs.items()}
+    first_name, first = next(iter(clusters.items()))
+    claimed: dict[tuple[str, int], str] = {}
+    for name, c in clusters.items():
+        if c.tasks != first.tasks:
+            raise UserError(f"{name}'s TF_CONFIG lists a different cluster than {first_name}'s")
+        task = (c.task_type, c.task_index)
+        if task in claimed:
+            raise UserError(f"{name} and {claimed[task]} both claim {c.task_type} {c.task_index}")
+        claimed[task] = name
+    unclaimed = [f"{t} {i}" for t, i, _ in first.members if (t, i) not in claimed]
+    if unclaimed:
+        raise UserError(f"no member runs {', '.join(unclaimed)}")
 
 
 def from_slurm(port_base: int = 8888) -> Cluster:
