@@ -61,19 +61,39 @@ def test_train_pipeline_ships_uint8_batches_of_the_per_replica_size(digits_dir):
 def test_eval_pipeline_reads_every_example_exactly_once(digits_dir):
     cfg = DataConfig(format="image_folder", dir=digits_dir)
     split = build_source(cfg).split("val")
-    labels = np.concatenate([lab.numpy() for _, lab in eval_dataset(split, cfg, global_batch=64)])
-    assert len(labels) == 360  # 5 full batches and a partial one: nothing dropped
-    assert collections.Counter(labels) == collections.Counter(split.labels)
+    batches = list(eval_dataset(split, cfg, global_batch=64))
+    assert all(int(w.shape[0]) == 64 for _, _, w in batches)  # always full: 360 real + 24 weight-0 pads
+    labels = np.concatenate([lab.numpy() for _, lab, _ in batches])
+    weights = np.concatenate([w.numpy() for _, _, w in batches])
+    assert len(labels) == 384 and weights.sum() == 360 and set(weights) == {0.0, 1.0}
+    assert collections.Counter(labels[weights == 1]) == collections.Counter(split.labels)
+    assert not weights[:360].min() == 0  # the pads come last
 
 
 def test_workers_read_disjoint_files(digits_dir):
     cfg = DataConfig(format="image_folder", dir=digits_dir)
     split = build_source(cfg).split("val")
-    seen = []
+    seen, steps, files = [], [], []
     for worker in range(2):
         ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=worker, num_replicas_in_sync=2)
-        seen.append(sum(int(lab.shape[0]) for _, lab in eval_dataset(split, cfg, 32, ctx)))
-    assert seen == [180, 180]
+        batches = list(eval_dataset(split, cfg, 32, ctx))
+        seen.append(int(sum(w.numpy().sum() for _, _, w in batches)))
+        steps.append(len(batches))
+    assert seen == [180, 180]  # disjoint halves, every image once
+    assert steps[0] == steps[1]  # same number of steps, or a collective would wait forever
+
+
+def test_uneven_worker_shares_still_take_equal_steps(digits_dir):
+    cfg = DataConfig(format="image_folder", dir=digits_dir)
+    split = build_source(cfg).split("val")
+    split = type(split)(split.name, split.files[:37], split.labels[:37])
+    counts, steps = [], []
+    for worker in range(3):
+        ctx = tf.distribute.InputContext(num_input_pipelines=3, input_pipeline_id=worker, num_replicas_in_sync=3)
+        batches = list(eval_dataset(split, cfg, 12, ctx))
+        counts.append(int(sum(w.numpy().sum() for _, _, w in batches)))
+        steps.append(len(batches))
+    assert counts == [13, 12, 12] and len(set(steps)) == 1
 
 
 def test_png_images_are_read_too(tmp_path, digits_dir):
@@ -84,7 +104,7 @@ def test_png_images_are_read_too(tmp_path, digits_dir):
             d.mkdir(parents=True)
             Image.new("RGB", (40, 30), (200, 10, 10)).save(d / "x.png")
     cfg = DataConfig(format="image_folder", dir=str(tmp_path), image_size=16)
-    images, _ = next(iter(eval_dataset(build_source(cfg).split("val"), cfg, 2)))
+    images, _, _ = next(iter(eval_dataset(build_source(cfg).split("val"), cfg, 2)))
     assert tuple(images.shape) == (2, 16, 16, 3) and int(images[0, 8, 8, 0]) == 200
 
 

@@ -38,3 +38,22 @@ def test_step_decay_at_boundaries():
 def test_constant_with_warmup():
     s = build_schedule(ScheduleConfig(name="constant", warmup_epochs=1), 0.1, 256, 4, 3)
     assert [round(lr_at(s, i), 6) for i in range(6)] == [0.025, 0.05, 0.075, 0.1, 0.1, 0.1]
+
+
+def test_exponential_decays_once_per_epoch_after_warmup():
+    s = build_schedule(ScheduleConfig(name="exponential", decay_rate=0.5, warmup_epochs=1), 0.1, 256, 10, 5)
+    assert lr_at(s, 10) == pytest.approx(0.1)
+    assert lr_at(s, 19) == pytest.approx(0.1)
+    assert lr_at(s, 20) == pytest.approx(0.05)
+    assert lr_at(s, 35) == pytest.approx(0.025)
+
+
+def test_one_cycle_rises_peaks_and_anneals_like_torch_one_cycle():
+    cfg = ScheduleConfig(name="one_cycle", pct_start=0.25, div_factor=10.0, final_div_factor=100.0)
+    s = build_schedule(cfg, lr_per_256=0.4, global_batch=256, steps_per_epoch=10, epochs=4)  # 40 steps
+    assert lr_at(s, 0) == pytest.approx(0.04)           # peak / div_factor
+    assert lr_at(s, 5) == pytest.approx(0.22)           # halfway up
+    assert lr_at(s, 10) == pytest.approx(0.4)           # the peak at pct_start
+    assert lr_at(s, 40) == pytest.approx(0.4 / 1000)    # peak / (div * final_div)
+    rates = [lr_at(s, i) for i in range(41)]
+    assert max(rates) == pytest.approx(0.4) and rates.index(max(rates)) == 10

@@ -21,6 +21,8 @@ from typing import Any
 
 import keras
 
+from tfdp.errors import UserError
+
 KEEP_LATEST = 2
 _EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 
@@ -58,7 +60,13 @@ class CheckpointStore:
         """
         state = self.latest_state()
         if state is not None:
-            model.load_weights(os.path.join(self._epoch_dir(state["epoch"]), "model.weights.h5"))
+            path = os.path.join(self._epoch_dir(state["epoch"]), "model.weights.h5")
+            try:
+                model.load_weights(path)
+            except (ValueError, KeyError) as e:
+                raise UserError(f"cannot resume from {path}: it does not fit model '{model.name}' "
+                                f"(changed architecture or class count? use a new model_dir): "
+                                f"{str(e).strip().splitlines()[0][:200]}") from None
         return state
 
     def save(self, model: keras.Model, state: dict[str, Any]) -> str:

@@ -33,7 +33,8 @@ flags.DEFINE_integer("max_replicas", 2, "benchmark: measure 1..max_replicas repl
 flags.DEFINE_integer("steps", 20, "benchmark: timed training steps per measurement.")
 flags.DEFINE_integer("warmup_steps", 5, "benchmark: untimed steps first (tracing, autotuning).")
 flags.DEFINE_string("benchmark_dir", None, "benchmark: output directory (default: model_dir/benchmark).")
-flags.DEFINE_string("checkpoint", None, "evaluate: weights file to load (default: the best checkpoint in model_dir).")
+flags.DEFINE_string("checkpoint", None, "evaluate/export: weights file to load (default: the best checkpoint in model_dir).")
+flags.DEFINE_string("export_dir", None, "export: output directory (default: model_dir/export).")
 
 # Dedicated flag → the config field it overrides.
 FLAG_FIELDS = {
@@ -83,6 +84,12 @@ def cmd_evaluate(args: list[str]) -> None:
     evaluate(cfg, runtime, FLAGS.checkpoint)
 
 
+def cmd_export(args: list[str]) -> None:
+    cfg, runtime = config_and_runtime(args)
+    from tfdp.evaluate import export_checkpoint
+    export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir)
+
+
 def cmd_report(args: list[str]) -> None:
     if len(args) != 1:
         raise UserError("usage: tfdp report MODEL_DIR")
@@ -111,6 +118,7 @@ COMMANDS = {
     "train": cmd_train,
     "evaluate": cmd_evaluate,
     "launch": cmd_launch,
+    "export": cmd_export,
     "report": cmd_report,
     "benchmark": cmd_benchmark,
 }
@@ -141,6 +149,7 @@ USAGE = """tfdp COMMAND [--flags]
 Commands:
   train      train (or resume) the run in model_dir
   evaluate   top-1/top-5 of a checkpoint on the validation split
+  export     a serving model (model.keras and SavedModel) that takes encoded JPEG/PNG bytes
   report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR
   benchmark  scaling analysis over 1..N replicas: images/s, efficiency, input- or compute-bound
   launch     start an N-worker cluster on this host: tfdp launch --workers=2 -- train --config=...

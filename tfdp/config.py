@@ -72,16 +72,24 @@ class OptimizerConfig:
     momentum: Fraction = 0.9
     nesterov: Bool = False
     weight_decay: NonNegFloat = 0.0
+    # Most ImageNet recipes decay only conv/dense kernels, not batch-norm scale/shift or biases.
+    decay_norm_and_bias: Bool = True
 
 
 @dataclasses.dataclass
 class ScheduleConfig:
     __pydantic_config__ = _FORBID
-    name: Literal["cosine", "step", "constant"] = "cosine"
+    name: Literal["cosine", "step", "exponential", "constant", "one_cycle"] = "cosine"
     warmup_epochs: NonNegFloat = 0.0
     # For `step`: epochs at which the rate is multiplied by `decay_rate`.
     decay_epochs: tuple[PosInt, ...] = (30, 60, 80)
+    # `step`: factor at each decay epoch; `exponential`: factor per epoch.
     decay_rate: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.1
+    # `one_cycle` (Smith & Topin 2019, as torch's OneCycleLR): rise from peak/div_factor over
+    # pct_start of the run, then cosine down to peak/(div_factor*final_div_factor).
+    pct_start: Annotated[float, Strict(), Field(gt=0, lt=1)] = 0.3
+    div_factor: Annotated[float, Strict(), Field(ge=1)] = 25.0
+    final_div_factor: Annotated[float, Strict(), Field(ge=1)] = 1e4
 
 
 @dataclasses.dataclass
@@ -93,6 +101,10 @@ class TrainConfig:
     seed: NonNegInt = 0
     # Keep the best checkpoint by this validation metric.
     best_metric: Literal["val_top1", "val_loss"] = "val_top1"
+    # Compute dtype policy; logits and loss stay float32, float16 gets dynamic loss scaling.
+    precision: Literal["float32", "mixed_bfloat16", "mixed_float16"] = "float32"
+    # Training steps per tf.function call (fewer host round trips for small models).
+    steps_per_execution: PosInt = 1
 
 
 @dataclasses.dataclass

@@ -48,6 +48,9 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
         if self.decay == "step":
             passed = sum(ops.cast(step >= b, "float32") for b in self.boundaries) if self.boundaries else 0.0
             return self.peak * ops.power(self.rate, passed)
+        if self.decay == "exponential":  # boundaries[0] holds the steps per epoch
+            epochs = ops.floor((step - self.warmup_steps) / self.boundaries[0])
+            return self.peak * ops.power(self.rate, ops.maximum(epochs, 0.0))
         return ops.convert_to_tensor(self.peak, "float32")
 
     def get_config(self):
@@ -55,13 +58,39 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
                     decay=self.decay, boundaries=self.boundaries, rate=self.rate)
 
 
+@keras.saving.register_keras_serializable(package="tfdp")
+class OneCycle(keras.optimizers.schedules.LearningRateSchedule):
+    """One-cycle ("super-convergence"): linear rise from peak/div to peak, cosine fall to peak/(div*final_div)."""
+
+    def __init__(self, peak: float, total_steps: int, pct_start: float = 0.3, div_factor: float = 25.0,
+                 final_div_factor: float = 1e4):
+        self.peak, self.total_steps = float(peak), int(total_steps)
+        self.pct_start, self.div_factor, self.final_div_factor = float(pct_start), float(div_factor), float(final_div_factor)
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32")
+        start, end = self.peak / self.div_factor, self.peak / (self.div_factor * self.final_div_factor)
+        rise = max(self.pct_start * self.total_steps, 1.0)
+        up = start + (self.peak - start) * ops.clip(step / rise, 0.0, 1.0)
+        progress = ops.clip((step - rise) / max(self.total_steps - rise, 1.0), 0.0, 1.0)
+        down = end + (self.peak - end) * 0.5 * (1.0 + ops.cos(math.pi * progress))
+        return ops.where(step < rise, up, down)
+
+    def get_config(self):
+        return dict(peak=self.peak, total_steps=self.total_steps, pct_start=self.pct_start,
+                    div_factor=self.div_factor, final_div_factor=self.final_div_factor)
+
+
 def build_schedule(cfg: ScheduleConfig, lr_per_256: float, global_batch: int, steps_per_epoch: int,
-                   epochs: int) -> WarmupDecay:
+                   epochs: int) -> keras.optimizers.schedules.LearningRateSchedule:
+    if cfg.name == "one_cycle":
+        return OneCycle(peak_lr(lr_per_256, global_batch), epochs * steps_per_epoch, cfg.pct_start,
+                        cfg.div_factor, cfg.final_div_factor)
     return WarmupDecay(
         peak=peak_lr(lr_per_256, global_batch),
         warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
         total_steps=epochs * steps_per_epoch,
         decay=cfg.name,
-        boundaries=tuple(e * steps_per_epoch for e in cfg.decay_epochs),
+        boundaries=(steps_per_epoch,) if cfg.name == "exponential" else tuple(e * steps_per_epoch for e in cfg.decay_epochs),
         rate=cfg.decay_rate,
     )

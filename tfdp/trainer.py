@@ -33,6 +33,8 @@ from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
 
 METRICS_FILE = "metrics.jsonl"
+# Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
+NO_DECAY = ("gamma", "beta", "bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,16 +61,22 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     """Builds and compiles the model; call inside `strategy.scope()` so variables are mirrored."""
+    compat.apply()  # every fit/evaluate goes through a model compiled here
+    keras.mixed_precision.set_global_policy(cfg.train.precision)
     model = build_model(cfg.model, cfg.data)
     schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs)
     optimizer = keras.optimizers.SGD(
         learning_rate=schedule, momentum=cfg.optimizer.momentum, nesterov=cfg.optimizer.nesterov,
         weight_decay=cfg.optimizer.weight_decay or None)
+    if cfg.optimizer.weight_decay and not cfg.optimizer.decay_norm_and_bias:
+        optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
     metrics = [keras.metrics.SparseCategoricalAccuracy(name="top1")]
     if plan.num_classes > 5:
         metrics.append(keras.metrics.SparseTopKCategoricalAccuracy(k=5, name="top5"))
+    # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer (dynamic loss scaling).
+    # Weighted metrics, so evaluation's weight-0 padding images are not counted.
     model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
-                  metrics=metrics, jit_compile=False)
+                  weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
     optimizer.build(model.trainable_variables)
     return model
@@ -87,7 +95,6 @@ def distributed_datasets(cfg: Config, source: Source, runtime: Runtime, plan: Pl
 def train(cfg: Config, runtime: Runtime) -> dict:
     """Trains (or resumes) the run described by `cfg`; returns the final summary."""
     check_model_name(cfg.model.name)
-    compat.apply()
     keras.utils.set_random_seed(cfg.train.seed)
     source = build_source(cfg.data)
     plan = make_plan(cfg, source, runtime)

@@ -39,15 +39,27 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
 
 def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
                  input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
-    """One pass over this pipeline's share of `split`, every example once, last batch partial."""
+    """One pass over this pipeline's share of `split` as (image, label, weight), every example once.
+
+    The share is padded with weight-0 images up to the same whole number of
+    full steps on every input pipeline, so no replica ever gets a partial or
+    empty batch (which TensorFlow's oneDNN kernels mishandle, and which would
+    leave multi-worker collectives waiting on a worker with fewer steps), and
+    metrics weighted by `weight` count each real image exactly once.
+    """
     ctx = input_context or tf.distribute.InputContext()
     batch = ctx.get_per_replica_batch_size(global_batch)
+    per_step = global_batch // ctx.num_input_pipelines
+    largest_share = -(-split.num_examples // ctx.num_input_pipelines)
+    padded = -(-largest_share // per_step) * per_step
     ds = _encoded_examples(split, ctx, shuffle_seed=None)
     if cfg.cache:
         ds = ds.cache()
-    center = lambda data, label: (center_crop(data, cfg.image_size, cfg.eval_crop_fraction), label)  # noqa: E731
+    center = lambda data, label: (center_crop(data, cfg.image_size, cfg.eval_crop_fraction), label, 1.0)  # noqa: E731
     ds = ds.map(center, num_parallel_calls=AUTOTUNE, deterministic=True)
-    return ds.batch(batch).prefetch(AUTOTUNE)
+    blank = tf.zeros([cfg.image_size, cfg.image_size, 3], tf.uint8)
+    ds = ds.concatenate(tf.data.Dataset.from_tensors((blank, 0, 0.0)).repeat()).take(padded)
+    return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)
 
 
 def synthetic_dataset(cfg: DataConfig, num_classes: int, global_batch: int,

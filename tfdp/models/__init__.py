@@ -16,13 +16,16 @@ from tfdp.errors import UserError
 
 Builder = Callable[..., keras.Model]
 MODELS: dict[str, Builder] = {}
+MIN_INPUT_SIZE: dict[str, int] = {}
 
 
-def register(name: str) -> Callable[[Builder], Builder]:
+def register(name: str, min_size: int = 32) -> Callable[[Builder], Builder]:
+    """Adds a builder under `name`; `min_size` is the smallest input side it can take."""
     def add(fn: Builder) -> Builder:
         if name in MODELS:
             raise ValueError(f"model '{name}' registered twice")
         MODELS[name] = fn
+        MIN_INPUT_SIZE[name] = min_size
         return fn
     return add
 
@@ -52,14 +55,18 @@ class Standardize(keras.layers.Layer):
 
 
 def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
-    """uint8 images → Standardize → backbone → logits."""
+    """uint8 images → Standardize → backbone → logits (float32 whatever the precision policy)."""
     check_model_name(model_cfg.name)
+    if data_cfg.image_size < MIN_INPUT_SIZE[model_cfg.name]:
+        raise UserError(f"model '{model_cfg.name}' needs data.image_size of at least "
+                        f"{MIN_INPUT_SIZE[model_cfg.name]}, got {data_cfg.image_size}")
     shape = (data_cfg.image_size, data_cfg.image_size, 3)
     backbone = MODELS[model_cfg.name](input_shape=shape, num_classes=model_cfg.num_classes, dropout=model_cfg.dropout)
     inputs = keras.Input(shape, dtype="uint8", name="image")
     logits = backbone(Standardize(data_cfg.mean, data_cfg.std, name="standardize")(inputs))
+    logits = keras.layers.Activation("linear", dtype="float32", name="logits_float32")(logits)
     return keras.Model(inputs, logits, name=model_cfg.name)
 
 
 # Importing the model files fills the registry.
-from tfdp.models import keras_apps, resnet_small, simple  # noqa: E402,F401
+from tfdp.models import keras_apps, resnet, resnet_small, simple, squeezenet, vgg  # noqa: E402,F401

@@ -31,7 +31,7 @@ def basic_block(x, filters: int, stride: int, name: str):
     return layers.ReLU(name=f"{name}_out")(layers.Add(name=f"{name}_add")([x, shortcut]))
 
 
-@register("resnet18_small")
+@register("resnet18_small", min_size=8)
 def resnet18_small(input_shape, num_classes: int, dropout: float = 0.0) -> keras.Model:
     inputs = keras.Input(input_shape)
     x = conv_bn(inputs, 64, 3, 1, "stem")

@@ -13,7 +13,7 @@ from keras import layers
 from tfdp.models import register
 
 
-@register("simple_cnn")
+@register("simple_cnn", min_size=8)
 def simple_cnn(input_shape, num_classes: int, dropout: float = 0.0) -> keras.Model:
     inputs = keras.Input(input_shape)
     x = inputs

@@ -1,0 +1,105 @@
+"""Evaluation counts every image once; the export takes JPEG bytes and agrees with the trained model."""
+
+import json
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import last_line, run_tfdp
+from tfdp.config import validate
+from tfdp.data import build_source
+from tfdp.data.pipeline import eval_dataset
+from tfdp.evaluate import evaluate, export_checkpoint
+from tfdp.models import build_model
+from tfdp.strategy import make_runtime
+
+VAL_IMAGES = 37  # prime: never a multiple of the global batch
+
+
+@pytest.fixture(scope="module")
+def odd_dir(digits_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("odd")
+    shutil.copytree(os.path.join(digits_dir, "train"), root / "train")
+    val = sorted((cls, f) for cls in os.listdir(os.path.join(digits_dir, "val"))
+                 for f in os.listdir(os.path.join(digits_dir, "val", cls)))[::9][:VAL_IMAGES]
+    for cls in os.listdir(os.path.join(digits_dir, "val")):
+        os.makedirs(root / "val" / cls)
+    for cls, f in val:
+        shutil.copy(os.path.join(digits_dir, "val", cls, f), root / "val" / cls / f)
+    return str(root)
+
+
+def make_cfg(data_dir, model_dir, **train):
+    return validate({"model_dir": str(model_dir), "model": {"name": "simple_cnn"},
+                     "data": {"format": "image_folder", "dir": data_dir, "image_size": 16, "eval_crop_fraction": 1.0},
+                     "train": {"batch_size_per_replica": 8, **train},
+                     "distribute": {"strategy": "mirrored", "cpu_replicas": 2}})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(odd_dir, tmp_path_factory):
+    """A partly trained model's weights (some images right, some wrong), saved as a checkpoint."""
+    cfg = make_cfg(odd_dir, tmp_path_factory.mktemp("ckpt"))
+    keras.utils.set_random_seed(1)
+    model = build_model(cfg.model, cfg.data)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    split = build_source(cfg.data).split("train")
+    model.fit(eval_dataset(split, cfg.data, 64).take(6), verbose=0)
+    path = os.path.join(cfg.model_dir, "w.weights.h5")
+    model.save_weights(path)
+    return cfg, path, model
+
+
+def reference_predictions(model, cfg):
+    split = build_source(cfg.data).split("val")
+    batches = list(eval_dataset(split, cfg.data, 64))
+    real = np.concatenate([w.numpy() for _, _, w in batches]) > 0
+    images = np.concatenate([x.numpy() for x, _, _ in batches])[real]
+    return images, np.argmax(model.predict(images, verbose=0), axis=1), np.array(split.labels)
+
+
+def test_evaluate_counts_every_validation_image_once(checkpoint):
+    cfg, path, model = checkpoint
+    images, predicted, labels = reference_predictions(model, cfg)
+    assert len(labels) == VAL_IMAGES
+    expected = float(np.mean(predicted == labels))
+    assert 0.0 < expected < 1.0  # a partly trained model: a dropped or doubled image would show
+    result = evaluate(cfg, make_runtime(cfg.distribute), checkpoint=path)  # 2 replicas, global batch 16
+    assert result["examples"] == VAL_IMAGES
+    assert result["top1"] == pytest.approx(expected, abs=1e-6)
+    assert round(result["top1"] * VAL_IMAGES, 4) == float(np.sum(predicted == labels))
+
+
+def test_export_round_trip_from_jpeg_bytes(checkpoint, tmp_path):
+    cfg, path, model = checkpoint
+    paths = export_checkpoint(cfg, make_runtime(cfg.distribute), path, str(tmp_path / "export"))
+    split = build_source(cfg.data).split("val")
+    data = tf.constant([open(f, "rb").read() for f in split.files])
+    _, expected, _ = reference_predictions(model, cfg)
+    reloaded = keras.saving.load_model(paths["keras"])
+    np.testing.assert_array_equal(np.argmax(reloaded.predict(data, verbose=0), axis=1), expected)
+    loaded = tf.saved_model.load(paths["saved_model"])  # keep a reference: it owns the variables
+    served = loaded.serve(data).numpy()
+    np.testing.assert_array_equal(np.argmax(served, axis=1), expected)
+    np.testing.assert_allclose(served.sum(axis=1), 1.0, rtol=1e-5)  # probabilities
+    assert json.load(open(paths["classes"])) == [str(d) for d in range(10)]
+
+
+def test_checkpoint_of_another_architecture_or_class_count(checkpoint, odd_dir, tmp_path):
+    _, path, _ = checkpoint
+    for override in (["--model=resnet18_small"], ["--set=model.num_classes=7"]):
+        result = run_tfdp("evaluate", "--config=configs/digits.yaml", *override, "--set=data.image_size=16",
+                          "--data_format=image_folder", f"--data_dir={odd_dir}", f"--checkpoint={path}",
+                          f"--model_dir={tmp_path}", timeout=300)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+        line = last_line(result.stderr)
+        if "num_classes" in override[0]:
+            assert line == "tfdp: error: the data has 10 classes but model.num_classes is 7"
+        else:
+            assert line.startswith(f"tfdp: error: checkpoint {path} does not fit model 'resnet18_small'")

@@ -1,0 +1,87 @@
+"""The model zoo: parameter counts against the reference implementations, and a real 2-replica step for each."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.config import validate
+from tfdp.errors import UserError
+from tfdp.models import MIN_INPUT_SIZE, MODELS, build_model
+
+# torchvision's counts (its parameters: conv/linear weights and biases, batch-norm scale and shift),
+# compared with our trainable weights, for the architectures written here.
+TORCHVISION = {
+    "resnet18": 11_689_512, "resnet34": 21_797_672, "resnext50_32x4d": 25_028_904,
+    "vgg11": 132_863_336, "vgg11_bn": 132_868_840, "vgg13": 133_047_848, "vgg13_bn": 133_053_736,
+    "vgg16": 138_357_544, "vgg16_bn": 138_365_992, "vgg19": 143_667_240, "vgg19_bn": 143_678_248,
+    "squeezenet1_1": 1_235_496,
+}
+# keras.applications' published totals (all weights, batch-norm statistics included).
+KERAS_APPLICATIONS = {
+    "resnet50": 25_636_712, "resnet101": 44_707_176, "resnet152": 60_419_944, "inception_v3": 23_851_784,
+    "mobilenet_v2": 3_538_984, "mobilenet_v3_large": 5_507_432,
+    "efficientnetv2_b0": 7_200_312, "efficientnetv2_b1": 8_212_124, "efficientnetv2_b2": 10_178_374,
+    "efficientnetv2_b3": 14_467_622, "efficientnetv2_s": 21_612_360, "efficientnetv2_m": 54_431_388,
+    "efficientnetv2_l": 119_027_848,
+}
+SMALL_IMAGE = {"resnet18_small", "simple_cnn"}  # for 16-32 px inputs: no ImageNet reference
+
+
+def test_every_registered_model_has_a_reference_count():
+    assert set(MODELS) == set(TORCHVISION) | set(KERAS_APPLICATIONS) | SMALL_IMAGE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(TORCHVISION) | set(KERAS_APPLICATIONS)))
+def test_parameter_count_at_1000_classes_and_224_px(name):
+    import keras
+    model = MODELS[name]((224, 224, 3), 1000)
+    trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    if name in TORCHVISION:
+        assert trainable == TORCHVISION[name]
+    else:
+        assert model.count_params() == KERAS_APPLICATIONS[name]
+    assert model.output_shape == (None, 1000)
+    keras.backend.clear_session()
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    """One strategy for all models: collective ids restart with each new strategy in a process."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_one_training_step_with_two_replicas(name, strategy):
+    import keras
+    size = max(32, MIN_INPUT_SIZE[name])
+    cfg = validate({"model": {"name": name, "num_classes": 7}, "data": {"image_size": size}})
+    with strategy.scope():
+        model = build_model(cfg.model, cfg.data)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images = np.random.default_rng(0).integers(0, 256, (4, size, size, 3), dtype=np.uint8)
+    labels = np.arange(4) % 7
+    before = [w.numpy().copy() for w in model.trainable_weights]
+    history = model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert any(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights))
+    assert model.predict(images, verbose=0).shape == (4, 7)
+
+
+def test_input_too_small_for_the_architecture():
+    cfg = validate({"model": {"name": "inception_v3"}, "data": {"image_size": 64}})
+    with pytest.raises(UserError, match="model 'inception_v3' needs data.image_size of at least 75, got 64"):
+        build_model(cfg.model, cfg.data)
+
+
+def test_logits_stay_float32_under_mixed_precision():
+    import keras
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        cfg = validate({"model": {"name": "simple_cnn"}, "data": {"image_size": 16}})
+        model = build_model(cfg.model, cfg.data)
+        assert model.get_layer("simple_cnn_backbone").get_layer("conv1").compute_dtype == "bfloat16"
+        assert model(np.zeros((1, 16, 16, 3), np.uint8)).dtype == "float32"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -1,0 +1,74 @@
+"""ImageNet recipes, weight-decay exclusion, mixed precision."""
+
+import os
+
+import keras
+import pytest
+
+from conftest import REPO, read_jsonl, run_tfdp
+from tfdp.config import load_config, validate
+from tfdp.trainer import Plan, compile_model
+
+
+def recipe(name):
+    return load_config(os.path.join(REPO, "configs", name))
+
+
+def test_resnet50_recipe_numbers():
+    cfg = recipe("resnet50_imagenet.yaml")
+    assert (cfg.model.name, cfg.model.num_classes, cfg.data.image_size) == ("resnet50", 1000, 224)
+    assert (cfg.train.epochs, cfg.train.label_smoothing) == (90, 0.1)
+    o, s = cfg.optimizer, cfg.schedule
+    assert (o.lr, o.momentum, o.nesterov, o.weight_decay, o.decay_norm_and_bias) == (0.1, 0.9, True, 1e-4, False)
+    assert (s.name, s.warmup_epochs) == ("cosine", 5)
+
+
+@pytest.mark.parametrize("name, model", [("resnet18_imagenet.yaml", "resnet18"), ("vgg16_imagenet.yaml", "vgg16"),
+                                         ("efficientnetv2_s_imagenet.yaml", "efficientnetv2_s"),
+                                         ("mobilenet_v2_imagenet.yaml", "mobilenet_v2")])
+def test_other_recipes_name_their_model(name, model):
+    assert recipe(name).model.name == model and recipe(name).model.num_classes == 1000
+
+
+def test_weight_decay_skips_batch_norm_and_biases():
+    cfg = validate({"model": {"name": "resnet18_small"}, "data": {"image_size": 16},
+                    "optimizer": {"weight_decay": 1e-4, "decay_norm_and_bias": False}})
+    model = compile_model(cfg, Plan(64, 10, 640, 0, 10))
+    decayed = {v.path for v in model.trainable_variables if model.optimizer._use_weight_decay(v)}
+    assert decayed and all(p.endswith("kernel") for p in decayed)
+    assert any(p.endswith("gamma") for p in {v.path for v in model.trainable_variables} - decayed)
+    cfg = validate({**{"model": {"name": "resnet18_small"}, "data": {"image_size": 16}},
+                    "optimizer": {"weight_decay": 1e-4}})
+    model = compile_model(cfg, Plan(64, 10, 640, 0, 10))
+    assert all(model.optimizer._use_weight_decay(v) for v in model.trainable_variables)
+
+
+def test_mixed_float16_gets_dynamic_loss_scaling():
+    cfg = validate({"model": {"name": "simple_cnn"}, "data": {"image_size": 16},
+                    "train": {"precision": "mixed_float16"}})
+    try:
+        model = compile_model(cfg, Plan(64, 10, 640, 0, 10))
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert model.get_layer("simple_cnn_backbone").get_layer("conv1").compute_dtype == "float16"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_unknown_precision_is_a_config_error():
+    result = run_tfdp("train", "--set=train.precision=fp8", timeout=60)
+    assert result.returncode == 2
+    assert "config field 'train.precision': input should be 'float32', 'mixed_bfloat16' or 'mixed_float16'" in result.stderr
+
+
+@pytest.mark.slow
+def test_mixed_bfloat16_matches_float32_accuracy(tmp_path, digits_dir):
+    common = ["train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
+              f"--data_dir={digits_dir}", "--epochs=8"]
+    top1 = {}
+    for precision in ("float32", "mixed_bfloat16"):
+        result = run_tfdp(*common, f"--model_dir={tmp_path / precision}", f"--set=train.precision={precision}",
+                          timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        top1[precision] = read_jsonl(tmp_path / precision / "metrics.jsonl")[-1]["val_top1"]
+    assert top1["float32"] >= 0.97
+    assert abs(top1["mixed_bfloat16"] - top1["float32"]) <= 0.01

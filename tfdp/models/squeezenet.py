@@ -1,0 +1,38 @@
+"""SqueezeNet 1.1 (Iandola et al. 2016), following torchvision: 1,235,496 parameters at 1,000 classes.
+
+Fire modules (1x1 squeeze, then 1x1 and 3x3 expand, concatenated); the
+classifier is a 1x1 convolution to the classes, ReLU and global average pool.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers
+
+from tfdp.models import register
+
+
+def fire(x, squeeze: int, expand: int, name: str):
+    s = layers.Conv2D(squeeze, 1, activation="relu", name=f"{name}_squeeze")(x)
+    e1 = layers.Conv2D(expand, 1, activation="relu", name=f"{name}_expand1x1")(s)
+    e3 = layers.Conv2D(expand, 3, padding="same", activation="relu", name=f"{name}_expand3x3")(s)
+    return layers.Concatenate(name=f"{name}_concat")([e1, e3])
+
+
+@register("squeezenet1_1")
+def squeezenet1_1(input_shape, num_classes: int, dropout: float = 0.0) -> keras.Model:
+    inputs = keras.Input(input_shape)
+    x = layers.Conv2D(64, 3, strides=2, activation="relu", name="conv1")(inputs)
+    x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool1")(x)
+    x = fire(x, 16, 64, "fire2")
+    x = fire(x, 16, 64, "fire3")
+    x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool3")(x)
+    x = fire(x, 32, 128, "fire4")
+    x = fire(x, 32, 128, "fire5")
+    x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool5")(x)
+    for i, (s, e) in enumerate(((48, 192), (48, 192), (64, 256), (64, 256)), start=6):
+        x = fire(x, s, e, f"fire{i}")
+    x = layers.Dropout(dropout or 0.5, name="dropout")(x)
+    x = layers.Conv2D(num_classes, 1, activation="relu", name="classifier")(x)
+    logits = layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inputs, logits, name="squeezenet1_1_backbone")

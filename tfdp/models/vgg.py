@@ -1,0 +1,56 @@
+"""VGG-11/13/16/19, with and without batch norm, following torchvision.
+
+torchvision ends the convolutional part with an adaptive average pool to 7x7,
+so the classifier (4096-4096-classes, dropout 0.5) has the same size whatever
+the input; here an "area" resize to 7x7 plays that part (an average pool when
+the map is larger, a repeat when it is smaller). Parameter counts equal
+torchvision's (VGG-16 138,357,544; VGG-16-BN 138,365,992 at 1,000 classes).
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers
+
+from tfdp.models import register
+
+# Channels per conv layer; "M" is a 2x2 max-pool.
+PLANS = {
+    "vgg11": (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
+    "vgg13": (64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
+    "vgg16": (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"),
+    "vgg19": (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+              512, 512, 512, 512, "M"),
+}
+
+
+def vgg(input_shape, num_classes: int, dropout: float, plan, batch_norm: bool, name: str) -> keras.Model:
+    inputs = keras.Input(input_shape)
+    x = inputs
+    for i, item in enumerate(plan):
+        if item == "M":
+            x = layers.MaxPooling2D(2, name=f"pool{i}")(x)
+            continue
+        x = layers.Conv2D(item, 3, padding="same", name=f"conv{i}")(x)
+        if batch_norm:
+            x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=f"bn{i}")(x)
+        x = layers.ReLU(name=f"relu{i}")(x)
+    x = layers.Resizing(7, 7, interpolation="area", name="adaptive_pool")(x)
+    x = layers.Flatten(name="flatten")(x)
+    for j in (1, 2):
+        x = layers.Dense(4096, activation="relu", name=f"fc{j}")(x)
+        x = layers.Dropout(dropout or 0.5, name=f"dropout{j}")(x)
+    return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name=name)
+
+
+def _add(name: str, batch_norm: bool) -> None:
+    key = name + ("_bn" if batch_norm else "")
+
+    def build(input_shape, num_classes: int, dropout: float = 0.0) -> keras.Model:
+        return vgg(input_shape, num_classes, dropout, PLANS[name], batch_norm, f"{key}_backbone")
+    register(key)(build)
+
+
+for _name in PLANS:
+    for _bn in (False, True):
+        _add(_name, _bn)
