@@ -59,7 +59,9 @@ def test_one_training_step_with_two_replicas(name, strategy):
     cfg = validate({"model": {"name": name, "num_classes": 7}, "data": {"image_size": size}})
     with strategy.scope():
         model = build_model(cfg.model, cfg.data)
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # Eager: the same replicated step and all-reduce, without minutes of graph tracing for the big models.
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      run_eagerly=True)
     images = np.random.default_rng(0).integers(0, 256, (4, size, size, 3), dtype=np.uint8)
     labels = np.arange(4) % 7
     before = [w.numpy().copy() for w in model.trainable_weights]
@@ -85,3 +87,15 @@ def test_logits_stay_float32_under_mixed_precision():
         assert model(np.zeros((1, 16, 16, 3), np.uint8)).dtype == "float32"
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_adaptive_pool_matches_pytorch_bins():
+    from tfdp.models.vgg import AdaptiveAveragePool2D
+    x = np.arange(2 * 5 * 3 * 1, dtype="float32").reshape(2, 5, 3, 1)
+    out = np.asarray(AdaptiveAveragePool2D(2)(x))
+    # PyTorch bins for 5 -> 2: rows [0, 3) and [2, 5); for 3 -> 2: cols [0, 2) and [1, 3).
+    expected = np.array([[x[b, r0:r1, c0:c1, 0].mean() for c0, c1 in ((0, 2), (1, 3))]
+                         for b in range(2) for r0, r1 in ((0, 3), (2, 5))]).reshape(2, 2, 2, 1)
+    np.testing.assert_allclose(out, expected)
+    one = np.ones((1, 1, 1, 4), "float32") * 3
+    np.testing.assert_allclose(np.asarray(AdaptiveAveragePool2D(7)(one)), np.full((1, 7, 7, 4), 3.0))

@@ -48,6 +48,9 @@ class Plan:
 
 
 def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
+    if cfg.train.jit_compile and runtime.num_replicas > 1:
+        # Keras compiles the whole cross-replica step, which XLA cannot place on several devices.
+        raise UserError(f"train.jit_compile works with one replica for now; this run has {runtime.num_replicas}")
     if source.num_classes != cfg.model.num_classes:
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
@@ -76,7 +79,8 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer (dynamic loss scaling).
     # Weighted metrics, so evaluation's weight-0 padding images are not counted.
     model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
-                  weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
+                  weighted_metrics=metrics, jit_compile=cfg.train.jit_compile,
+                  steps_per_execution=cfg.train.steps_per_execution)
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
     optimizer.build(model.trainable_variables)
     return model

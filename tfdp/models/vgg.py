@@ -2,8 +2,7 @@
 
 torchvision ends the convolutional part with an adaptive average pool to 7x7,
 so the classifier (4096-4096-classes, dropout 0.5) has the same size whatever
-the input; here an "area" resize to 7x7 plays that part (an average pool when
-the map is larger, a repeat when it is smaller). Parameter counts equal
+the input; `AdaptiveAveragePool2D` reproduces it (same bins as PyTorch). Parameter counts equal
 torchvision's (VGG-16 138,357,544; VGG-16-BN 138,365,992 at 1,000 classes).
 """
 
@@ -13,6 +12,33 @@ import keras
 from keras import layers
 
 from tfdp.models import register
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class AdaptiveAveragePool2D(layers.Layer):
+    """PyTorch's AdaptiveAvgPool2d: output cell i averages rows floor(i*H/n) to ceil((i+1)*H/n)."""
+
+    def __init__(self, size: int, **kwargs):
+        super().__init__(**kwargs)
+        self.size = int(size)
+
+    def _pool(self, x, axis: int, length: int):
+        cells = []
+        for i in range(self.size):
+            start, end = (i * length) // self.size, -(-((i + 1) * length) // self.size)
+            part = x[:, start:end] if axis == 1 else x[:, :, start:end]
+            cells.append(keras.ops.mean(part, axis=axis))
+        return keras.ops.stack(cells, axis=axis)
+
+    def call(self, x):
+        x = self._pool(x, 1, x.shape[1])
+        return self._pool(x, 2, x.shape[2])
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], self.size, self.size, input_shape[3])
+
+    def get_config(self):
+        return {**super().get_config(), "size": self.size}
 
 # Channels per conv layer; "M" is a 2x2 max-pool.
 PLANS = {
@@ -35,7 +61,7 @@ def vgg(input_shape, num_classes: int, dropout: float, plan, batch_norm: bool, n
         if batch_norm:
             x = layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=f"bn{i}")(x)
         x = layers.ReLU(name=f"relu{i}")(x)
-    x = layers.Resizing(7, 7, interpolation="area", name="adaptive_pool")(x)
+    x = AdaptiveAveragePool2D(7, name="adaptive_pool")(x)
     x = layers.Flatten(name="flatten")(x)
     for j in (1, 2):
         x = layers.Dense(4096, activation="relu", name=f"fc{j}")(x)
