@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def measure(name: str, precision: str, jit: bool, args) -> float:
     import keras
 
+    from tfdp.benchmark import fit_rate
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
     from tfdp.trainer import Plan, compile_model
@@ -28,16 +28,9 @@ def measure(name: str, precision: str, jit: bool, args) -> float:
     cfg = validate({"model": {"name": name, "num_classes": 1000}, "data": {"image_size": 224},
                     "train": {"precision": precision, "jit_compile": jit, "batch_size_per_replica": args.batch}})
     model = compile_model(cfg, Plan(args.batch, args.warmup + args.steps, 0, 0, 1000))
-    stamps = {}
-
-    class Stamp(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            stamps[batch] = time.perf_counter()
-
-    data = synthetic_dataset(cfg.data, 1000, args.batch)
-    model.fit(data, steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0, callbacks=[Stamp()])
+    rate = fit_rate(model, synthetic_dataset(cfg.data, 1000, args.batch), args.batch, args.steps, args.warmup)
     keras.mixed_precision.set_global_policy("float32")
-    return args.steps * args.batch / (stamps[args.warmup + args.steps - 1] - stamps[args.warmup - 1])
+    return rate
 
 
 def main() -> None:

@@ -7,6 +7,8 @@ import pytest
 import tensorflow as tf
 
 from tfdp import compat
+from tfdp.config import DistributeConfig
+from tfdp.strategy import make_runtime
 
 
 def test_upstream_still_has_the_bugs_the_workaround_patches():
@@ -19,7 +21,7 @@ def test_upstream_still_has_the_bugs_the_workaround_patches():
 
 
 def test_patched_reduction_matches_upstream_off_multi_worker():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
     values = strategy.run(lambda: tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32))
     for reduction in ("auto", "mean", "sum", "first"):
         ours = compat.reduce_per_replica({"m": values}, strategy, reduction)["m"]
@@ -39,7 +41,7 @@ def test_mirrored_evaluate_when_replicas_get_unequal_first_batches():
     """40 examples, global batch 64: replica 0 gets 32, replica 1 gets 8. Upstream Keras fails here."""
     import keras
     compat.apply()
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])

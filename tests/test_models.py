@@ -47,8 +47,10 @@ def test_parameter_count_at_1000_classes_and_224_px(name):
 
 @pytest.fixture(scope="module")
 def strategy():
-    """One strategy for all models: collective ids restart with each new strategy in a process."""
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    """tfdp's own 2-replica strategy, as training builds it."""
+    from tfdp.config import DistributeConfig
+    from tfdp.strategy import make_runtime
+    return make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
 
 
 @pytest.mark.slow

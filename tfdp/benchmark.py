@@ -118,7 +118,6 @@ def _run_probe(config_path: str, replicas: int, steps: int, warmup: int, measure
 def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bool) -> dict:
     from tfdp.strategy import local_replicas, make_runtime
     runtime = make_runtime(local_replicas(replicas))
-    import keras
     import tensorflow as tf
 
     from tfdp.data import build_source
@@ -132,12 +131,12 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     result = {"replicas": runtime.num_replicas, "global_batch": global_batch}
     synthetic = runtime.strategy.distribute_datasets_from_function(
         lambda ctx: synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch, ctx))
-    result["synthetic_images_per_sec"] = _fit_rate(model, synthetic, global_batch, steps, warmup, keras)
+    result["synthetic_images_per_sec"] = fit_rate(model, synthetic, global_batch, steps, warmup)
     if cfg.data.format != "synthetic":
         split = build_source(cfg.data).split(cfg.data.train_split)
         real = runtime.strategy.distribute_datasets_from_function(
             lambda ctx: train_dataset(split, cfg.data, global_batch, cfg.train.seed, ctx))
-        result["real_data_images_per_sec"] = _fit_rate(model, real, global_batch, steps, warmup, keras)
+        result["real_data_images_per_sec"] = fit_rate(model, real, global_batch, steps, warmup)
     if measure_input:
         if cfg.data.format == "synthetic":
             ds = synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch)
@@ -147,7 +146,9 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     return result
 
 
-def _fit_rate(model, dataset, global_batch: int, steps: int, warmup: int, keras) -> float:
+def fit_rate(model, dataset, global_batch: int, steps: int, warmup: int) -> float:
+    """Training images/s over `steps` steps, timed from the end of the `warmup`-th step."""
+    import keras
     stamps: dict[int, float] = {}
 
     class Stamp(keras.callbacks.Callback):

@@ -81,7 +81,11 @@ def _one_device(cfg: DistributeConfig) -> Runtime:
 
 def _mirrored(cfg: DistributeConfig) -> Runtime:
     devices = _local_devices(cfg)
-    return Runtime(tf.distribute.MirroredStrategy(devices), "mirrored", tuple(devices))
+    # GPUs keep TensorFlow's default (NCCL). Logical CPU devices share one memory, so a plain
+    # reduce-and-broadcast is enough, and it avoids collective ops, whose instance keys restart
+    # with every new strategy and clash when a process builds more than one (tests, notebooks).
+    cross_device = tf.distribute.ReductionToOneDevice() if "CPU" in devices[0].upper() else None
+    return Runtime(tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device), "mirrored", tuple(devices))
 
 
 def _multi_worker(cfg: DistributeConfig) -> Runtime:
