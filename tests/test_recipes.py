@@ -62,16 +62,22 @@ def test_unknown_precision_is_a_config_error():
 
 @pytest.mark.slow
 def test_mixed_bfloat16_matches_float32_accuracy(tmp_path, digits_dir):
+    """Compared on the plateau (last 3 epochs, 2 seeds): one run's final epoch
+    on 360 images moves by a point between seeds in either precision."""
     common = ["train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
               f"--data_dir={digits_dir}", "--epochs=8"]
     top1 = {}
     for precision in ("float32", "mixed_bfloat16"):
-        result = run_tfdp(*common, f"--model_dir={tmp_path / precision}", f"--set=train.precision={precision}",
-                          timeout=600)
-        assert result.returncode == 0, result.stderr[-2000:]
-        top1[precision] = read_jsonl(tmp_path / precision / "metrics.jsonl")[-1]["val_top1"]
+        plateau = []
+        for seed in (0, 1):
+            model_dir = tmp_path / f"{precision}-{seed}"
+            result = run_tfdp(*common, f"--model_dir={model_dir}", f"--set=train.precision={precision}",
+                              f"--set=train.seed={seed}", timeout=600)
+            assert result.returncode == 0, result.stderr[-2000:]
+            plateau += [row["val_top1"] for row in read_jsonl(model_dir / "metrics.jsonl")[-3:]]
+        top1[precision] = sum(plateau) / len(plateau)
     assert top1["float32"] >= 0.97
-    assert abs(top1["mixed_bfloat16"] - top1["float32"]) <= 0.01
+    assert abs(top1["mixed_bfloat16"] - top1["float32"]) <= 0.01, top1
 
 
 @pytest.mark.slow

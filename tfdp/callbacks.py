@@ -18,14 +18,15 @@ from tfdp.checkpoints import CheckpointStore, atomic_write_text
 
 
 class EpochStats(keras.callbacks.Callback):
-    """Adds `lr`, `seconds` (training part of the epoch) and `images_per_sec` to the logs.
+    """Adds `lr`, `seconds` (training part of the epoch), `images_per_sec` and `corrupt_images` to the logs.
 
     The per-batch logs get `lr` and a running `images_per_sec` too, so the
     progress bar (which Keras runs after every other callback) shows them.
     """
 
-    def __init__(self, global_batch: int, steps_per_epoch: int):
+    def __init__(self, global_batch: int, steps_per_epoch: int, corrupt=None):
         super().__init__()
+        self.corrupt = corrupt  # tfdp.data.pipeline.CorruptCounter: images skipped so far
         self.global_batch = global_batch
         self.images_per_epoch = global_batch * steps_per_epoch
         self._start = self._train_end = 0.0
@@ -51,6 +52,8 @@ class EpochStats(keras.callbacks.Callback):
         logs["lr"] = self._lr()
         logs["seconds"] = seconds
         logs["images_per_sec"] = self.images_per_epoch / seconds
+        if self.corrupt is not None:
+            logs["corrupt_images"] = self.corrupt.value()
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

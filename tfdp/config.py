@@ -36,10 +36,17 @@ Str = Annotated[str, Strict()]
 class DataConfig:
     """Where the images are and how they are fed (see tfdp/data)."""
     __pydantic_config__ = _FORBID
+    # digits | image_folder | imagenet (raw ILSVRC2012 or Kaggle tree) | tfrecord | tfds | synthetic
     format: Str = "digits"
-    dir: Str = "~/.cache/tfdp/digits"
+    dir: Str = "~/.cache/tfdp/digits"   # a local path or gs://bucket/prefix
     train_split: Str = "train"
     val_split: Str = "val"
+    tfds_name: Str = ""                 # data.format tfds: the dataset's name, e.g. imagenet2012
+    tfds_manual_dir: Str = ""           # ... and where its manually downloaded files are, to prepare it
+    cache_dir: Str = "~/.cache/tfdp/remote"   # local copies of files read from a bucket
+    synthetic_examples: PosInt = 1_281_167    # data.format synthetic: examples per "epoch"
+    # Training stops once more than this fraction of the records read could not be decoded.
+    max_bad_fraction: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.001
     image_size: PosInt = 32
     # Random-resized-crop window for training (fraction of the image area).
     min_crop_area: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.08

@@ -9,6 +9,7 @@ import keras
 from tfdp.checkpoints import CheckpointStore
 from tfdp.config import Config
 from tfdp.data import build_source
+from tfdp.data.pipeline import data_errors
 from tfdp.errors import UserError
 from tfdp.models import check_model_name
 from tfdp.strategy import Runtime
@@ -37,7 +38,8 @@ def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> di
         model = compile_model(cfg, plan)
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
     _, val_ds = distributed_datasets(cfg, source, runtime, plan)
-    result = model.evaluate(val_ds, verbose=0, return_dict=True)
+    with data_errors():
+        result = model.evaluate(val_ds, verbose=0, return_dict=True)
     result["examples"] = plan.val_examples
     print("tfdp: evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
           + f" over {plan.val_examples} images", flush=True)

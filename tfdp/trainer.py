@@ -25,7 +25,7 @@ from tfdp.callbacks import Checkpointer, EpochStats, MetricsLog, WandbLog, read_
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config
 from tfdp.data import Source, build_source
-from tfdp.data.pipeline import eval_dataset, train_dataset
+from tfdp.data.pipeline import CorruptCounter, data_errors, eval_dataset, train_dataset
 from tfdp.errors import UserError
 from tfdp.losses import SparseSmoothedCrossentropy
 from tfdp.models import build_model, check_model_name
@@ -51,7 +51,7 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
     if cfg.train.jit_compile and runtime.num_replicas > 1:
         # Keras compiles the whole cross-replica step, which XLA cannot place on several devices.
         raise UserError(f"train.jit_compile works with one replica for now; this run has {runtime.num_replicas}")
-    if source.num_classes != cfg.model.num_classes:
+    if source.num_classes and source.num_classes != cfg.model.num_classes:  # 0: unknown until labels are read
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
@@ -59,7 +59,7 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
     if steps == 0:
         raise UserError(f"the training split has {train.num_examples} images, fewer than one global batch "
                         f"of {global_batch} ({cfg.train.batch_size_per_replica} per replica x {runtime.num_replicas} replicas)")
-    return Plan(global_batch, steps, train.num_examples, val.num_examples, source.num_classes)
+    return Plan(global_batch, steps, train.num_examples, val.num_examples, cfg.model.num_classes)
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
@@ -86,13 +86,16 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     return model
 
 
-def distributed_datasets(cfg: Config, source: Source, runtime: Runtime, plan: Plan):
+def distributed_datasets(cfg: Config, source: Source, runtime: Runtime, plan: Plan,
+                         corrupt: CorruptCounter | None = None):
+    """Per-worker pipelines: each worker builds (and reads) only its own share."""
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
     strategy = runtime.strategy
     train_ds = strategy.distribute_datasets_from_function(
-        lambda ctx: train_dataset(train, cfg.data, plan.global_batch, cfg.train.seed, ctx))
+        lambda ctx: train_dataset(train, cfg.data, plan.global_batch, cfg.train.seed, ctx,
+                                  num_classes=plan.num_classes, corrupt=corrupt))
     val_ds = strategy.distribute_datasets_from_function(
-        lambda ctx: eval_dataset(val, cfg.data, plan.global_batch, ctx))
+        lambda ctx: eval_dataset(val, cfg.data, plan.global_batch, ctx, num_classes=plan.num_classes))
     return train_ds, val_ds
 
 
@@ -122,14 +125,15 @@ def train(cfg: Config, runtime: Runtime) -> dict:
         store.remove_partial()
         metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
         if initial_epoch < cfg.train.epochs:
-            train_ds, val_ds = distributed_datasets(cfg, source, runtime, plan)
+            corrupt = CorruptCounter()
+            train_ds, val_ds = distributed_datasets(cfg, source, runtime, plan, corrupt)
             callbacks = [
-                EpochStats(plan.global_batch, plan.steps_per_epoch),
+                EpochStats(plan.global_batch, plan.steps_per_epoch, corrupt),
                 metrics_log,
                 Checkpointer(store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None),
                 *loggers(cfg, out, runtime, initial_epoch),
             ]
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), data_errors():
                 warnings.filterwarnings("ignore", message=".*ran out of data.*")
                 model.fit(train_ds, validation_data=val_ds, epochs=cfg.train.epochs, initial_epoch=initial_epoch,
                           steps_per_epoch=plan.steps_per_epoch, callbacks=callbacks, shuffle=False,
@@ -207,6 +211,7 @@ def summarize(rows: list[dict], runtime: Runtime, plan: Plan) -> dict:
         "images_per_sec": sum(r["images_per_sec"] for r in timed) / len(timed),
         "replicas": runtime.num_replicas,
         "global_batch": plan.global_batch,
+        "corrupt_images": int(last.get("corrupt_images", 0)),
     }
 
 
@@ -214,4 +219,5 @@ def format_summary(s: dict) -> str:
     return (f"tfdp: done: {s['epochs']} epochs, validation top-1 {100 * s['val_top1']:.2f}% "
             f"(best {100 * s['best_val_top1']:.2f}% at epoch {s['best_epoch']}), "
             f"{s['seconds_per_epoch']:.1f} s/epoch, {s['images_per_sec']:.0f} images/s "
-            f"on {s['replicas']} replica(s), global batch {s['global_batch']}")
+            f"on {s['replicas']} replica(s), global batch {s['global_batch']}"
+            + (f"; skipped {s['corrupt_images']} corrupt training image(s)" if s.get("corrupt_images") else ""))

@@ -1,28 +1,61 @@
-"""Data: a registry of source layouts (name → builder) and the tf.data pipeline."""
+"""Data: a registry of source layouts (name → builder) and the tf.data pipeline.
+
+A builder turns `DataConfig` into a `Source` (class list and, per split, the
+files to read); `tfdp.data.pipeline` turns a split into batches.
+"""
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 from tfdp.config import DataConfig
-from tfdp.data.sources import Source, Split, image_folder
+from tfdp.data.sources import RecordFormat, Source, Split, image_folder
 from tfdp.errors import UserError
+
+
+def _splits(cfg: DataConfig) -> tuple[str, str]:
+    return cfg.train_split, cfg.val_split
 
 
 def _digits(cfg: DataConfig) -> Source:
     """The embedded demo: scikit-learn's digits, written as JPEGs on first use."""
     from pipelines.digits import ensure_digits
-    return image_folder(ensure_digits(cfg.dir), (cfg.train_split, cfg.val_split))
+    return image_folder(ensure_digits(cfg.dir), _splits(cfg))
 
 
 def _image_folder(cfg: DataConfig) -> Source:
-    return image_folder(os.path.expanduser(cfg.dir), (cfg.train_split, cfg.val_split))
+    return image_folder(cfg.dir, _splits(cfg))
+
+
+def _imagenet(cfg: DataConfig) -> Source:
+    from tfdp.data.imagenet import imagenet_tree
+    return imagenet_tree(cfg.dir, _splits(cfg))
+
+
+def _tfrecord(cfg: DataConfig) -> Source:
+    from tfdp.data.records import tfrecord_source
+    return tfrecord_source(cfg.dir, _splits(cfg), cfg.cache_dir)
+
+
+def _tfds(cfg: DataConfig) -> Source:
+    from tfdp.data.tfds_source import tfds_source
+    return tfds_source(cfg.dir, cfg.tfds_name, _splits(cfg), cfg.cache_dir, cfg.tfds_manual_dir)
+
+
+def _synthetic(cfg: DataConfig) -> Source:
+    """Random images made in the pipeline: measures compute without input cost. Classes: the model's."""
+    val = max(cfg.synthetic_examples // 25, 1)
+    return Source(class_names=(), splits={cfg.train_split: Split(cfg.train_split, (), synthetic=cfg.synthetic_examples),
+                                          cfg.val_split: Split(cfg.val_split, (), synthetic=val)})
 
 
 SOURCES: dict[str, Callable[[DataConfig], Source]] = {
     "digits": _digits,
     "image_folder": _image_folder,
+    "imagenet": _imagenet,
+    "tfrecord": _tfrecord,
+    "tfds": _tfds,
+    "synthetic": _synthetic,
 }
 
 
@@ -32,4 +65,4 @@ def build_source(cfg: DataConfig) -> Source:
     return SOURCES[cfg.format](cfg)
 
 
-__all__ = ["SOURCES", "Source", "Split", "build_source"]
+__all__ = ["SOURCES", "RecordFormat", "Source", "Split", "build_source"]

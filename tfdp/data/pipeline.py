@@ -12,53 +12,88 @@ share and batches by the per-replica batch size.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import re
+import sys
+
 import tensorflow as tf
+from absl import logging
 
 from tfdp.config import DataConfig
 from tfdp.data.sources import Split
+from tfdp.data.storage import localize
+from tfdp.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
 ASPECT_RATIO_RANGE = (3 / 4, 4 / 3)
+INTERLEAVE_CYCLE = 16
+
+
+class CorruptCounter:
+    """Images that failed to decode, counted by the input pipeline and read by the trainer.
+
+    Create it outside any strategy scope: it is one plain host variable per
+    process, not a mirrored one.
+    """
+
+    def __init__(self):
+        with tf.init_scope():
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False, name="corrupt_images")
+
+    def value(self) -> int:
+        return int(self.count.numpy())
 
 
 def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
-                  input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+                  input_context: tf.distribute.InputContext | None = None, *,
+                  num_classes: int = 0, corrupt: CorruptCounter | None = None) -> tf.data.Dataset:
     """Endless shuffled, augmented batches of this input pipeline's share of `split`."""
     ctx = input_context or tf.distribute.InputContext()
     batch = ctx.get_per_replica_batch_size(global_batch)
-    ds = _encoded_examples(split, ctx, shuffle_seed=seed)
+    if split.synthetic:
+        return synthetic_dataset(cfg, num_classes, global_batch, ctx)
+    share, data_shard = pipeline_share(split, ctx)
+    ds = _payloads(share, cfg, ctx, data_shard, shuffle_seed=seed)
     if cfg.cache:
         ds = ds.cache()
-    ds = ds.shuffle(min(cfg.shuffle_buffer, split.num_examples), seed=seed, reshuffle_each_iteration=True)
+    ds = ds.shuffle(min(cfg.shuffle_buffer, max(share.num_examples, 1)), seed=seed, reshuffle_each_iteration=True)
     ds = ds.repeat()
-    crop = lambda data, label: (random_crop(data, cfg), label)  # noqa: E731
-    ds = ds.map(crop, num_parallel_calls=AUTOTUNE, deterministic=cfg.deterministic)
-    ds = ds.batch(batch, drop_remainder=True)
+    ds = _decode_counted(ds, share, cfg, lambda image: random_crop(image, cfg), num_classes, corrupt,
+                         _share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id], batch, True)
     return ds.prefetch(AUTOTUNE)
 
 
 def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
-                 input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+                 input_context: tf.distribute.InputContext | None = None, *,
+                 num_classes: int = 0, corrupt: CorruptCounter | None = None) -> tf.data.Dataset:
     """One pass over this pipeline's share of `split` as (image, label, weight), every example once.
 
     The share is padded with weight-0 images up to the same whole number of
     full steps on every input pipeline, so no replica ever gets a partial or
     empty batch (which TensorFlow's oneDNN kernels mishandle, and which would
     leave multi-worker collectives waiting on a worker with fewer steps), and
-    metrics weighted by `weight` count each real image exactly once.
+    metrics weighted by `weight` count each real image exactly once. A corrupt
+    image is counted and replaced by such a padding image.
     """
     ctx = input_context or tf.distribute.InputContext()
     batch = ctx.get_per_replica_batch_size(global_batch)
     per_step = global_batch // ctx.num_input_pipelines
-    largest_share = -(-split.num_examples // ctx.num_input_pipelines)
-    padded = -(-largest_share // per_step) * per_step
-    ds = _encoded_examples(split, ctx, shuffle_seed=None)
+    sizes = _share_sizes(split, ctx.num_input_pipelines)
+    padded = -(-max(sizes) // per_step) * per_step
+    blank = tf.zeros([cfg.image_size, cfg.image_size, 3], tf.uint8)
+    padding = tf.data.Dataset.from_tensors((blank, 0, 0.0)).repeat()
+    if split.synthetic:
+        ds = synthetic_dataset(cfg, num_classes, per_step).unbatch().map(lambda image, label: (image, label, 1.0))
+        return ds.take(sizes[ctx.input_pipeline_id]).concatenate(padding).take(padded).batch(batch)
+    share, data_shard = pipeline_share(split, ctx)
+    ds = _payloads(share, cfg, ctx, data_shard, shuffle_seed=None)
     if cfg.cache:
         ds = ds.cache()
-    center = lambda data, label: (center_crop(data, cfg.image_size, cfg.eval_crop_fraction), label, 1.0)  # noqa: E731
-    ds = ds.map(center, num_parallel_calls=AUTOTUNE, deterministic=True)
-    blank = tf.zeros([cfg.image_size, cfg.image_size, 3], tf.uint8)
-    ds = ds.concatenate(tf.data.Dataset.from_tensors((blank, 0, 0.0)).repeat()).take(padded)
+    center = lambda image: center_crop(image, cfg.image_size, cfg.eval_crop_fraction)  # noqa: E731
+    ds = _decode_counted(ds, share, cfg, center, num_classes, corrupt, sizes[ctx.input_pipeline_id], batch, False)
+    ds = ds.unbatch().map(lambda image, label: (image, label, 1.0))
+    ds = ds.concatenate(padding).take(padded)
     return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)
 
 
@@ -69,18 +104,132 @@ def synthetic_dataset(cfg: DataConfig, num_classes: int, global_batch: int,
     batch = ctx.get_per_replica_batch_size(global_batch)
     images = tf.random.stateless_uniform([batch, cfg.image_size, cfg.image_size, 3], seed=[0, 1],
                                          maxval=256, dtype=tf.int32)
-    labels = tf.random.stateless_uniform([batch], seed=[2, 3], maxval=num_classes, dtype=tf.int32)
+    labels = tf.random.stateless_uniform([batch], seed=[2, 3], maxval=max(num_classes, 1), dtype=tf.int32)
     return tf.data.Dataset.from_tensors((tf.cast(images, tf.uint8), labels)).repeat()
 
 
-def _encoded_examples(split: Split, ctx: tf.distribute.InputContext, shuffle_seed: int | None) -> tf.data.Dataset:
-    """(encoded bytes, label) for this pipeline's files: file-level sharding, so workers never overlap."""
-    ds = tf.data.Dataset.from_tensor_slices((list(split.files), tf.constant(split.labels, tf.int32)))
-    if ctx.num_input_pipelines > 1:
+def pipeline_share(split: Split, ctx: tf.distribute.InputContext) -> tuple[Split, bool]:
+    """This input pipeline's files, and whether records must still be split (data-level sharding).
+
+    File-level sharding is set explicitly: TensorFlow's AUTO policy silently
+    falls back to every worker reading every file when it cannot shard files.
+    With fewer files than pipelines, every pipeline reads all files and keeps
+    every n-th example, which is correct but reads n times the bytes.
+    """
+    n, i = ctx.num_input_pipelines, ctx.input_pipeline_id
+    if n == 1:
+        return split, False
+    if len(split.files) >= n:
+        return split.subset(range(i, len(split.files), n)), False
+    logging.warning("split '%s' has %d files for %d input pipelines: sharding by example "
+                    "(each pipeline reads every file); write more shards to avoid this", split.name, len(split.files), n)
+    return split, True
+
+
+def _share_sizes(split: Split, n: int) -> list[int]:
+    """Examples each of the `n` input pipelines gets (as `pipeline_share` splits them)."""
+    if split.synthetic:
+        return [-(-split.synthetic // n)] * n
+    counts = split.file_counts()
+    if len(counts) >= n:
+        return [sum(counts[i::n]) for i in range(n)]
+    total = sum(counts)
+    return [len(range(i, total, n)) for i in range(n)]
+
+
+def _payloads(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool,
+              shuffle_seed: int | None) -> tf.data.Dataset:
+    """(payload, label): a serialized record (label parsed later) or an image file's bytes."""
+    files = localize(share.files, cfg.cache_dir)
+    if share.records is not None:
+        ds = tf.data.Dataset.from_tensor_slices(files)
+        if shuffle_seed is not None:
+            ds = ds.shuffle(len(files), seed=shuffle_seed, reshuffle_each_iteration=True)
+        # Deterministic when sharding by example, so all pipelines see records in the same order.
+        ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), INTERLEAVE_CYCLE),
+                           num_parallel_calls=AUTOTUNE, deterministic=cfg.deterministic or data_shard)
+        if data_shard:
+            ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.map(lambda record: (record, -1))
+    ds = tf.data.Dataset.from_tensor_slices((files, tf.constant(share.labels, tf.int32)))
+    if data_shard:
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
     if shuffle_seed is not None:
-        ds = ds.shuffle(split.num_examples, seed=shuffle_seed, reshuffle_each_iteration=True)
+        ds = ds.shuffle(len(files), seed=shuffle_seed, reshuffle_each_iteration=True)
     return ds.map(lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE)
+
+
+def _decode_counted(ds: tf.data.Dataset, share: Split, cfg: DataConfig, transform, num_classes: int,
+                    corrupt: CorruptCounter | None, share_examples: int, batch: int,
+                    drop_remainder: bool) -> tf.data.Dataset:
+    """Batches of (image, label) with corrupt images skipped, counted, logged, and bounded.
+
+    Decoding keeps element order, so a skipped image shows as a gap in the
+    running index; counting once per batch rather than per image keeps the
+    bookkeeping off the per-image path. Training stops with a clear message
+    once more than `data.max_bad_fraction` of the records read so far (or of
+    this pipeline's share, whichever is larger) were corrupt. Labels are
+    checked here too, so a label outside the model's classes is an error,
+    never a silent NaN or a wrong class.
+    """
+    fmt = share.records
+
+    def decode(index, payload, label):
+        if fmt is not None:
+            spec = {fmt.image_key: tf.io.FixedLenFeature([], tf.string),
+                    fmt.label_key: tf.io.FixedLenFeature([], tf.int64)}
+            example = tf.io.parse_single_example(payload, spec)
+            payload = example[fmt.image_key]
+            label = tf.cast(example[fmt.label_key] + fmt.label_offset, tf.int32)
+        return index, transform(payload), label
+
+    ds = ds.enumerate().map(lambda i, element: decode(i, *element), num_parallel_calls=AUTOTUNE, deterministic=True)
+    ds = ds.ignore_errors().batch(batch, drop_remainder=drop_remainder)
+    floor = max(share_examples, math.ceil(1 / cfg.max_bad_fraction) if cfg.max_bad_fraction else 0)
+
+    def count(state, element):
+        last, bad = state
+        index, images, labels = element
+        gap = index[-1] - last - tf.cast(tf.shape(index)[0], tf.int64)
+        bad += gap
+        seen = index[-1] + 1
+        checks = [
+            tf.debugging.Assert(
+                tf.cast(bad, tf.float64) <= cfg.max_bad_fraction * tf.cast(tf.maximum(seen, floor), tf.float64),
+                [tf.strings.format("tfdp-data-error: too many corrupt images: {} of the first {} records could not "
+                                   "be decoded (data.max_bad_fraction is {})", (bad, seen, cfg.max_bad_fraction))]),
+            tf.cond(gap > 0, lambda: _warn_skipped(gap, bad), lambda: tf.constant(False)),
+        ]
+        if num_classes:
+            low, high = tf.reduce_min(labels), tf.reduce_max(labels)
+            checks.append(tf.debugging.Assert(
+                tf.logical_and(low >= 0, high < num_classes),
+                [tf.strings.format("tfdp-data-error: label {} is outside 0..{} (data and model.num_classes disagree)",
+                                   (tf.where(low < 0, low, high), num_classes - 1))]))
+        if corrupt is not None:
+            checks.append(corrupt.count.assign(bad))
+        with tf.control_dependencies(checks):
+            return (index[-1], bad), (tf.identity(images), tf.identity(labels))
+
+    return ds.scan((tf.constant(-1, tf.int64), tf.constant(0, tf.int64)), count)
+
+
+@contextlib.contextmanager
+def data_errors():
+    """Turns the pipeline's own checks (too many corrupt images, bad labels) into one-line user errors."""
+    try:
+        yield
+    except tf.errors.OpError as e:
+        match = re.search(r"tfdp-data-error: ([^\]\n]*)", e.message or "")
+        if match is None:
+            raise
+        raise UserError(match.group(1).strip()) from None
+
+
+def _warn_skipped(gap: tf.Tensor, bad: tf.Tensor) -> tf.Tensor:
+    with tf.control_dependencies([tf.print("tfdp: warning: skipped", gap, "corrupt image(s);", bad,
+                                           "so far in this input pipeline", output_stream=sys.stderr)]):
+        return tf.constant(True)
 
 
 def random_crop(data: tf.Tensor, cfg: DataConfig) -> tf.Tensor:
@@ -124,11 +273,13 @@ def _decode_window(data: tf.Tensor, window: tf.Tensor) -> tf.Tensor:
     def other():
         image = tf.io.decode_image(data, channels=3, expand_animations=False)
         return tf.image.crop_to_bounding_box(image, window[0], window[1], window[2], window[3])
-    return tf.cond(tf.io.is_jpeg(data), lambda: tf.io.decode_and_crop_jpeg(data, window, channels=3), other)
+    return tf.cond(tf.io.is_jpeg(data), lambda: tf.io.decode_and_crop_jpeg(data, window, channels=3, dct_method="INTEGER_ACCURATE"), other)
 
 
 def _resize(image: tf.Tensor, image_size: int) -> tf.Tensor:
-    resized = tf.image.resize(image, [image_size, image_size], method="bilinear", antialias=False)
-    out = tf.saturate_cast(tf.round(resized), tf.uint8)
+    # TensorFlow's bilinear kernel is ~1.5x faster on float input than on uint8 (measured), and
+    # bilinear weights keep values within 0..255: round half up and cast, no clipping pass.
+    resized = tf.image.resize(tf.cast(image, tf.float32), [image_size, image_size], method="bilinear", antialias=False)
+    out = tf.cast(resized + 0.5, tf.uint8)
     out.set_shape([image_size, image_size, 3])
     return out

@@ -1,0 +1,118 @@
+"""Input pipeline images/s beside plain JPEG decoding of the same files, in one run.
+
+Writes ImageNet-sized JPEGs (about 500x375, ~90 KB, cut from the real photos in
+the scikit-image/scikit-learn wheels), converts them to TFRecord shards twice
+(original size, and downscaled at conversion time to --max_side), then measures
+in alternating rounds (best round reported, so a noisy neighbour hurts every
+variant alike):
+
+  full decode         read each JPEG file, tf.io.decode_jpeg the whole image
+  tfdp train (files)  tfdp's training pipeline on the JPEG files
+  tfdp train (shards) tfdp's training pipeline on the TFRecord shards
+  tfdp train (shards, max side N)   the same on the downscaled shards
+
+tfdp's pipeline is the real one (`tfdp.data.pipeline.train_dataset`): random-
+resized crop decoded with decode_and_crop_jpeg, bilinear resize to --size,
+flip, uint8 out, batch --batch; normalisation happens later, on the device.
+
+  python benchmarks/input_pipeline.py [--images=768] [--size=224] [--batch=128] [--max_side=256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tfdp  # noqa: E402,F401  (TensorFlow environment defaults)
+
+
+def make_data(workdir: str, images: int, max_side: int) -> dict[str, str]:
+    from pipelines.convert_imagenet import convert
+    from pipelines.photos import SYNSETS, write_imagenet_tree
+
+    classes = len(SYNSETS)
+    tree = os.path.join(workdir, "tree")
+    write_imagenet_tree(tree, classes, max(images // classes, 1), 1, "ilsvrc")
+    shards = os.path.join(workdir, "shards")
+    small = os.path.join(workdir, f"shards-{max_side}")
+    convert(tree, shards, train_shards=16, val_shards=1, progress=False)
+    convert(tree, small, train_shards=16, val_shards=1, max_side=max_side, progress=False)
+    return {"tree": tree, "shards": shards, "small": small}
+
+
+def rate(dataset, batch: int, batches: int) -> float:
+    iterator = iter(dataset)
+    for _ in range(3):
+        next(iterator)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return batches * batch / (time.perf_counter() - start)
+
+
+def full_decode(files: list[str], batch: int):
+    import tensorflow as tf
+    ds = tf.data.Dataset.from_tensor_slices(files).repeat()
+    ds = ds.map(lambda path: tf.shape(tf.io.decode_jpeg(tf.io.read_file(path), channels=3)),
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+    return ds.batch(batch).prefetch(tf.data.AUTOTUNE)
+
+
+def tfdp_train(data_format: str, directory: str, size: int, batch: int):
+    from tfdp.config import DataConfig
+    from tfdp.data import build_source
+    from tfdp.data.pipeline import train_dataset
+    cfg = DataConfig(format=data_format, dir=directory, image_size=size, shuffle_buffer=1024)
+    return train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0, num_classes=1000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=768)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--max_side", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=30, help="timed batches per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="", help="also write the results as JSON here")
+    args = parser.parse_args()
+
+    from tfdp.config import DataConfig
+    from tfdp.data import build_source
+
+    with tempfile.TemporaryDirectory() as workdir:
+        paths = make_data(workdir, args.images, args.max_side)
+        files = list(build_source(DataConfig(format="imagenet", dir=paths["tree"])).split("train").files)
+        mean_kb = sum(os.path.getsize(f) for f in files) / len(files) / 1024
+        variants = {
+            "full decode": lambda: full_decode(files, args.batch),
+            "tfdp train (files)": lambda: tfdp_train("imagenet", paths["tree"], args.size, args.batch),
+            "tfdp train (shards)": lambda: tfdp_train("tfrecord", paths["shards"], args.size, args.batch),
+            f"tfdp train (shards, max side {args.max_side})":
+                lambda: tfdp_train("tfrecord", paths["small"], args.size, args.batch),
+        }
+        datasets = {name: make() for name, make in variants.items()}
+        best = {name: 0.0 for name in variants}
+        for _ in range(args.rounds):
+            for name, ds in datasets.items():
+                best[name] = max(best[name], rate(ds, args.batch, args.batches))
+    base = best["full decode"]
+    print(f"{len(files)} JPEGs, mean {mean_kb:.0f} KB; {args.size}x{args.size} crops, batch {args.batch}, "
+          f"{os.cpu_count()} CPU cores; best of {args.rounds} rounds")
+    print(f"{'pipeline':42s} {'images/s':>9s} {'vs full decode':>15s}")
+    for name, value in best.items():
+        print(f"{name:42s} {value:9.0f} {value / base:14.2f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"images": len(files), "mean_kb": mean_kb, "images_per_sec": best,
+                       "ratio": {k: v / base for k, v in best.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""The ImageNet data layer on real JPEG files in every layout, local and in a (real, emulated) bucket."""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import tarfile
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import last_line, read_jsonl, run_tfdp
+from pipelines.convert_imagenet import Item, Prepared, convert, image_example
+from pipelines.photos import SYNSETS, write_imagenet_tree
+from tfdp.config import DataConfig
+from tfdp.data import build_source
+from tfdp.data.pipeline import CorruptCounter, data_errors, eval_dataset, pipeline_share, train_dataset
+from tfdp.errors import UserError
+
+CLASSES = 3
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trees")
+    truth = write_imagenet_tree(str(root / "ilsvrc"), CLASSES, 4, 2, "ilsvrc")
+    assert write_imagenet_tree(str(root / "kaggle"), CLASSES, 4, 2, "kaggle") == truth
+    return {"ilsvrc": str(root / "ilsvrc"), "kaggle": str(root / "kaggle"), "truth": truth}
+
+
+@pytest.fixture(scope="module")
+def shards(trees, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("shards") / "imagenet")
+    convert(trees["ilsvrc"], out, train_shards=3, val_shards=2, workers=1, progress=False)
+    return out
+
+
+def truth_labels(truth: dict, split: str) -> dict[str, int]:
+    synsets = [s for s, _ in SYNSETS[:CLASSES]]
+    return {name: synsets.index(synset) for name, synset in truth[split].items()}
+
+
+def listed_pairs(source, split: str) -> dict[str, int]:
+    data = source.split(split)
+    return {posixpath.basename(f): label for f, label in zip(data.files, data.labels)}
+
+
+def record_pairs(source, split: str, name_key: str = "image/filename") -> dict[str, int]:
+    """(file name → label) as the pipeline would label each record."""
+    data = source.split(split)
+    fmt = data.records
+    pairs = {}
+    for record in tf.data.TFRecordDataset(list(data.files)):
+        example = tf.train.Example.FromString(record.numpy()).features.feature
+        pairs[example[name_key].bytes_list.value[0].decode()] = example[fmt.label_key].int64_list.value[0] + fmt.label_offset
+    return pairs
+
+
+def pipeline_labels(source, split: str, image_size: int = 32) -> list[int]:
+    cfg = DataConfig(image_size=image_size)
+    labels = []
+    for _, label, weight in eval_dataset(source.split(split), cfg, 4, num_classes=source.num_classes or 1000):
+        labels += [int(x) for x, w in zip(label.numpy(), weight.numpy()) if w > 0]
+    return sorted(labels)
+
+
+def test_raw_layouts_label_every_image_like_the_ground_truth(trees):
+    for layout in ("ilsvrc", "kaggle"):
+        source = build_source(DataConfig(format="imagenet", dir=trees[layout]))
+        assert source.class_names == tuple(s for s, _ in SYNSETS[:CLASSES])
+        assert source.class_text[0] == "tench, Tinca tinca"
+        for split in ("train", "val"):
+            assert listed_pairs(source, split) == truth_labels(trees["truth"], split), (layout, split)
+
+
+def test_converted_shards_are_the_standard_format_with_the_same_labels(trees, shards):
+    names = sorted(os.listdir(shards))
+    assert [n for n in names if not n.startswith(".") and "-of-" in n] == [
+        "train-00000-of-00003", "train-00001-of-00003", "train-00002-of-00003",
+        "validation-00000-of-00002", "validation-00001-of-00002"]
+    source = build_source(DataConfig(format="tfrecord", dir=shards))
+    assert source.class_names == tuple(s for s, _ in SYNSETS[:CLASSES])
+    for split in ("train", "val"):
+        assert record_pairs(source, split) == truth_labels(trees["truth"], split)
+        assert pipeline_labels(source, split) == sorted(truth_labels(trees["truth"], split).values())
+    first = next(iter(tf.data.TFRecordDataset(source.split("train").files[0])))
+    feature = tf.train.Example.FromString(first.numpy()).features.feature
+    for key in ("image/encoded", "image/class/label", "image/class/synset", "image/class/text", "image/height",
+                "image/width", "image/filename", "image/format", "image/object/bbox/xmin"):
+        assert key in feature, key
+    synset = feature["image/class/synset"].bytes_list.value[0].decode()
+    assert feature["image/class/label"].int64_list.value[0] == [s for s, _ in SYNSETS].index(synset) + 1  # 1-based
+
+
+def test_kaggle_boxes_reach_the_records_normalised(trees, tmp_path):
+    out = str(tmp_path / "kaggle-shards")
+    convert(trees["kaggle"], out, train_shards=1, val_shards=1, workers=1, progress=False)
+    source = build_source(DataConfig(format="tfrecord", dir=out))
+    for record in tf.data.TFRecordDataset(source.split("val").files):
+        feature = tf.train.Example.FromString(record.numpy()).features.feature
+        xmin = feature["image/object/bbox/xmin"].float_list.value
+        xmax = feature["image/object/bbox/xmax"].float_list.value
+        assert len(xmin) >= 1 and all(0 <= a < b <= 1 for a, b in zip(xmin, xmax))
+
+
+def test_shards_in_a_bucket_read_the_same_and_are_cached_once(trees, shards, gcs_bucket, tmp_path):
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    fs.put(shards, gcs_bucket.removeprefix("gs://") + "/imagenet", recursive=True)
+    cache = str(tmp_path / "cache")
+    cfg = DataConfig(format="tfrecord", dir=f"{gcs_bucket}/imagenet", cache_dir=cache)
+    source = build_source(cfg)
+    files = source.split("train").files
+    assert all(f.startswith(cache) for f in files)
+    for split in ("train", "val"):
+        assert record_pairs(source, split) == truth_labels(trees["truth"], split)
+    mtimes = [os.path.getmtime(f) for f in files]
+    build_source(cfg)  # warm: nothing is fetched again
+    assert [os.path.getmtime(f) for f in files] == mtimes
+
+
+def test_raw_tree_in_a_bucket_is_listed_and_decoded(trees, gcs_bucket, tmp_path):
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    fs.put(trees["kaggle"], gcs_bucket.removeprefix("gs://") + "/kaggle", recursive=True)
+    source = build_source(DataConfig(format="imagenet", dir=f"{gcs_bucket}/kaggle"))
+    assert source.split("val").files[0].startswith(f"{gcs_bucket}/kaggle/ILSVRC/Data/CLS-LOC/val/")
+    for split in ("train", "val"):
+        assert listed_pairs(source, split) == truth_labels(trees["truth"], split)
+    cfg = DataConfig(image_size=32, cache_dir=str(tmp_path / "cache"))
+    labels = [int(x) for _, label, weight in eval_dataset(source.split("val"), cfg, 4, num_classes=CLASSES)
+              for x, w in zip(label.numpy(), weight.numpy()) if w > 0]
+    assert sorted(labels) == sorted(truth_labels(trees["truth"], "val").values())
+
+
+def _tfds_photo_builder(tree: str, truth: dict):
+    import tensorflow_datasets as tfds
+
+    class PhotoTree(tfds.core.GeneratorBasedBuilder):
+        """A tiny image-classification dataset prepared locally, as a user's own TFDS dataset would be."""
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, supervised_keys=("image", "label"), features=tfds.features.FeaturesDict({
+                "image": tfds.features.Image(encoding_format="jpeg"),
+                "label": tfds.features.ClassLabel(names=[s for s, _ in SYNSETS[:CLASSES]]),
+                "file_name": tfds.features.Text()}))
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples("train"), "validation": self._generate_examples("val")}
+
+        def _generate_examples(self, split):
+            for name, synset in truth[split].items():
+                folder = os.path.join(tree, "train", synset) if split == "train" else os.path.join(tree, "val")
+                yield name, {"image": os.path.join(folder, name), "label": synset, "file_name": name}
+
+    return PhotoTree
+
+
+def test_prepared_tfds_dataset_gives_the_same_labels(trees, tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    _tfds_photo_builder(trees["ilsvrc"], trees["truth"])(data_dir=data_dir).download_and_prepare()
+    source = build_source(DataConfig(format="tfds", dir=data_dir, tfds_name="photo_tree"))
+    assert source.class_names == tuple(s for s, _ in SYNSETS[:CLASSES])
+    for split in ("train", "val"):
+        assert record_pairs(source, split, "file_name") == truth_labels(trees["truth"], split)
+        assert pipeline_labels(source, split) == sorted(truth_labels(trees["truth"], split).values())
+
+
+@pytest.mark.slow
+def test_tfds_imagenet2012_is_prepared_from_its_manual_dir(trees, tmp_path):
+    """The two ILSVRC2012 tars (tiny here) are all TFDS needs: nothing is downloaded."""
+    manual = tmp_path / "manual"
+    manual.mkdir()
+    with tarfile.open(manual / "ILSVRC2012_img_train.tar", "w") as outer:
+        for synset in sorted(set(trees["truth"]["train"].values())):
+            inner = io.BytesIO()
+            with tarfile.open(fileobj=inner, mode="w") as tar:
+                for name in sorted(n for n, s in trees["truth"]["train"].items() if s == synset):
+                    tar.add(os.path.join(trees["ilsvrc"], "train", synset, name), arcname=name)
+            info = tarfile.TarInfo(f"{synset}.tar")
+            info.size = inner.tell()
+            inner.seek(0)
+            outer.addfile(info, inner)
+    with tarfile.open(manual / "ILSVRC2012_img_val.tar", "w") as tar:
+        for name in sorted(trees["truth"]["val"]):
+            tar.add(os.path.join(trees["ilsvrc"], "val", name), arcname=name)
+    source = build_source(DataConfig(format="tfds", dir=str(tmp_path / "tfds"), tfds_name="imagenet2012",
+                                     tfds_manual_dir=str(manual)))
+    assert source.num_classes == 1000 and source.class_names == tuple(sorted(source.class_names))
+    assert record_pairs(source, "train", "file_name") == truth_labels(trees["truth"], "train")
+    import tensorflow_datasets as tfds
+    official = tfds.builder("imagenet2012").info.features["label"].names  # TFDS' own validation labels
+    val = record_pairs(source, "val", "file_name")
+    assert len(val) == len(trees["truth"]["val"]) and all(0 <= label < 1000 for label in val.values())
+    assert [source.class_names[val[n]] for n in sorted(val)] == [official[val[n]] for n in sorted(val)]
+
+
+def test_synthetic_format_needs_no_files():
+    cfg = DataConfig(format="synthetic", synthetic_examples=100, image_size=16)
+    source = build_source(cfg)
+    assert source.split("train").num_examples == 100
+    images, labels = next(iter(train_dataset(source.split("train"), cfg, 8, seed=0, num_classes=10)))
+    assert images.shape == (8, 16, 16, 3) and images.dtype == tf.uint8 and int(tf.reduce_max(labels)) < 10
+    batches = list(eval_dataset(source.split("val"), cfg, 8, num_classes=10))
+    assert sum(float(tf.reduce_sum(w)) for _, _, w in batches) == source.split("val").num_examples
+
+
+# --- conversion ------------------------------------------------------------
+
+def add_awkward_files(tree: str) -> dict[str, str]:
+    """Beside the normal files, what ILSVRC2012 really contains, plus broken files. Returns {name: kind}."""
+    from PIL import Image
+
+    folder = os.path.join(tree, "train", SYNSETS[0][0])
+    photo = Image.open(os.path.join(folder, sorted(os.listdir(folder))[0]))
+    photo.convert("CMYK").save(os.path.join(folder, "cmyk.JPEG"), "JPEG")
+    photo.save(os.path.join(folder, "png.JPEG"), "PNG")
+    photo.convert("L").save(os.path.join(folder, "grey.JPEG"), "JPEG")
+    data = open(os.path.join(folder, sorted(os.listdir(folder))[0]), "rb").read()
+    with open(os.path.join(folder, "truncated.JPEG"), "wb") as f:
+        f.write(data[: len(data) // 2])
+    open(os.path.join(folder, "empty.JPEG"), "wb").close()
+    return {"cmyk.JPEG": "cmyk", "png.JPEG": "png", "grey.JPEG": "grey", "truncated.JPEG": "bad", "empty.JPEG": "bad"}
+
+
+def test_conversion_repairs_real_oddities_and_reports_every_bad_file(tmp_path):
+    tree = str(tmp_path / "tree")
+    truth = write_imagenet_tree(tree, CLASSES, 4, 2, "ilsvrc")
+    kinds = add_awkward_files(tree)
+    out = str(tmp_path / "out")
+    report = convert(tree, out, train_shards=2, val_shards=1, workers=1, progress=False)
+    bad = sorted(posixpath.basename(b["file"]) for b in report["bad_files"])
+    assert bad == ["empty.JPEG", "truncated.JPEG"]
+    assert {posixpath.basename(b["file"]): b["reason"].split(" (")[0] for b in report["bad_files"]} == {
+        "empty.JPEG": "zero-byte file", "truncated.JPEG": "cannot decode"}
+    listed = len(truth["train"]) + len(kinds)
+    assert report["splits"]["train"]["examples"] == listed - 2
+    assert report["splits"]["train"]["skipped"] == 2
+    assert report["splits"]["validation"]["examples"] == len(truth["val"])
+    records = {}
+    for record in tf.data.TFRecordDataset(sorted(str(p) for p in (tmp_path / "out").glob("train-*"))):
+        feature = tf.train.Example.FromString(record.numpy()).features.feature
+        records[feature["image/filename"].bytes_list.value[0].decode()] = feature["image/encoded"].bytes_list.value[0]
+    assert len(records) == listed - 2
+    for name in ("cmyk.JPEG", "png.JPEG", "grey.JPEG"):
+        assert tf.io.is_jpeg(records[name]), name
+        image = tf.io.decode_jpeg(records[name], channels=3)
+        assert image.shape[-1] == 3 and int(tf.reduce_max(image)) > 0
+    original = open(os.path.join(tree, "train", SYNSETS[0][0], f"{SYNSETS[0][0]}_1.JPEG"), "rb").read()
+    assert records[f"{SYNSETS[0][0]}_1.JPEG"] == original  # good JPEGs are stored untouched
+
+
+def test_conversion_downscales_to_max_side(trees, tmp_path):
+    out = str(tmp_path / "small")
+    convert(trees["ilsvrc"], out, train_shards=1, val_shards=1, workers=1, max_side=128, progress=False)
+    for record in tf.data.TFRecordDataset([os.path.join(out, "train-00000-of-00001")]):
+        feature = tf.train.Example.FromString(record.numpy()).features.feature
+        image = tf.io.decode_jpeg(feature["image/encoded"].bytes_list.value[0])
+        assert max(image.shape[:2]) == 128
+        assert (feature["image/height"].int64_list.value[0], feature["image/width"].int64_list.value[0]) == tuple(
+            image.shape[:2])
+
+
+@pytest.mark.slow
+def test_interrupted_conversion_resumes_to_byte_identical_shards(tmp_path):
+    """Kill the converter mid-way, run it again (in parallel this time): same bytes as one clean serial run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tree = str(tmp_path / "tree")
+    write_imagenet_tree(tree, CLASSES, 12, 2, "ilsvrc")
+    add_awkward_files(tree)
+    clean = str(tmp_path / "clean")
+    convert(tree, clean, train_shards=12, val_shards=2, workers=1, progress=False)
+
+    resumed = str(tmp_path / "resumed")
+    cmd = [sys.executable, "-m", "pipelines.convert_imagenet", f"--src={tree}", f"--out={resumed}",
+           "--train_shards=12", "--val_shards=2"]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd + ["--workers=1"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.isdir(resumed) and len([n for n in os.listdir(resumed) if n.startswith("train-")]) >= 3:
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = [n for n in os.listdir(resumed) if n.startswith("train-")]
+    assert 3 <= len(done) < 12, "the converter was not interrupted mid-way"
+    assert not os.path.exists(os.path.join(resumed, "counts.json"))
+
+    result = subprocess.run(cmd + ["--workers=2"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "skipped 2 bad file(s)" in last_line(result.stdout)
+    shard_names = sorted(n for n in os.listdir(clean) if "-of-" in n and not n.startswith("."))
+    assert sorted(n for n in os.listdir(resumed) if "-of-" in n and not n.startswith(".")) == shard_names
+    for name in shard_names:
+        with open(os.path.join(clean, name), "rb") as a, open(os.path.join(resumed, name), "rb") as b:
+            assert a.read() == b.read(), name
+    assert not [n for n in os.listdir(resumed) if ".tmp" in n]
+
+
+def test_conversion_refuses_more_shards_than_images(trees, tmp_path):
+    with pytest.raises(UserError, match="at most 6 shards"):
+        convert(trees["ilsvrc"], str(tmp_path / "x"), train_shards=2, val_shards=7, workers=1, progress=False)
+
+
+# --- corrupt records, labels, sharding --------------------------------------
+
+def write_records(path: str, shards, corrupt_at=(), label_of=lambda i: i % CLASSES + 1, n: int = 20) -> None:
+    """n records of real JPEGs, with garbage or truncated image bytes at `corrupt_at`."""
+    files = sorted(os.path.join(dp, f) for dp, _, fs in os.walk(shards) for f in fs if f.endswith(".JPEG"))
+    os.makedirs(path, exist_ok=True)
+    jpeg = open(files[0], "rb").read() if files else None
+    with tf.io.TFRecordWriter(os.path.join(path, "train-00000-of-00001")) as writer:
+        for i in range(n):
+            data = jpeg if i not in corrupt_at else (b"not an image" if i % 2 else jpeg[:200])
+            item = Item(f"img{i}.JPEG", label_of(i) - 1, SYNSETS[0][0], "t")
+            writer.write(image_example(item, Prepared(data, 375, 500, (500, 375))).SerializeToString())
+    for name in ("validation-00000-of-00001",):
+        os.link(os.path.join(path, "train-00000-of-00001"), os.path.join(path, name))
+    with open(os.path.join(path, "synsets.txt"), "w") as f:
+        f.writelines(f"{s}\t{t}\n" for s, t in SYNSETS[:CLASSES])
+
+
+def test_corrupt_records_are_counted_and_evaluation_still_counts_each_good_one(trees, tmp_path):
+    write_records(str(tmp_path / "rec"), trees["ilsvrc"], corrupt_at=(3, 8, 11))
+    cfg = DataConfig(format="tfrecord", dir=str(tmp_path / "rec"), image_size=32, max_bad_fraction=0.5)
+    source = build_source(cfg)
+    counter = CorruptCounter()
+    batches = list(eval_dataset(source.split("val"), cfg, 4, num_classes=CLASSES, corrupt=counter))
+    assert sum(b[0].shape[0] for b in batches) == 20       # padded back to whole steps
+    assert sum(float(tf.reduce_sum(b[2])) for b in batches) == 17
+    assert counter.value() == 3
+    counter = CorruptCounter()
+    it = iter(train_dataset(source.split("train"), cfg, 4, seed=0, num_classes=CLASSES, corrupt=counter))
+    for _ in range(10):  # 40 images: every record read at least once more than an epoch
+        next(it)
+    assert counter.value() >= 3
+
+
+def test_too_many_corrupt_records_stop_with_a_clear_message(trees, tmp_path):
+    write_records(str(tmp_path / "rec"), trees["ilsvrc"], corrupt_at=(1, 2, 3, 4, 5))
+    cfg = DataConfig(format="tfrecord", dir=str(tmp_path / "rec"), image_size=32, max_bad_fraction=0.1)
+    source = build_source(cfg)
+    with pytest.raises(UserError, match=r"too many corrupt images: \d+ of the first \d+ records could not be decoded "
+                                        r"\(data.max_bad_fraction is 0.1\)"):
+        with data_errors():
+            for _ in train_dataset(source.split("train"), cfg, 4, seed=0, num_classes=CLASSES).take(20):
+                pass
+
+
+def test_labels_outside_the_class_range_are_errors(trees, tmp_path):
+    write_records(str(tmp_path / "zero"), trees["ilsvrc"], label_of=lambda i: 0)  # 0-based labels in a 1-based format
+    with pytest.raises(UserError, match="label -1 is outside 0..2 .*1-based labels"):
+        build_source(DataConfig(format="tfrecord", dir=str(tmp_path / "zero")))
+    write_records(str(tmp_path / "late"), trees["ilsvrc"], label_of=lambda i: 1 if i < 10 else 7)
+    cfg = DataConfig(format="tfrecord", dir=str(tmp_path / "late"), image_size=32)
+    with pytest.raises(UserError, match=r"label 6 is outside 0..2 \(data and model.num_classes disagree\)"):
+        with data_errors():
+            list(eval_dataset(build_source(cfg).split("val"), cfg, 4, num_classes=CLASSES))
+
+
+def test_missing_shards_and_layout_errors_are_one_line(tmp_path, trees):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no TFRecord shards for split 'train' in .*empty \\(expected train-00000-of-01024"):
+        build_source(DataConfig(format="tfrecord", dir=str(tmp_path / "empty")))
+    import shutil
+    shutil.copytree(os.path.join(trees["ilsvrc"], "train"), tmp_path / "nolabels" / "train")
+    shutil.copytree(os.path.join(trees["ilsvrc"], "val"), tmp_path / "nolabels" / "val")
+    with pytest.raises(UserError, match="no validation labels in .*nolabels: expected ILSVRC2012_validation_ground_truth.txt"):
+        build_source(DataConfig(format="imagenet", dir=str(tmp_path / "nolabels")))
+
+
+def test_file_level_sharding_when_files_suffice_else_by_example(trees, shards):
+    source = build_source(DataConfig(format="tfrecord", dir=shards))
+    split = source.split("train")   # 3 shards
+    cfg = DataConfig(image_size=16)
+
+    def images(n):
+        out = []
+        for i in range(n):
+            ctx = tf.distribute.InputContext(num_input_pipelines=n, input_pipeline_id=i, num_replicas_in_sync=n)
+            share, by_example = pipeline_share(split, ctx)
+            assert by_example == (n > len(split.files))
+            batches = eval_dataset(split, cfg, 2 * n, ctx, num_classes=CLASSES)
+            out.append([bytes(img.numpy().tobytes()) for b in batches for img, w in zip(b[0], b[2]) if w > 0])
+        return out
+
+    for n in (2, 4):   # 2: file-level (3 files); 4: by example
+        shares = images(n)
+        flat = [img for share in shares for img in share]
+        assert len(flat) == split.num_examples, n
+        assert len({h for h in flat}) == len(set(images(1)[0])), n
+
+
+# --- end to end --------------------------------------------------------------
+
+@pytest.mark.slow
+def test_train_on_shards_reports_corrupt_images_and_stops_when_too_many(trees, tmp_path):
+    write_records(str(tmp_path / "rec"), trees["ilsvrc"], corrupt_at=(2, 9), n=40)
+    common = ["train", "--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=tfrecord",
+              f"--data_dir={tmp_path / 'rec'}", "--set=model.num_classes=3", "--epochs=2",
+              "--batch_size_per_replica=4", "--set=data.image_size=16", "--set=schedule.warmup_epochs=0"]
+    ok = run_tfdp(*common, f"--model_dir={tmp_path / 'ok'}", "--set=data.max_bad_fraction=0.1", timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "skipped" in last_line(ok.stdout) and "corrupt training image(s)" in last_line(ok.stdout)
+    assert read_jsonl(tmp_path / "ok" / "metrics.jsonl")[-1]["corrupt_images"] >= 2
+    strict = run_tfdp(*common, f"--model_dir={tmp_path / 'strict'}", "--set=data.max_bad_fraction=0.01", timeout=300)
+    assert strict.returncode == 2
+    assert last_line(strict.stderr).startswith("tfdp: error: too many corrupt images:")
+    assert "Traceback" not in strict.stderr
+    mismatch = run_tfdp(*common[:-5], "--set=model.num_classes=10", f"--model_dir={tmp_path / 'm'}", timeout=120)
+    assert mismatch.returncode == 2
+    assert last_line(mismatch.stderr) == "tfdp: error: the data has 3 classes but model.num_classes is 10"
+    assert np.isfinite(read_jsonl(tmp_path / "ok" / "metrics.jsonl")[-1]["loss"])

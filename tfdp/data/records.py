@@ -1,0 +1,106 @@
+"""TFRecord shards in the standard ImageNet format.
+
+The format is the one TensorFlow's official conversion script
+(`build_imagenet_data.py`) writes and Model Garden / TPU reference models
+read: shards named `train-00000-of-01024` and `validation-00000-of-00128`,
+each a sequence of tf.train.Example with
+
+    image/encoded  image/format  image/filename  image/height  image/width
+    image/colorspace  image/channels
+    image/class/label   (1-based: 0 is reserved for "background")
+    image/class/synset  image/class/text
+    image/object/bbox/{xmin,ymin,xmax,ymax,label}   (normalised to 0..1)
+
+tfdp's converter (`pipelines/convert_imagenet.py`) writes this format and,
+beside the shards, `synsets.txt` (the class list in label order) and
+`counts.json`. Shards from other tools work too: the class list is then read
+from a synset file if one is present, and record counts from the shards'
+length headers.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import posixpath
+
+from tfdp.data.sources import RecordFormat, Source, Split
+from tfdp.data.storage import count_records, filesystem, localize, url
+from tfdp.errors import UserError
+
+IMAGENET_RECORDS = RecordFormat(image_key="image/encoded", label_key="image/class/label", label_offset=-1)
+SYNSET_FILES = ("synsets.txt", "LOC_synset_mapping.txt", "imagenet_metadata.txt", "imagenet_lsvrc_2015_synsets.txt")
+COUNTS_FILE = "counts.json"
+SPLIT_PREFIXES = {"val": ("validation", "val"), "validation": ("validation", "val")}
+
+
+def shard_name(prefix: str, index: int, total: int) -> str:
+    return f"{prefix}-{index:05d}-of-{total:05d}"
+
+
+def tfrecord_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> Source:
+    fs, path = filesystem(root)
+    if not fs.isdir(path):
+        raise UserError(f"data directory not found: {root}")
+    synsets, text = read_synsets(fs, path)
+    known = _read_counts(fs, path)
+    splits = {}
+    for name in split_names:
+        shards = _find_shards(fs, path, name)
+        local = localize([url(fs, s) for s in shards], cache_dir)
+        counts = tuple(known.get(posixpath.basename(s)) or count_records(p) for s, p in zip(shards, local))
+        splits[name] = Split(name=name, files=tuple(local), counts=counts, records=IMAGENET_RECORDS)
+        check_first_record(splits[name], len(synsets))
+    return Source(class_names=synsets, splits=splits, class_text=text)
+
+
+def read_synsets(fs, root: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(synset ids in label order, their names) from the first synset file found, else empty."""
+    for name in SYNSET_FILES:
+        path = posixpath.join(root, name)
+        if fs.exists(path):
+            with fs.open(path, "rb") as f:
+                rows = [line.split(None, 1) for line in f.read().decode("utf-8").splitlines() if line.strip()]
+            entries = sorted((row[0], row[1].strip() if len(row) > 1 else row[0]) for row in rows)
+            return tuple(e[0] for e in entries), tuple(e[1] for e in entries)
+    return (), ()
+
+
+def check_first_record(split: Split, num_classes: int) -> None:
+    """Fails early on shards of another format (missing features, 0-based labels, too many classes)."""
+    import tensorflow as tf
+
+    fmt = split.records
+    try:
+        first = next(iter(tf.data.TFRecordDataset(split.files[0]).take(1)), None)
+    except tf.errors.OpError as e:
+        raise UserError(f"cannot read {split.files[0]}: {e.message.splitlines()[0]}") from None
+    if first is None:
+        return
+    example = tf.train.Example.FromString(first.numpy())
+    features = example.features.feature
+    for key in (fmt.image_key, fmt.label_key):
+        if key not in features:
+            raise UserError(f"{split.files[0]}: records have no '{key}' feature (found: {', '.join(sorted(features))})")
+    label = features[fmt.label_key].int64_list.value[0] + fmt.label_offset
+    if label < 0 or (num_classes and label >= num_classes):
+        raise UserError(f"{split.files[0]}: label {label} is outside 0..{(num_classes or 1) - 1} "
+                        f"(stored value {label - fmt.label_offset}; this format expects 1-based labels)")
+
+
+def _find_shards(fs, root: str, split_name: str) -> list[str]:
+    names = sorted(posixpath.basename(p) for p in fs.ls(root, detail=False))
+    for prefix in SPLIT_PREFIXES.get(split_name, (split_name,)):
+        shards = [n for n in names if fnmatch.fnmatch(n, f"{prefix}-*") and ".tmp" not in n]
+        if shards:
+            return [posixpath.join(root, n) for n in shards]
+    raise UserError(f"no TFRecord shards for split '{split_name}' in {url(fs, root)} "
+                    f"(expected {shard_name(SPLIT_PREFIXES.get(split_name, (split_name,))[0], 0, 1024)} ...)")
+
+
+def _read_counts(fs, root: str) -> dict[str, int]:
+    path = posixpath.join(root, COUNTS_FILE)
+    if not fs.exists(path):
+        return {}
+    with fs.open(path, "rb") as f:
+        return json.loads(f.read()).get("shards", {})
