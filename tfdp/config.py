@@ -112,8 +112,8 @@ class TrainConfig:
     precision: Literal["float32", "mixed_bfloat16", "mixed_float16"] = "float32"
     # Training steps per tf.function call (fewer host round trips for small models).
     steps_per_execution: PosInt = 1
-    # Compile the training step with XLA. Keras 3 turns "auto" off under any distribution
-    # strategy, so tfdp sets it explicitly; single-replica runs only for now.
+    # Compile each replica's forward/backward pass with XLA (tfdp/xla.py); works with any number
+    # of replicas, where Keras' own jit_compile fails (it compiles the cross-replica step).
     jit_compile: Bool = False
 
 

@@ -31,6 +31,7 @@ from tfdp.losses import SparseSmoothedCrossentropy
 from tfdp.models import build_model, check_model_name
 from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
+from tfdp.xla import compile_per_replica_step
 
 METRICS_FILE = "metrics.jsonl"
 # Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
@@ -48,9 +49,6 @@ class Plan:
 
 
 def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
-    if cfg.train.jit_compile and runtime.num_replicas > 1:
-        # Keras compiles the whole cross-replica step, which XLA cannot place on several devices.
-        raise UserError(f"train.jit_compile works with one replica for now; this run has {runtime.num_replicas}")
     if source.num_classes and source.num_classes != cfg.model.num_classes:  # 0: unknown until labels are read
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
@@ -79,8 +77,9 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer (dynamic loss scaling).
     # Weighted metrics, so evaluation's weight-0 padding images are not counted.
     model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
-                  weighted_metrics=metrics, jit_compile=cfg.train.jit_compile,
-                  steps_per_execution=cfg.train.steps_per_execution)
+                  weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
+    if cfg.train.jit_compile:
+        compile_per_replica_step(model)  # XLA per replica; Keras' own jit fails with several replicas
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
     optimizer.build(model.trainable_variables)
     return model
