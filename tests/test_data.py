@@ -73,7 +73,7 @@ def test_eval_pipeline_reads_every_example_exactly_once(digits_dir):
 def test_workers_read_disjoint_files(digits_dir):
     cfg = DataConfig(format="image_folder", dir=digits_dir)
     split = build_source(cfg).split("val")
-    seen, steps, files = [], [], []
+    seen, steps = [], []
     for worker in range(2):
         ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=worker, num_replicas_in_sync=2)
         batches = list(eval_dataset(split, cfg, 32, ctx))

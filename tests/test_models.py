@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tfdp.config import validate
 from tfdp.errors import UserError

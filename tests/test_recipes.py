@@ -1,5 +1,6 @@
 """ImageNet recipes, weight-decay exclusion, mixed precision."""
 
+import dataclasses
 import os
 
 import keras
@@ -92,3 +93,18 @@ def test_jit_compile_really_compiles_with_xla_under_mirrored_strategy(tmp_path, 
     modules = [p.name for p in dump.iterdir()] if dump.exists() else []
     assert any("forward_backward" in m for m in modules), modules[:10]
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["val_top1"] > 0.5
+
+
+def test_recipes_read_imagenet_shards(tmp_path):
+    """Every recipe's data section works on standard shards (converted from real photos), only the path changed."""
+    from pipelines.convert_imagenet import convert
+    from pipelines.photos import write_imagenet_tree
+    from tfdp.data import build_source
+    write_imagenet_tree(str(tmp_path / "tree"), 2, 2, 1, "ilsvrc")
+    convert(str(tmp_path / "tree"), str(tmp_path / "shards"), train_shards=2, val_shards=1, workers=1, progress=False)
+    for name in ("resnet50_imagenet.yaml", "resnet18_imagenet.yaml", "vgg16_imagenet.yaml",
+                 "efficientnetv2_s_imagenet.yaml", "mobilenet_v2_imagenet.yaml"):
+        cfg = recipe(name)
+        assert cfg.data.format == "tfrecord" and cfg.data.val_split == "val"
+        source = build_source(dataclasses.replace(cfg.data, dir=str(tmp_path / "shards")))
+        assert (source.split("train").num_examples, source.split("val").num_examples) == (4, 2)

@@ -273,7 +273,9 @@ def _decode_window(data: tf.Tensor, window: tf.Tensor) -> tf.Tensor:
     def other():
         image = tf.io.decode_image(data, channels=3, expand_animations=False)
         return tf.image.crop_to_bounding_box(image, window[0], window[1], window[2], window[3])
-    return tf.cond(tf.io.is_jpeg(data), lambda: tf.io.decode_and_crop_jpeg(data, window, channels=3, dct_method="INTEGER_ACCURATE"), other)
+    def jpeg():  # the exact IDCT: as fast as INTEGER_FAST here (measured), TensorFlow's default
+        return tf.io.decode_and_crop_jpeg(data, window, channels=3, dct_method="INTEGER_ACCURATE")
+    return tf.cond(tf.io.is_jpeg(data), jpeg, other)
 
 
 def _resize(image: tf.Tensor, image_size: int) -> tf.Tensor:

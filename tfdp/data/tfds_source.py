@@ -16,7 +16,7 @@ import posixpath
 from absl import logging
 
 from tfdp.data.sources import RecordFormat, Source, Split
-from tfdp.data.storage import filesystem, localize, url
+from tfdp.data.storage import filesystem, is_remote, localize, url
 from tfdp.errors import UserError
 
 SPLIT_ALIASES = {"val": "validation"}
@@ -88,8 +88,7 @@ def _prepare_from_manual_dir(data_dir: str, name: str, manual_dir: str) -> str:
     if not manual_dir:
         raise UserError(f"TFDS dataset {name} is not prepared in {data_dir} (no {name}/<version>/dataset_info.json); "
                         f"prepare it there, or set data.tfds_manual_dir to build it from manually downloaded files")
-    fs, _ = filesystem(data_dir)
-    if fs.protocol not in ("file", "local") and "file" not in fs.protocol:
+    if is_remote(filesystem(data_dir)[0]):
         raise UserError("preparing a TFDS dataset from data.tfds_manual_dir needs a local data.dir")
     logging.info("preparing TFDS %s in %s from %s (no download)", name, data_dir, manual_dir)
     try:
