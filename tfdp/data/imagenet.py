@@ -22,7 +22,7 @@ import io
 import posixpath
 import re
 
-from tfdp.data.sources import IMAGE_EXTENSIONS, Source, Split
+from tfdp.data.sources import IMAGE_EXTENSIONS, Source, Split, class_folder_split
 from tfdp.data.storage import filesystem, url
 from tfdp.errors import UserError
 
@@ -51,9 +51,9 @@ def ilsvrc_tree(root: str, split_names: tuple[str, ...]) -> Source:
     splits = {}
     for name in split_names:
         if _is_train(name):
-            splits[name] = _class_folders(fs, name, posixpath.join(path, "train"), synsets)
+            splits[name] = class_folder_split(fs, name, posixpath.join(path, "train"), synsets)
         elif _has_subfolders(fs, posixpath.join(path, "val")):  # already sorted into val/<wnid>/
-            splits[name] = _class_folders(fs, name, posixpath.join(path, "val"), synsets)
+            splits[name] = class_folder_split(fs, name, posixpath.join(path, "val"), synsets)
         else:
             if devkit is None:
                 raise UserError(f"no validation labels in {root}: expected {GROUND_TRUTH} and the devkit's meta.mat "
@@ -74,7 +74,7 @@ def kaggle_tree(root: str, split_names: tuple[str, ...]) -> Source:
     splits = {}
     for name in split_names:
         if _is_train(name):
-            splits[name] = _class_folders(fs, name, posixpath.join(images, "train"), synsets)
+            splits[name] = class_folder_split(fs, name, posixpath.join(images, "train"), synsets)
         else:
             solution = read_kaggle_solution(fs, posixpath.join(path, "LOC_val_solution.csv"))
             labels = {image_id: boxes[0][0] for image_id, boxes in solution.items() if boxes}
@@ -113,21 +113,6 @@ def _train_synsets(fs, train_dir: str) -> tuple[str, ...]:
     if not synsets:
         raise UserError(f"no synset folders in {train_dir}")
     return synsets
-
-
-def _class_folders(fs, name: str, split_dir: str, synsets: tuple[str, ...]) -> Split:
-    files, labels = [], []
-    for label, synset in enumerate(synsets):
-        folder = posixpath.join(split_dir, synset)
-        if not fs.isdir(folder):
-            raise UserError(f"synset {synset} has no folder in {split_dir}")
-        for path in sorted(fs.ls(folder, detail=False)):
-            if path.lower().endswith(IMAGE_EXTENSIONS):
-                files.append(url(fs, path))
-                labels.append(label)
-    if not files:
-        raise UserError(f"no images under {split_dir}")
-    return Split(name=name, files=tuple(files), labels=tuple(labels))
 
 
 def _labelled_flat_folder(fs, name: str, folder: str, synsets: tuple[str, ...], synset_of, label_file: str) -> Split:

@@ -96,18 +96,22 @@ def image_folder(root: str, split_names: tuple[str, ...]) -> Source:
         if class_names is not None and classes != class_names:
             raise UserError(f"split '{name}' has different class folders than '{split_names[0]}' in {root}")
         class_names = classes
-        splits[name] = _list_split(fs, name, split_dir, classes)
+        splits[name] = class_folder_split(fs, name, split_dir, classes)
     return Source(class_names=class_names or (), splits=splits)
 
 
-def _list_split(fs: fsspec.AbstractFileSystem, name: str, split_dir: str, classes: tuple[str, ...]) -> Split:
+def class_folder_split(fs: fsspec.AbstractFileSystem, name: str, split_dir: str, classes: tuple[str, ...]) -> Split:
+    """The images in `split_dir/<class>/`, labelled by the class's index in `classes`."""
     files: list[str] = []
     labels: list[int] = []
     for label, cls in enumerate(classes):
-        for path in sorted(fs.ls(posixpath.join(split_dir, cls), detail=False)):
+        folder = posixpath.join(split_dir, cls)
+        if not fs.isdir(folder):
+            raise UserError(f"class {cls} has no folder in {url(fs, split_dir)}")
+        for path in sorted(fs.ls(folder, detail=False)):
             if path.lower().endswith(IMAGE_EXTENSIONS):
                 files.append(url(fs, path))
                 labels.append(label)
     if not files:
-        raise UserError(f"no images (*.JPEG, *.jpg, *.png) under {split_dir}")
+        raise UserError(f"no images (*.JPEG, *.jpg, *.png) under {url(fs, split_dir)}")
     return Split(name=name, files=tuple(files), labels=tuple(labels))
