@@ -9,5 +9,9 @@ import os as _os
 # environment wins in both cases.
 _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# gcsfs asks a GCS endpoint for the bucket type over gRPC first; an emulator
+# (STORAGE_EMULATOR_HOST) never answers and each bucket access hangs ~60 s.
+if _os.environ.get("STORAGE_EMULATOR_HOST"):
+    _os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 __version__ = "0.1.0"
