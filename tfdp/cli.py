@@ -137,8 +137,12 @@ def main(argv: list[str]) -> None:
     try:
         COMMANDS[argv[1]](argv[2:])
     except UserError as e:
+        sys.stdout.flush()
         sys.stderr.write(f"tfdp: error: {e}\n")
-        sys.exit(2)
+        sys.stderr.flush()
+        # End at once: tf.data threads may still be decoding (say, the next corrupt JPEG), and
+        # their C libraries' messages must not follow the one line the user needs.
+        os._exit(2)
     except KeyboardInterrupt:
         sys.stderr.write("tfdp: interrupted\n")
         sys.exit(130)
