@@ -26,10 +26,8 @@ flip, uint8 out, batch --batch; normalisation happens later, on the device.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,32 +49,6 @@ def make_data(workdir: str, images: int, max_side: int) -> dict[str, str]:
     convert(tree, shards, train_shards=16, val_shards=1, progress=False)
     convert(tree, small, train_shards=16, val_shards=1, max_side=max_side, progress=False)
     return {"tree": tree, "shards": shards, "small": small}
-
-
-@contextlib.contextmanager
-def gcs_emulator():
-    """gcp-storage-emulator on a free loopback port, with gcsfs pointed at it; yields the bucket URL."""
-    import socket
-
-    from tfdp.cluster import free_ports
-
-    port = free_ports(1)[0]
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"), "start",
-                               "--host=127.0.0.1", f"--port={port}", "--in-memory", "--default-bucket=bench", "-q"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(150):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.2)
-        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
-        os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-        yield "gs://bench"
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def rate(dataset, batch: int, batches: int) -> float:
@@ -119,7 +91,9 @@ def main() -> None:
     from tfdp.config import DataConfig
     from tfdp.data import build_source
 
-    with tempfile.TemporaryDirectory() as workdir, gcs_emulator() as bucket:
+    from pipelines.gcs_emulator import gcs_emulator
+
+    with tempfile.TemporaryDirectory() as workdir, gcs_emulator("bench") as bucket:
         paths = make_data(workdir, args.images, args.max_side)
         import fsspec
         fs, _ = fsspec.core.url_to_fs(bucket)

@@ -47,41 +47,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def gcs_bucket():
-    """A real GCS emulator server (gcp-storage-emulator) on loopback; yields its bucket's gs:// URL.
-
-    gcsfs finds it through STORAGE_EMULATOR_HOST; its experimental bucket-type
-    lookup over gRPC would hang against an emulator, so it is switched off.
-    """
-    import socket
-    import time
-
-    from tfdp.cluster import free_ports
-
-    port = free_ports(1)[0]
-    server = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator"), "start", "--host=127.0.0.1",
-         f"--port={port}", "--in-memory", "--default-bucket=tfdp-test", "-q"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                pytest.fail("the GCS emulator did not start")
-            time.sleep(0.2)
-    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
-    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
-    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-    try:
-        yield "gs://tfdp-test"
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    """A real GCS emulator server on loopback; yields its bucket's gs:// URL."""
+    from pipelines.gcs_emulator import gcs_emulator
+    with gcs_emulator("tfdp-test") as bucket:
+        yield bucket

@@ -70,15 +70,22 @@ def test_eval_pipeline_reads_every_example_exactly_once(digits_dir):
     assert not weights[:360].min() == 0  # the pads come last
 
 
+def worker_shares(split, cfg, workers: int, global_batch: int) -> tuple[list[int], list[int]]:
+    """(real images, steps) of each worker's evaluation pipeline."""
+    seen, steps = [], []
+    for worker in range(workers):
+        ctx = tf.distribute.InputContext(num_input_pipelines=workers, input_pipeline_id=worker,
+                                         num_replicas_in_sync=workers)
+        batches = list(eval_dataset(split, cfg, global_batch, ctx))
+        seen.append(int(sum(w.numpy().sum() for _, _, w in batches)))
+        steps.append(len(batches))
+    return seen, steps
+
+
 def test_workers_read_disjoint_files(digits_dir):
     cfg = DataConfig(format="image_folder", dir=digits_dir)
     split = build_source(cfg).split("val")
-    seen, steps = [], []
-    for worker in range(2):
-        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=worker, num_replicas_in_sync=2)
-        batches = list(eval_dataset(split, cfg, 32, ctx))
-        seen.append(int(sum(w.numpy().sum() for _, _, w in batches)))
-        steps.append(len(batches))
+    seen, steps = worker_shares(split, cfg, workers=2, global_batch=32)
     assert seen == [180, 180]  # disjoint halves, every image once
     assert steps[0] == steps[1]  # same number of steps, or a collective would wait forever
 
@@ -87,12 +94,7 @@ def test_uneven_worker_shares_still_take_equal_steps(digits_dir):
     cfg = DataConfig(format="image_folder", dir=digits_dir)
     split = build_source(cfg).split("val")
     split = type(split)(split.name, split.files[:37], split.labels[:37])
-    counts, steps = [], []
-    for worker in range(3):
-        ctx = tf.distribute.InputContext(num_input_pipelines=3, input_pipeline_id=worker, num_replicas_in_sync=3)
-        batches = list(eval_dataset(split, cfg, 12, ctx))
-        counts.append(int(sum(w.numpy().sum() for _, _, w in batches)))
-        steps.append(len(batches))
+    counts, steps = worker_shares(split, cfg, workers=3, global_batch=12)
     assert counts == [13, 12, 12] and len(set(steps)) == 1
 
 

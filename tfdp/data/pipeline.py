@@ -119,11 +119,16 @@ def pipeline_share(split: Split, ctx: tf.distribute.InputContext) -> tuple[Split
     n, i = ctx.num_input_pipelines, ctx.input_pipeline_id
     if n == 1:
         return split, False
-    if len(split.files) >= n:
+    if _by_file(split, n):
         return split.subset(range(i, len(split.files), n)), False
     logging.warning("split '%s' has %d files for %d input pipelines: sharding by example "
                     "(each pipeline reads every file); write more shards to avoid this", split.name, len(split.files), n)
     return split, True
+
+
+def _by_file(split: Split, n: int) -> bool:
+    """The sharding rule `pipeline_share` and `_share_sizes` agree on: whole files when there are enough."""
+    return len(split.files) >= n
 
 
 def _share_sizes(split: Split, n: int) -> list[int]:
@@ -131,7 +136,7 @@ def _share_sizes(split: Split, n: int) -> list[int]:
     if split.synthetic:
         return [-(-split.synthetic // n)] * n
     counts = split.file_counts()
-    if len(counts) >= n:
+    if _by_file(split, n):
         return [sum(counts[i::n]) for i in range(n)]
     total = sum(counts)
     return [len(range(i, total, n)) for i in range(n)]

@@ -17,6 +17,7 @@ import os
 import struct
 
 import fsspec
+import fsspec.utils
 
 from tfdp.errors import UserError
 
@@ -50,7 +51,9 @@ def localize(urls: list[str] | tuple[str, ...], cache_dir: str) -> list[str]:
     interrupted copy (which never reaches its final name anyway) or a changed
     object is fetched again.
     """
-    remote = [u for u in urls if is_remote(filesystem(u)[0])]
+    # The protocol from the string alone: building a filesystem per path would cost
+    # seconds for a million-image tree.
+    remote = [u for u in urls if fsspec.utils.get_protocol(u) not in LOCAL_PROTOCOLS]
     if not remote:
         return list(urls)
     cache_dir = os.path.expanduser(cache_dir)
