@@ -18,7 +18,8 @@ shards to the local cache in parallel.
 
 tfdp's pipeline is the real one (`tfdp.data.pipeline.train_dataset`): random-
 resized crop decoded with decode_and_crop_jpeg, bilinear resize to --size,
-flip, uint8 out, batch --batch; normalisation happens later, on the device.
+uint8 out, batch --batch, corrupt-image counting; the flip and the
+normalisation happen later, on the device (the model's first layers).
 
   python benchmarks/input_pipeline.py [--images=768] [--size=224] [--batch=128] [--max_side=256]
 """

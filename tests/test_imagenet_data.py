@@ -16,7 +16,9 @@ from pipelines.convert_imagenet import Item, Prepared, convert, image_example
 from pipelines.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
 from tfdp.data import build_source
-from tfdp.data.pipeline import CorruptCounter, data_errors, eval_dataset, pipeline_share, train_dataset
+from tfdp.data.pipeline import (CorruptCounter, data_errors, eval_dataset, pipeline_share, random_crop,
+                                train_dataset)
+from tfdp.data.storage import localize
 from tfdp.errors import UserError
 
 CLASSES = 3
@@ -47,19 +49,19 @@ def listed_pairs(source, split: str) -> dict[str, int]:
     return {posixpath.basename(f): label for f, label in zip(data.files, data.labels)}
 
 
-def record_pairs(source, split: str, name_key: str = "image/filename") -> dict[str, int]:
+def record_pairs(source, split: str, name_key: str = "image/filename", cache_dir: str = "") -> dict[str, int]:
     """(file name → label) as the pipeline would label each record."""
     data = source.split(split)
     fmt = data.records
     pairs = {}
-    for record in tf.data.TFRecordDataset(list(data.files)):
+    for record in tf.data.TFRecordDataset(localize(data.files, cache_dir) if cache_dir else list(data.files)):
         example = tf.train.Example.FromString(record.numpy()).features.feature
         pairs[example[name_key].bytes_list.value[0].decode()] = example[fmt.label_key].int64_list.value[0] + fmt.label_offset
     return pairs
 
 
-def pipeline_labels(source, split: str, image_size: int = 32) -> list[int]:
-    cfg = DataConfig(image_size=image_size)
+def pipeline_labels(source, split: str, image_size: int = 32, cache_dir: str = "~/.cache/tfdp/remote") -> list[int]:
+    cfg = DataConfig(image_size=image_size, cache_dir=cache_dir)
     labels = []
     for _, label, weight in eval_dataset(source.split(split), cfg, 4, num_classes=source.num_classes or 1000):
         labels += [int(x) for x, w in zip(label.numpy(), weight.numpy()) if w > 0]
@@ -105,21 +107,27 @@ def test_kaggle_boxes_reach_the_records_normalised(trees, tmp_path):
         assert len(xmin) >= 1 and all(0 <= a < b <= 1 for a, b in zip(xmin, xmax))
 
 
-def test_shards_in_a_bucket_read_the_same_and_are_cached_once(trees, shards, gcs_bucket, tmp_path):
+def test_shards_in_a_bucket_are_fetched_per_worker_and_read_the_same(trees, shards, gcs_bucket, tmp_path):
     import fsspec
 
     fs, _ = fsspec.core.url_to_fs(gcs_bucket)
     fs.put(shards, gcs_bucket.removeprefix("gs://") + "/imagenet", recursive=True)
-    cache = str(tmp_path / "cache")
-    cfg = DataConfig(format="tfrecord", dir=f"{gcs_bucket}/imagenet", cache_dir=cache)
+    cache = tmp_path / "cache"
+    cfg = DataConfig(format="tfrecord", dir=f"{gcs_bucket}/imagenet", cache_dir=str(cache), image_size=32)
     source = build_source(cfg)
-    files = source.split("train").files
-    assert all(f.startswith(cache) for f in files)
+    train = source.split("train")
+    assert all(f.startswith(f"{gcs_bucket}/imagenet/train-") for f in train.files) and len(train.files) == 3
+    assert not cache.exists()  # the counts come from counts.json: nothing copied to list the data
+    # Worker 1 of 2 gets shard 1 of 3 (file-level sharding) and copies only that one.
+    worker1 = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=2)
+    next(iter(train_dataset(train, cfg, 4, seed=0, input_context=worker1)))
+    cached = cache / "gs" / gcs_bucket.removeprefix("gs://") / "imagenet"
+    assert sorted(os.listdir(cached)) == [posixpath.basename(train.files[1])]
     for split in ("train", "val"):
-        assert record_pairs(source, split) == truth_labels(trees["truth"], split)
-    mtimes = [os.path.getmtime(f) for f in files]
-    build_source(cfg)  # warm: nothing is fetched again
-    assert [os.path.getmtime(f) for f in files] == mtimes
+        assert record_pairs(source, split, cache_dir=str(cache)) == truth_labels(trees["truth"], split)
+    mtimes = {name: os.path.getmtime(cached / name) for name in os.listdir(cached)}
+    next(iter(train_dataset(train, cfg, 4, seed=0, input_context=worker1)))  # warm: nothing is fetched again
+    assert {name: os.path.getmtime(cached / name) for name in os.listdir(cached)} == mtimes
 
 
 def test_raw_tree_in_a_bucket_is_listed_and_decoded(trees, gcs_bucket, tmp_path):
@@ -140,7 +148,7 @@ def test_raw_tree_in_a_bucket_is_listed_and_decoded(trees, gcs_bucket, tmp_path)
 def _tfds_photo_builder(tree: str, truth: dict):
     import tensorflow_datasets as tfds
 
-    class PhotoTree(tfds.core.GeneratorBasedBuilder):
+    class PhotoTree(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         """A tiny image-classification dataset prepared locally, as a user's own TFDS dataset would be."""
         VERSION = tfds.core.Version("1.0.0")
 
@@ -171,6 +179,23 @@ def test_prepared_tfds_dataset_gives_the_same_labels(trees, tmp_path):
         assert pipeline_labels(source, split) == sorted(truth_labels(trees["truth"], split).values())
 
 
+def test_tfds_dataset_in_a_bucket_copies_metadata_first_and_shards_per_pipeline(trees, gcs_bucket, tmp_path):
+    import fsspec
+
+    data_dir = str(tmp_path / "tfds")
+    _tfds_photo_builder(trees["ilsvrc"], trees["truth"])(data_dir=data_dir).download_and_prepare()
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    fs.put(data_dir, gcs_bucket.removeprefix("gs://") + "/tfds", recursive=True)
+    cache = tmp_path / "cache"
+    source = build_source(DataConfig(format="tfds", dir=f"{gcs_bucket}/tfds", tfds_name="photo_tree", cache_dir=str(cache)))
+    assert all(f.startswith(f"{gcs_bucket}/tfds/photo_tree/1.0.0/") for f in source.split("train").files)
+    cached = [f for _, _, names in os.walk(cache) for f in names]
+    assert "dataset_info.json" in cached and not [f for f in cached if ".tfrecord-" in f]
+    for split in ("train", "val"):
+        assert record_pairs(source, split, "file_name", cache_dir=str(cache)) == truth_labels(trees["truth"], split)
+        assert pipeline_labels(source, split, cache_dir=str(cache)) == sorted(truth_labels(trees["truth"], split).values())
+
+
 @pytest.mark.slow
 def test_tfds_imagenet2012_is_prepared_from_its_manual_dir(trees, tmp_path):
     """The two ILSVRC2012 tars (tiny here) are all TFDS needs: nothing is downloaded."""
@@ -198,6 +223,31 @@ def test_tfds_imagenet2012_is_prepared_from_its_manual_dir(trees, tmp_path):
     val = record_pairs(source, "val", "file_name")
     assert len(val) == len(trees["truth"]["val"]) and all(0 <= label < 1000 for label in val.values())
     assert [source.class_names[val[n]] for n in sorted(val)] == [official[val[n]] for n in sorted(val)]
+
+
+def test_training_crop_decodes_only_the_window_and_matches_a_full_decode(trees, tmp_path):
+    cfg = DataConfig(format="imagenet", dir=trees["ilsvrc"], image_size=64)
+    path = build_source(cfg).split("train").files[0]
+    jpeg = tf.io.read_file(path)
+    png = tf.io.encode_png(tf.io.decode_jpeg(jpeg, dct_method="INTEGER_ACCURATE"))
+    for seed in ([1, 2], [3, 4], [5, 6]):
+        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+            tf.io.extract_jpeg_shape(jpeg), tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]), seed=seed,
+            min_object_covered=0.0, aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10)
+        full = tf.io.decode_jpeg(jpeg, channels=3, dct_method="INTEGER_ACCURATE")
+        window = tf.cast(tf.slice(full, begin, size), tf.float32)
+        expected = tf.cast(tf.image.resize(window, [64, 64]) + 0.5, tf.uint8).numpy()
+        assert 0 < size[0] * size[1] < 500 * 375  # a real window, smaller than the image
+        assert np.array_equal(random_crop(jpeg, cfg, tf.constant(seed, tf.int64)).numpy(), expected)
+        assert np.array_equal(random_crop(png, cfg, tf.constant(seed, tf.int64)).numpy(), expected)
+
+
+def test_deterministic_pipeline_repeats_its_crops_and_the_seed_changes_them(trees):
+    cfg = DataConfig(format="imagenet", dir=trees["ilsvrc"], image_size=32, deterministic=True, shuffle_buffer=4)
+    split = build_source(cfg).split("train")
+    first = [next(iter(train_dataset(split, cfg, 8, seed=seed)))[0].numpy() for seed in (0, 0, 1)]
+    assert np.array_equal(first[0], first[1])
+    assert not np.array_equal(first[0], first[2])
 
 
 def test_synthetic_format_needs_no_files():
@@ -378,6 +428,15 @@ def test_missing_shards_and_layout_errors_are_one_line(tmp_path, trees):
     shutil.copytree(os.path.join(trees["ilsvrc"], "val"), tmp_path / "nolabels" / "val")
     with pytest.raises(UserError, match="no validation labels in .*nolabels: expected ILSVRC2012_validation_ground_truth.txt"):
         build_source(DataConfig(format="imagenet", dir=str(tmp_path / "nolabels")))
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    for split in ("train", "validation"):
+        (garbage / f"{split}-00000-of-00001").write_bytes(b"\xff\xd8 these are JPEG bytes, not TFRecords")
+    with pytest.raises(UserError, match="truncated TFRecord file: .*garbage/train-00000-of-00001 \\(record 0 runs past"):
+        build_source(DataConfig(format="tfrecord", dir=str(garbage)))
+    (garbage / "counts.json").write_text('{"shards": {"train-00000-of-00001": 1, "validation-00000-of-00001": 1}}')
+    with pytest.raises(UserError, match="truncated TFRecord file: .*garbage/train-00000-of-00001 \\(first record"):
+        build_source(DataConfig(format="tfrecord", dir=str(garbage)))
 
 
 def test_file_level_sharding_when_files_suffice_else_by_example(trees, shards):

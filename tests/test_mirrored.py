@@ -17,7 +17,9 @@ GLOBAL_BATCH = 32
 
 def make_cfg(digits_dir, replicas, model="simple_cnn", jit_compile=False, lr=0.4):
     return validate({
-        "data": {"format": "image_folder", "dir": digits_dir, "image_size": 16, "eval_crop_fraction": 1.0},
+        # No random flip (it is the model's first layer): every configuration must see the same pixels.
+        "data": {"format": "image_folder", "dir": digits_dir, "image_size": 16, "eval_crop_fraction": 1.0,
+                 "hflip": False},
         "model": {"name": model},
         "optimizer": {"lr": lr, "momentum": 0.9},
         "train": {"batch_size_per_replica": GLOBAL_BATCH // replicas, "epochs": 1, "seed": 3,

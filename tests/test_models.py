@@ -100,3 +100,17 @@ def test_adaptive_pool_matches_pytorch_bins():
     np.testing.assert_allclose(out, expected)
     one = np.ones((1, 1, 1, 4), "float32") * 3
     np.testing.assert_allclose(np.asarray(AdaptiveAveragePool2D(7)(one)), np.full((1, 7, 7, 4), 3.0))
+
+
+def test_flip_runs_on_the_device_per_image_and_only_in_training():
+    cfg = validate({"model": {"name": "simple_cnn"}, "data": {"image_size": 16}})
+    flip = build_model(cfg.model, cfg.data).get_layer("hflip")
+    images = np.random.default_rng(0).integers(0, 256, (64, 16, 16, 3), dtype=np.uint8)
+    flipped = np.asarray(flip(images, training=True))
+    mirrored = [np.array_equal(out, image[:, ::-1]) for out, image in zip(flipped, images)]
+    unchanged = [np.array_equal(out, image) for out, image in zip(flipped, images)]
+    assert all(m != u for m, u in zip(mirrored, unchanged))  # each image is exactly itself or its mirror
+    assert 10 < sum(mirrored) < 54  # drawn per image (a fair coin gives 32 +- 4)
+    assert np.array_equal(np.asarray(flip(images, training=False)), images)
+    no_flip = validate({"model": {"name": "simple_cnn"}, "data": {"image_size": 16, "hflip": False}})
+    assert "hflip" not in [layer.name for layer in build_model(no_flip.model, no_flip.data).layers]

@@ -83,15 +83,18 @@ def test_mixed_bfloat16_matches_float32_accuracy(tmp_path, digits_dir):
 
 @pytest.mark.slow
 def test_jit_compile_really_compiles_with_xla_under_mirrored_strategy(tmp_path, digits_dir):
-    """2 replicas (the demo config's MirroredStrategy): XLA dumps the per-replica step's HLO."""
+    """2 replicas (the demo config's MirroredStrategy): XLA dumps the per-replica step's HLO, device flip included."""
     dump = tmp_path / "xla"
     result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
                       f"--data_dir={digits_dir}", f"--model_dir={tmp_path / 'run'}", "--epochs=2",
-                      "--set=train.jit_compile=true", timeout=600, env_extra={"XLA_FLAGS": f"--xla_dump_to={dump}"})
+                      "--set=train.jit_compile=true", "--set=data.hflip=true", timeout=600,
+                      env_extra={"XLA_FLAGS": f"--xla_dump_to={dump}"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "on 2 replica(s)" in last_line(result.stdout)
-    modules = [p.name for p in dump.iterdir()] if dump.exists() else []
-    assert any("forward_backward" in m for m in modules), modules[:10]
+    modules = [p for p in dump.iterdir()] if dump.exists() else []
+    step = [p for p in modules if "forward_backward" in p.name and p.name.endswith(".txt")]
+    assert step, [p.name for p in modules[:10]]
+    assert any(" reverse(" in p.read_text() for p in step)  # the random flip runs inside the compiled step
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["val_top1"] > 0.5
 
 

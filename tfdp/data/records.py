@@ -16,6 +16,11 @@ beside the shards, `synsets.txt` (the class list in label order) and
 `counts.json`. Shards from other tools work too: the class list is then read
 from a synset file if one is present, and record counts from the shards'
 length headers.
+
+Shards in a bucket stay remote in the `Split`: each input pipeline copies
+only its own share to the local cache when it is built (`pipeline._payloads`),
+so a worker never fetches another worker's shards. Only shards without a
+`counts.json` entry are copied up front, because counting reads them.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import json
 import posixpath
 
 from tfdp.data.sources import RecordFormat, Source, Split
-from tfdp.data.storage import count_records, filesystem, localize, url
+from tfdp.data.storage import count_records, filesystem, first_record, localize, url
 from tfdp.errors import UserError
 
 IMAGENET_RECORDS = RecordFormat(image_key="image/encoded", label_key="image/class/label", label_offset=-1)
@@ -46,10 +51,9 @@ def tfrecord_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> 
     known = _read_counts(fs, path)
     splits = {}
     for name in split_names:
-        shards = _find_shards(fs, path, name)
-        local = localize([url(fs, s) for s in shards], cache_dir)
-        counts = tuple(known.get(posixpath.basename(s)) or count_records(p) for s, p in zip(shards, local))
-        splits[name] = Split(name=name, files=tuple(local), counts=counts, records=IMAGENET_RECORDS)
+        shards = tuple(url(fs, s) for s in _find_shards(fs, path, name))
+        counts = tuple(known.get(posixpath.basename(s)) or count_records(localize([s], cache_dir)[0]) for s in shards)
+        splits[name] = Split(name=name, files=shards, counts=counts, records=IMAGENET_RECORDS)
         check_first_record(splits[name], len(synsets))
     return Source(class_names=synsets, splits=splits, class_text=text)
 
@@ -71,13 +75,13 @@ def check_first_record(split: Split, num_classes: int) -> None:
     import tensorflow as tf
 
     fmt = split.records
-    try:
-        first = next(iter(tf.data.TFRecordDataset(split.files[0]).take(1)), None)
-    except tf.errors.OpError as e:
-        raise UserError(f"cannot read {split.files[0]}: {e.message.splitlines()[0]}") from None
+    first = first_record(split.files[0])
     if first is None:
         return
-    example = tf.train.Example.FromString(first.numpy())
+    try:
+        example = tf.train.Example.FromString(first)
+    except Exception:  # protobuf's DecodeError
+        raise UserError(f"{split.files[0]}: the first record is not a tf.train.Example") from None
     features = example.features.feature
     for key in (fmt.image_key, fmt.label_key):
         if key not in features:

@@ -85,6 +85,20 @@ def _fetch(remote_url: str, local_path: str) -> None:
             os.remove(tmp)
 
 
+def first_record(file_url: str) -> bytes | None:
+    """The first record of a TFRecord file, local or remote (a few bytes read, nothing copied)."""
+    fs, path = filesystem(file_url)
+    size = fs.size(path)
+    if size == 0:
+        return None
+    with fs.open(path, "rb") as f:
+        header = f.read(12)
+        length = struct.unpack("<Q", header[:8])[0] if len(header) == 12 else size
+        if 12 + length + 4 > size:
+            raise UserError(f"truncated TFRecord file: {file_url} (first record cut short)")
+        return f.read(length)
+
+
 def count_records(path: str) -> int:
     """Number of records in a local TFRecord file, read from the length headers only.
 

@@ -1,8 +1,10 @@
 """Any TFDS image-classification dataset already prepared in a data_dir.
 
 Nothing is downloaded: the prepared TFRecord shards are read directly, with
-the image left encoded so the pipeline decodes only the crop it needs. A
-bucket data_dir is copied to the local cache first (see `storage`).
+the image left encoded so the pipeline decodes only the crop it needs. From a
+bucket data_dir only the builder's metadata is copied to the local cache up
+front; the shards stay remote in the `Split`, and each input pipeline copies
+only its own share (see `storage.localize`).
 `imagenet2012` can be prepared here from its manual_dir (the two ILSVRC2012
 tars, which users download themselves after registering): TFDS builds it
 from those archives alone.
@@ -27,9 +29,9 @@ def tfds_source(data_dir: str, name: str, split_names: tuple[str, ...], cache_di
 
     if not name:
         raise UserError("data.format 'tfds' needs data.tfds_name (for example imagenet2012)")
-    builder_dir = _local_builder_dir(data_dir, name, cache_dir)
+    builder_dir, shard_root = _local_builder_dir(data_dir, name, cache_dir)
     if builder_dir is None:
-        builder_dir = _prepare_from_manual_dir(data_dir, name, manual_dir)
+        builder_dir = shard_root = _prepare_from_manual_dir(data_dir, name, manual_dir)
     builder = tfds.builder_from_directory(builder_dir)
     image_key, label_key = _supervised_keys(builder.info, name)
     label_feature = builder.info.features[label_key]
@@ -40,7 +42,8 @@ def tfds_source(data_dir: str, name: str, split_names: tuple[str, ...], cache_di
             raise UserError(f"TFDS dataset {name} has no split '{split_name}' "
                             f"(it has: {', '.join(sorted(builder.info.splits.keys()))})")
         info = builder.info.splits[tfds_split]
-        splits[split_name] = Split(name=split_name, files=tuple(str(p) for p in info.filepaths),
+        files = tuple(posixpath.join(shard_root, posixpath.basename(str(p))) for p in info.filepaths)
+        splits[split_name] = Split(name=split_name, files=files,
                                    counts=tuple(info.shard_lengths),
                                    records=RecordFormat(image_key=image_key, label_key=label_key))
     names = tuple(label_feature.names)
@@ -61,17 +64,22 @@ def _supervised_keys(info, name: str) -> tuple[str, str]:
     return image_key, label_key
 
 
-def _local_builder_dir(data_dir: str, name: str, cache_dir: str) -> str | None:
-    """The newest prepared version of `name` (config folders included), copied locally if in a bucket."""
+def _local_builder_dir(data_dir: str, name: str, cache_dir: str) -> tuple[str | None, str]:
+    """(local folder with the newest prepared version's metadata, where its shards are), or (None, "").
+
+    Config folders are searched too. From a bucket only the metadata (not the
+    `.tfrecord-` shards) is copied, into the local cache.
+    """
     fs, root = filesystem(data_dir)
     base = posixpath.join(root, name)
     infos = sorted(p for p in fs.glob(posixpath.join(base, "**", "dataset_info.json")))
     if not infos:
-        return None
+        return None, ""
     builder_dir = posixpath.dirname(max(infos, key=_version_key))
-    files = [url(fs, p) for p in fs.find(builder_dir)]
-    local = localize(files, cache_dir)
-    return os.path.dirname(local[files.index(url(fs, posixpath.join(builder_dir, "dataset_info.json")))])
+    metadata = [url(fs, p) for p in fs.find(builder_dir) if ".tfrecord-" not in posixpath.basename(p)]
+    local = localize(metadata, cache_dir)
+    info = local[metadata.index(url(fs, posixpath.join(builder_dir, "dataset_info.json")))]
+    return os.path.dirname(info), url(fs, builder_dir)
 
 
 def _version_key(info_path: str) -> tuple[int, ...]:
