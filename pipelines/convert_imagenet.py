@@ -18,6 +18,10 @@ plus `synsets.txt`, `counts.json` and `conversion_report.json`.
   class are checked against the source (converted + skipped = listed).
 - `--max_side` stores images downscaled so their longer side is at most that
   many pixels, as fast ImageNet loaders do: smaller files, faster decoding.
+- Bounding boxes go into `image/object/bbox/*`: from Kaggle's LOC_*_solution.csv
+  files, or from the ILSVRC2012 bbox XMLs (`--bbox_dir`: the unpacked
+  ILSVRC2012_bbox_train_v2 / bbox_val_v3 archives). Like TensorFlow's own
+  script, boxes of another class than the image's are left out.
 """
 
 from __future__ import annotations
@@ -72,10 +76,10 @@ class BadImage(Exception):
 
 def convert(src: str, out: str, data_format: str = "imagenet", train_shards: int = 1024, val_shards: int = 128,
             workers: int = 0, max_side: int = 0, quality: int = 95, seed: int = 12345,
-            progress: bool = True) -> dict:
+            progress: bool = True, bbox_dir: str = "") -> dict:
     """Converts the tree at `src`; returns the report (also written to `out`/conversion_report.json)."""
     source = build_source(DataConfig(format=data_format, dir=src, train_split="train", val_split="val"))
-    boxes = _kaggle_boxes(src)
+    boxes = {**_kaggle_boxes(src), **(_xml_boxes(bbox_dir) if bbox_dir else {})}
     os.makedirs(out, exist_ok=True)
     _remove_stale_temporaries(out)
     tasks = []
@@ -102,12 +106,35 @@ def _remove_stale_temporaries(out: str) -> None:
 def _items(source: Source, split: str, boxes: dict) -> list[Item]:
     data = source.split(split)
     text = source.class_text or source.class_names
-    return [Item(path, label, source.class_names[label], text[label],
-                 boxes.get(posixpath.splitext(posixpath.basename(path))[0], ()))
-            for path, label in zip(data.files, data.labels)]
+    items = []
+    for path, label in zip(data.files, data.labels):
+        synset = source.class_names[label]
+        own = boxes.get(posixpath.splitext(posixpath.basename(path))[0], ())
+        items.append(Item(path, label, synset, text[label], tuple(tuple(b[1:]) for b in own if b[0] == synset)))
+    return items
 
 
-def _kaggle_boxes(src: str) -> dict[str, tuple]:
+def _xml_boxes(bbox_dir: str) -> dict[str, list[tuple]]:
+    """Image id → [(synset, xmin, ymin, xmax, ymax) in pixels] from ILSVRC's Pascal-VOC XML files."""
+    import xml.etree.ElementTree as ElementTree
+
+    fs, root = filesystem(bbox_dir)
+    if not fs.isdir(root):
+        raise UserError(f"--bbox_dir not found: {bbox_dir}")
+    found = {}
+    for path in sorted(p for p in fs.find(root) if p.endswith(".xml")):
+        try:
+            with fs.open(path, "rb") as f:
+                tree = ElementTree.parse(f).getroot()
+            found[posixpath.splitext(posixpath.basename(path))[0]] = [
+                (obj.findtext("name"), *(float(obj.findtext(f"bndbox/{k}")) for k in ("xmin", "ymin", "xmax", "ymax")))
+                for obj in tree.iter("object")]
+        except (ElementTree.ParseError, TypeError, ValueError):
+            raise UserError(f"{path}: not an ILSVRC bounding-box XML (annotation/object/bndbox)") from None
+    return found
+
+
+def _kaggle_boxes(src: str) -> dict[str, list[tuple]]:
     from tfdp.data.imagenet import KAGGLE_MAPPING, read_kaggle_solution
 
     fs, root = filesystem(src)
@@ -117,7 +144,7 @@ def _kaggle_boxes(src: str) -> dict[str, tuple]:
     for split in ("train", "val"):
         path = posixpath.join(root, f"LOC_{split}_solution.csv")
         if fs.exists(path):
-            found.update({k: tuple(b[1:] for b in v) for k, v in read_kaggle_solution(fs, path).items()})
+            found.update(read_kaggle_solution(fs, path))
     return found
 
 
@@ -293,6 +320,7 @@ flags.DEFINE_integer("workers", 0, "Processes (0: one per CPU).")
 flags.DEFINE_integer("max_side", 0, "Downscale images so the longer side is at most this (0: keep).")
 flags.DEFINE_integer("quality", 95, "JPEG quality for re-encoded images (CMYK, PNG, downscaled).")
 flags.DEFINE_integer("seed", 12345, "Seed of the train-list shuffle.")
+flags.DEFINE_string("bbox_dir", "", "ILSVRC2012 bounding-box XMLs (unpacked bbox archives), searched recursively.")
 
 
 def main(argv) -> None:
@@ -301,7 +329,7 @@ def main(argv) -> None:
         if not FLAGS.src or not FLAGS.out:
             raise UserError("--src and --out are required")
         report = convert(FLAGS.src, FLAGS.out, FLAGS.format, FLAGS.train_shards, FLAGS.val_shards, FLAGS.workers,
-                         FLAGS.max_side, FLAGS.quality, FLAGS.seed)
+                         FLAGS.max_side, FLAGS.quality, FLAGS.seed, bbox_dir=FLAGS.bbox_dir)
     except UserError as e:
         print(f"convert_imagenet: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -107,6 +107,46 @@ def test_kaggle_boxes_reach_the_records_normalised(trees, tmp_path):
         assert len(xmin) >= 1 and all(0 <= a < b <= 1 for a, b in zip(xmin, xmax))
 
 
+def test_ilsvrc_bbox_xmls_reach_the_records_of_their_own_class(trees, tmp_path):
+    """The unpacked ILSVRC2012 bbox archives: train/<wnid>/<id>.xml and a flat val/; Pascal-VOC XML, pixels."""
+    bbox_dir = tmp_path / "bbox"
+    from PIL import Image
+
+    def landscape(image_id, folder):  # the boxes below are for 500x375 images (photos also writes 375x500 ones)
+        with Image.open(os.path.join(trees["ilsvrc"], folder, image_id)) as image:
+            return image.size == (500, 375)
+    val_id, val_synset = next((i, s) for i, s in sorted(trees["truth"]["val"].items()) if landscape(i, "val"))
+    train_id, train_synset = next((i, s) for i, s in sorted(trees["truth"]["train"].items())
+                                  if landscape(i, os.path.join("train", s)))
+    other = next(s for s, _ in SYNSETS if s != train_synset)
+    xml = "<annotation><filename>{id}</filename><size><width>500</width><height>375</height></size>{objects}</annotation>"
+    obj = "<object><name>{name}</name><bndbox><xmin>{x0}</xmin><ymin>{y0}</ymin><xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
+    for folder, image, objects in (
+            (bbox_dir / "train" / train_synset, train_id, obj.format(name=train_synset, x0=50, y0=75, x1=250, y1=300)
+             + obj.format(name=other, x0=0, y0=0, x1=10, y1=10)),  # another class: left out, as TF's script does
+            (bbox_dir / "val", val_id, obj.format(name=val_synset, x0=100, y0=0, x1=500, y1=375))):
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = os.path.splitext(image)[0]
+        (folder / f"{stem}.xml").write_text(xml.format(id=stem, objects=objects))
+    out = str(tmp_path / "shards")
+    convert(trees["ilsvrc"], out, train_shards=1, val_shards=1, workers=1, progress=False, bbox_dir=str(bbox_dir))
+    source = build_source(DataConfig(format="tfrecord", dir=out))
+    boxes = {}
+    for split in ("train", "val"):
+        for record in tf.data.TFRecordDataset(source.split(split).files):
+            f = tf.train.Example.FromString(record.numpy()).features.feature
+            boxes[f["image/filename"].bytes_list.value[0].decode()] = [
+                tuple(round(v, 4) for v in f[f"image/object/bbox/{k}"].float_list.value)
+                for k in ("xmin", "ymin", "xmax", "ymax")]
+    assert boxes.pop(train_id) == [(0.1,), (0.2,), (0.5,), (0.8,)]
+    assert boxes.pop(val_id) == [(0.2,), (0.0,), (1.0,), (1.0,)]
+    assert all(b == [(), (), (), ()] for b in boxes.values())  # no XML, no box
+    (bbox_dir / "val" / "broken.xml").write_text("<annotation><object><name>x</name></object>")
+    with pytest.raises(UserError, match="broken.xml: not an ILSVRC bounding-box XML"):
+        convert(trees["ilsvrc"], str(tmp_path / "again"), train_shards=1, val_shards=1, workers=1, progress=False,
+                bbox_dir=str(bbox_dir))
+
+
 def test_shards_in_a_bucket_are_fetched_per_worker_and_read_the_same(trees, shards, gcs_bucket, tmp_path):
     import fsspec
 
