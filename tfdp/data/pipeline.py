@@ -13,8 +13,8 @@ share and batches by the per-replica batch size.
 from __future__ import annotations
 
 import contextlib
-import os
 import math
+import os
 import re
 import sys
 
@@ -62,6 +62,7 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     ds = _payloads(share, cfg, ctx, data_shard, shuffle_seed=seed)
     ds = ds.shuffle(min(cfg.shuffle_buffer, max(share.num_examples, 1)), seed=seed, reshuffle_each_iteration=True)
     ds = ds.repeat()
+
     def crop(image, index):
         return random_crop(image, cfg, tf.stack([tf.constant(seed, tf.int64), index]) if cfg.deterministic else None)
     ds = _decode_counted(ds, share, cfg, crop, num_classes, corrupt,
@@ -158,10 +159,10 @@ def _payloads(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, da
         ds = tf.data.Dataset.from_tensor_slices(files)
         if shuffle_seed is not None:
             ds = ds.shuffle(len(files), seed=shuffle_seed, reshuffle_each_iteration=True)
-        # Deterministic when sharding by example, so all pipelines see records in the same order.
         # Records are read sequentially, round robin over INTERLEAVE_CYCLE shards: reading is ~25x faster
         # than decoding, and a parallel interleave burned CPU in synchronisation that decoding needs
-        # (measured: 2-6% of the whole pipeline). Shards are local files by now (see `localize`).
+        # (measured: 2-6% of the whole pipeline). Shards are local files by now (see `localize`). The
+        # order is deterministic, which sharding by example needs: all pipelines see the same sequence.
         ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), INTERLEAVE_CYCLE))
         if data_shard:
             ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
