@@ -52,10 +52,17 @@ def tfrecord_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> 
     splits = {}
     for name in split_names:
         shards = tuple(url(fs, s) for s in _find_shards(fs, path, name))
-        counts = tuple(known.get(posixpath.basename(s)) or count_records(localize([s], cache_dir)[0]) for s in shards)
-        splits[name] = Split(name=name, files=shards, counts=counts, records=IMAGENET_RECORDS)
+        splits[name] = Split(name=name, files=shards, counts=_shard_counts(shards, known, cache_dir),
+                             records=IMAGENET_RECORDS)
         check_first_record(splits[name], len(synsets))
     return Source(class_names=synsets, splits=splits, class_text=text)
+
+
+def _shard_counts(shards: tuple[str, ...], known: dict[str, int], cache_dir: str) -> tuple[int, ...]:
+    """Records per shard: from counts.json, else counted from a local copy (all such shards fetched at once)."""
+    uncounted = [s for s in shards if not known.get(posixpath.basename(s))]
+    counted = {s: count_records(local) for s, local in zip(uncounted, localize(uncounted, cache_dir))}
+    return tuple(known.get(posixpath.basename(s)) or counted[s] for s in shards)
 
 
 def read_synsets(fs, root: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

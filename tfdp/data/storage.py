@@ -85,6 +85,11 @@ def _fetch(remote_url: str, local_path: str) -> None:
             os.remove(tmp)
 
 
+# TFRecord framing: uint64 length, uint32 crc of the length, data, uint32 crc of the data.
+LENGTH = struct.Struct("<Q")
+HEADER_BYTES, FOOTER_BYTES = LENGTH.size + 4, 4
+
+
 def first_record(file_url: str) -> bytes | None:
     """The first record of a TFRecord file, local or remote (a few bytes read, nothing copied)."""
     fs, path = filesystem(file_url)
@@ -92,9 +97,9 @@ def first_record(file_url: str) -> bytes | None:
     if size == 0:
         return None
     with fs.open(path, "rb") as f:
-        header = f.read(12)
-        length = struct.unpack("<Q", header[:8])[0] if len(header) == 12 else size
-        if 12 + length + 4 > size:
+        header = f.read(HEADER_BYTES)
+        length = LENGTH.unpack(header[:LENGTH.size])[0] if len(header) == HEADER_BYTES else size
+        if HEADER_BYTES + length + FOOTER_BYTES > size:
             raise UserError(f"truncated TFRecord file: {file_url} (first record cut short)")
         return f.read(length)
 
@@ -102,19 +107,19 @@ def first_record(file_url: str) -> bytes | None:
 def count_records(path: str) -> int:
     """Number of records in a local TFRecord file, read from the length headers only.
 
-    Each record is `uint64 length, uint32 crc, data, uint32 crc`; seeking over
-    the data makes counting a 140 GB ImageNet cost seconds, not a full read.
+    Seeking over each record's data makes counting a 140 GB ImageNet cost
+    seconds, not a full read.
     """
     count = 0
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         offset = 0
         while offset < size:
-            header = f.read(8)
-            if len(header) < 8:
+            header = f.read(LENGTH.size)
+            if len(header) < LENGTH.size:
                 raise UserError(f"truncated TFRecord file: {path} (record {count} header cut short)")
-            (length,) = struct.unpack("<Q", header)
-            offset += 8 + 4 + length + 4
+            (length,) = LENGTH.unpack(header)
+            offset += HEADER_BYTES + length + FOOTER_BYTES
             if offset > size:
                 raise UserError(f"truncated TFRecord file: {path} (record {count} runs past the end)")
             f.seek(offset)
