@@ -285,9 +285,13 @@ def test_training_crop_decodes_only_the_window_and_matches_a_full_decode(trees, 
 def test_deterministic_pipeline_repeats_its_crops_and_the_seed_changes_them(trees):
     cfg = DataConfig(format="imagenet", dir=trees["ilsvrc"], image_size=32, deterministic=True, shuffle_buffer=4)
     split = build_source(cfg).split("train")
-    first = [next(iter(train_dataset(split, cfg, 8, seed=seed)))[0].numpy() for seed in (0, 0, 1)]
-    assert np.array_equal(first[0], first[1])
-    assert not np.array_equal(first[0], first[2])
+    first = {(seed, epoch): [next(iter(train_dataset(split, cfg, 8, seed=seed, start_epoch=epoch)))[0].numpy()
+                             for _ in range(2)] for seed, epoch in [(0, 0), (1, 0), (0, 3)]}
+    for a, b in first.values():
+        assert np.array_equal(a, b)  # the same seed and start: the same batch
+    assert not np.array_equal(first[0, 0][0], first[1, 0][0])
+    # A run resumed at epoch 3 does not replay the first epoch's order and crops.
+    assert not np.array_equal(first[0, 0][0], first[0, 3][0])
 
 
 def test_synthetic_format_needs_no_files():

@@ -86,13 +86,13 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
 
 
 def distributed_datasets(cfg: Config, source: Source, runtime: Runtime, plan: Plan,
-                         corrupt: CorruptCounter | None = None):
+                         corrupt: CorruptCounter | None = None, start_epoch: int = 0):
     """Per-worker pipelines: each worker builds (and reads) only its own share."""
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
     strategy = runtime.strategy
     train_ds = strategy.distribute_datasets_from_function(
         lambda ctx: train_dataset(train, cfg.data, plan.global_batch, cfg.train.seed, ctx,
-                                  num_classes=plan.num_classes, corrupt=corrupt))
+                                  num_classes=plan.num_classes, corrupt=corrupt, start_epoch=start_epoch))
     val_ds = strategy.distribute_datasets_from_function(
         lambda ctx: eval_dataset(val, cfg.data, plan.global_batch, ctx, num_classes=plan.num_classes))
     return train_ds, val_ds
@@ -125,7 +125,7 @@ def train(cfg: Config, runtime: Runtime) -> dict:
         metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
         if initial_epoch < cfg.train.epochs:
             corrupt = CorruptCounter()
-            train_ds, val_ds = distributed_datasets(cfg, source, runtime, plan, corrupt)
+            train_ds, val_ds = distributed_datasets(cfg, source, runtime, plan, corrupt, initial_epoch)
             callbacks = [
                 EpochStats(plan.global_batch, plan.steps_per_epoch, corrupt),
                 metrics_log,

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -52,9 +53,16 @@ class CorruptCounter:
 
 def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
                   input_context: tf.distribute.InputContext | None = None, *,
-                  num_classes: int = 0, corrupt: CorruptCounter | None = None) -> tf.data.Dataset:
-    """Endless shuffled, augmented batches of this input pipeline's share of `split`."""
+                  num_classes: int = 0, corrupt: CorruptCounter | None = None, start_epoch: int = 0) -> tf.data.Dataset:
+    """Endless shuffled, augmented batches of this input pipeline's share of `split`.
+
+    A run resumed at `start_epoch` draws its shuffles and crops from a seed
+    derived from (seed, start_epoch): a fixed seed would replay the first
+    epoch's order and crops, and resuming at the same epoch twice still gives
+    the same batches.
+    """
     ctx = input_context or tf.distribute.InputContext()
+    seed = stream_seed(seed, start_epoch)
     batch = ctx.get_per_replica_batch_size(global_batch)
     if split.synthetic:
         return synthetic_dataset(cfg, num_classes, global_batch, ctx)
@@ -68,6 +76,13 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     ds = _decode_counted(ds, share, cfg, crop, num_classes, corrupt,
                          _share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id], batch, True)
     return ds.prefetch(AUTOTUNE)
+
+
+def stream_seed(seed: int, start_epoch: int) -> int:
+    """The training stream's seed for a run starting at `start_epoch` (`seed` itself for a fresh run)."""
+    if not start_epoch:
+        return seed
+    return int(np.random.SeedSequence([seed, start_epoch]).generate_state(1)[0] >> 1)
 
 
 def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
