@@ -7,6 +7,9 @@ in alternating rounds (best round reported, so a noisy neighbour hurts every
 variant alike):
 
   full decode         read each JPEG file, tf.io.decode_jpeg the whole image
+  crop + resize alone read each JPEG file, tfdp's random-resized crop and resize, and
+                      nothing else (no shuffle, no corrupt-image counting): the
+                      ceiling of TensorFlow's own kernels for this work
   tfdp train (files)  tfdp's training pipeline on the JPEG files
   tfdp train (shards) tfdp's training pipeline on the TFRecord shards
   tfdp train (shards, max side N)   the same on the downscaled shards
@@ -70,6 +73,17 @@ def full_decode(files: list[str], batch: int):
     return ds.batch(batch).prefetch(tf.data.AUTOTUNE)
 
 
+def crop_and_resize_alone(files: list[str], size: int, batch: int):
+    import tensorflow as tf
+    from tfdp.config import DataConfig
+    from tfdp.data.pipeline import random_crop
+    cfg = DataConfig(image_size=size)
+    ds = tf.data.Dataset.from_tensor_slices(files).repeat()
+    ds = ds.map(lambda path: random_crop(tf.io.read_file(path), cfg), num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=False)
+    return ds.batch(batch).prefetch(tf.data.AUTOTUNE)
+
+
 def tfdp_train(data_format: str, directory: str, size: int, batch: int, cache_dir: str = "~/.cache/tfdp/remote"):
     from tfdp.config import DataConfig
     from tfdp.data import build_source
@@ -108,6 +122,7 @@ def main() -> None:
         mean_kb = sum(os.path.getsize(f) for f in files) / len(files) / 1024
         variants = {
             "full decode": lambda: full_decode(files, args.batch),
+            "crop + resize alone": lambda: crop_and_resize_alone(files, args.size, args.batch),
             "tfdp train (files)": lambda: tfdp_train("imagenet", paths["tree"], args.size, args.batch),
             "tfdp train (shards)": lambda: tfdp_train("tfrecord", paths["shards"], args.size, args.batch),
             f"tfdp train (shards, max side {args.max_side})":
