@@ -91,7 +91,7 @@ def test_jit_compile_really_compiles_with_xla_under_mirrored_strategy(tmp_path, 
                       env_extra={"XLA_FLAGS": f"--xla_dump_to={dump}"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "on 2 replica(s)" in last_line(result.stdout)
-    modules = [p for p in dump.iterdir()] if dump.exists() else []
+    modules = list(dump.iterdir()) if dump.exists() else []
     step = [p for p in modules if "forward_backward" in p.name and p.name.endswith(".txt")]
     assert step, [p.name for p in modules[:10]]
     assert any(" reverse(" in p.read_text() for p in step)  # the random flip runs inside the compiled step

@@ -13,6 +13,7 @@ share and batches by the per-replica batch size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -282,11 +283,11 @@ def random_crop(data: tf.Tensor, cfg: DataConfig, seed: tf.Tensor | None = None)
                     aspect_ratio_range=ASPECT_RATIO_RANGE, area_range=(cfg.min_crop_area, cfg.max_crop_area),
                     max_attempts=10, use_image_if_no_bounding_boxes=True)
 
+    sample = (tf.image.sample_distorted_bounding_box if seed is None else
+              functools.partial(tf.image.stateless_sample_distorted_bounding_box, seed=seed))
+
     def window(shape):
-        if seed is None:
-            begin, size, _ = tf.image.sample_distorted_bounding_box(shape, **box_args)
-        else:
-            begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(shape, seed=seed, **box_args)
+        begin, size, _ = sample(shape, **box_args)
         return tf.stack([begin[0], begin[1], size[0], size[1]])
     return _resize(_decode_window(data, window), cfg.image_size)
 
