@@ -75,6 +75,21 @@ def test_evaluate_counts_every_validation_image_once(checkpoint):
     assert round(result["top1"] * VAL_IMAGES, 4) == float(np.sum(predicted == labels))
 
 
+def test_validation_loss_is_the_mean_over_real_images_on_any_replica_count(checkpoint):
+    """37 images, global batch 8 (1 replica) or 16 (2 replicas): the padding never enters the loss."""
+    from tfdp.config import DistributeConfig
+    cfg, path, model = checkpoint
+    images, _, labels = reference_predictions(model, cfg)
+    logits = model.predict(images, verbose=0).astype(np.float64)
+    log_probs = logits - logits.max(axis=1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(axis=1, keepdims=True))
+    by_hand = float(-np.mean(log_probs[np.arange(len(labels)), labels]))
+    one = evaluate(cfg, make_runtime(DistributeConfig(strategy="one_device")), checkpoint=path)
+    two = evaluate(cfg, make_runtime(cfg.distribute), checkpoint=path)
+    assert one["loss"] == pytest.approx(by_hand, rel=1e-6)
+    assert two["loss"] == pytest.approx(by_hand, rel=1e-6)
+
+
 def test_export_round_trip_from_jpeg_bytes(checkpoint, tmp_path):
     cfg, path, model = checkpoint
     paths = export_checkpoint(cfg, make_runtime(cfg.distribute), path, str(tmp_path / "export"))

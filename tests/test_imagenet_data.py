@@ -16,7 +16,7 @@ from pipelines.convert_imagenet import Item, Prepared, convert, image_example
 from pipelines.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
 from tfdp.data import build_source
-from tfdp.data.pipeline import (CorruptCounter, data_errors, eval_dataset, pipeline_share, random_crop,
+from tfdp.data.pipeline import (CorruptCounter, StreamPosition, data_errors, eval_dataset, pipeline_share, random_crop,
                                 train_dataset)
 from tfdp.data.storage import localize
 from tfdp.errors import UserError
@@ -285,13 +285,29 @@ def test_training_crop_decodes_only_the_window_and_matches_a_full_decode(trees, 
 def test_deterministic_pipeline_repeats_its_crops_and_the_seed_changes_them(trees):
     cfg = DataConfig(format="imagenet", dir=trees["ilsvrc"], image_size=32, deterministic=True, shuffle_buffer=4)
     split = build_source(cfg).split("train")
-    first = {(seed, epoch): [next(iter(train_dataset(split, cfg, 8, seed=seed, start_epoch=epoch)))[0].numpy()
-                             for _ in range(2)] for seed, epoch in [(0, 0), (1, 0), (0, 3)]}
+    first = {seed: [next(iter(train_dataset(split, cfg, 8, seed=seed)))[0].numpy() for _ in range(2)]
+             for seed in (0, 1)}
     for a, b in first.values():
-        assert np.array_equal(a, b)  # the same seed and start: the same batch
-    assert not np.array_equal(first[0, 0][0], first[1, 0][0])
-    # A run resumed at epoch 3 does not replay the first epoch's order and crops.
-    assert not np.array_equal(first[0, 0][0], first[0, 3][0])
+        assert np.array_equal(a, b)  # the same seed: the same batch
+    assert not np.array_equal(first[0][0], first[1][0])
+
+
+def test_a_stream_resumed_at_any_position_continues_the_uninterrupted_one(trees):
+    """Resuming at record k (within an epoch or past several) gives exactly the uninterrupted batches from k."""
+    cfg = DataConfig(format="imagenet", dir=trees["ilsvrc"], image_size=32, deterministic=True, shuffle_buffer=4)
+    split = build_source(cfg).split("train")
+    n = split.num_examples
+    position = StreamPosition()
+    stream = iter(train_dataset(split, cfg, 4, seed=5, position=position))
+    batches = [next(stream) for _ in range(3 * n // 4 + 2)]  # three data epochs and a bit
+    assert position.after(3) == (12, 0)
+    epoch1, epoch2 = [np.concatenate([b[1].numpy() for b in batches[i * n // 4:(i + 1) * n // 4]]) for i in (0, 1)]
+    assert sorted(epoch1) == sorted(epoch2) and not np.array_equal(epoch1, epoch2)  # each epoch reshuffled
+    for k in (1, n // 4 + 1, 2 * n // 4 + 1):
+        resumed = iter(train_dataset(split, cfg, 4, seed=5, start=(4 * k, 0)))
+        for want in batches[k:k + 2]:
+            got = next(resumed)
+            assert np.array_equal(got[0].numpy(), want[0].numpy()) and np.array_equal(got[1].numpy(), want[1].numpy())
 
 
 def test_synthetic_format_needs_no_files():

@@ -8,6 +8,7 @@ from tfdp.checkpoints import CheckpointStore
 from tfdp.config import DistributeConfig, validate
 from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
+from tfdp.replica_state import replica_copies, state_averager
 from tfdp.strategy import make_runtime
 from tfdp.trainer import Plan, compile_model
 
@@ -15,12 +16,12 @@ STEPS = 6
 GLOBAL_BATCH = 32
 
 
-def make_cfg(digits_dir, replicas, model="simple_cnn", jit_compile=False, lr=0.4):
+def make_cfg(digits_dir, replicas, model="simple_cnn", jit_compile=False, lr=0.4, sync_bn=False):
     return validate({
         # No random flip (it is the model's first layer): every configuration must see the same pixels.
         "data": {"format": "image_folder", "dir": digits_dir, "image_size": 16, "eval_crop_fraction": 1.0,
                  "hflip": False},
-        "model": {"name": model},
+        "model": {"name": model, "sync_bn": sync_bn},
         "optimizer": {"lr": lr, "momentum": 0.9},
         "train": {"batch_size_per_replica": GLOBAL_BATCH // replicas, "epochs": 1, "seed": 3,
                   "jit_compile": jit_compile},
@@ -114,3 +115,45 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer_state(two_and_one,
 def test_runtime_reports_the_strategy_facts():
     runtime = make_runtime(DistributeConfig(strategy="one_device"))
     assert (runtime.num_replicas, runtime.num_workers, runtime.is_chief) == (1, 1, True)
+
+
+def moving_statistics(model):
+    return {v.path: v for v in model.non_trainable_variables if "moving" in v.path}
+
+
+@pytest.fixture(scope="module")
+def resnet_two_one(digits_dir):
+    """The demo's model (batch norm) after 6 steps on 2 replicas and on 1, plain batch norm."""
+    return (train_steps(digits_dir, 2, model="resnet18_small", lr=0.05),
+            train_steps(digits_dir, 1, model="resnet18_small", lr=0.05))
+
+
+def test_averaging_sets_every_replica_to_the_mean_of_the_replicas_statistics(resnet_two_one):
+    (_, model, _), _ = resnet_two_one
+    stats = moving_statistics(model)
+    before = {path: replica_copies(v) for path, v in stats.items()}
+    # Keras 3 keeps one copy per replica (aggregation NONE), each from its own half of the batch.
+    assert any(not np.allclose(a, b) for a, b in before.values())
+    state_averager(model)()
+    for path, v in stats.items():
+        after = replica_copies(v)
+        np.testing.assert_array_equal(after[0], after[1], err_msg=path)
+        np.testing.assert_allclose(after[0], (before[path][0] + before[path][1]) / 2, rtol=1e-6, atol=1e-7,
+                                   err_msg=path)
+        np.testing.assert_array_equal(v.numpy(), after[0])  # what saving and evaluation read
+
+
+def test_sync_bn_on_two_replicas_equals_one_device_at_the_same_global_batch(digits_dir, resnet_two_one):
+    (_, plain, _), (_, one, _) = resnet_two_one
+    _, synced, _ = train_steps(digits_dir, 2, model="resnet18_small", lr=0.05, sync_bn=True)
+    reference = moving_statistics(one)
+
+    def worst(model):
+        return max(float(np.abs(c - reference[path].numpy()).max())
+                   for path, v in moving_statistics(model).items() for c in replica_copies(v))
+    # Float rounding only: sync_bn computes the variance as E[x^2] - E[x]^2 over the all-reduced sums.
+    assert worst(synced) < 5e-3
+    assert worst(plain) > 50 * worst(synced)  # without sync_bn each replica's statistics differ from it
+    for a, b in zip(synced.trainable_weights, one.trainable_weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-3, atol=1e-4, err_msg=a.path)
+

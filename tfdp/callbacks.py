@@ -10,11 +10,14 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import keras
 
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
+from tfdp.errors import Preempted
+from tfdp.preemption import PreemptionWatch
+from tfdp.replica_state import metric_totals, restore_metric_totals
 
 
 class EpochStats(keras.callbacks.Callback):
@@ -22,23 +25,27 @@ class EpochStats(keras.callbacks.Callback):
 
     The per-batch logs get `lr` and a running `images_per_sec` too, so the
     progress bar (which Keras runs after every other callback) shows them.
+    Throughput counts the steps this process ran, so the partial first epoch
+    of a resumed run is timed correctly.
     """
 
-    def __init__(self, global_batch: int, steps_per_epoch: int, corrupt=None):
+    def __init__(self, global_batch: int, corrupt=None):
         super().__init__()
         self.corrupt = corrupt  # tfdp.data.pipeline.CorruptCounter: images skipped so far
         self.global_batch = global_batch
-        self.images_per_epoch = global_batch * steps_per_epoch
         self._start = self._train_end = 0.0
+        self._steps = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()
         self._train_end = 0.0
+        self._steps = 0
 
     def on_train_batch_end(self, batch, logs=None):
+        self._steps = batch + 1
         if logs is not None:
             logs["lr"] = self._lr()
-            logs["images_per_sec"] = (batch + 1) * self.global_batch / (time.perf_counter() - self._start)
+            logs["images_per_sec"] = self._steps * self.global_batch / (time.perf_counter() - self._start)
 
     def _lr(self) -> float:
         return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
@@ -51,7 +58,7 @@ class EpochStats(keras.callbacks.Callback):
         seconds = (self._train_end or time.perf_counter()) - self._start
         logs["lr"] = self._lr()
         logs["seconds"] = seconds
-        logs["images_per_sec"] = self.images_per_epoch / seconds
+        logs["images_per_sec"] = self._steps * self.global_batch / seconds
         if self.corrupt is not None:
             logs["corrupt_images"] = self.corrupt.value()
 
@@ -87,22 +94,88 @@ class MetricsLog(keras.callbacks.Callback):
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
 
 
-class Checkpointer(keras.callbacks.Callback):
-    """Saves every epoch (atomically) and keeps the best one by `monitor`."""
+class AverageReplicaState(keras.callbacks.Callback):
+    """Averages the non-trained state (batch-norm statistics) over replicas before every validation,
+    so validation, like the checkpoints, sees the one model every replica agrees on."""
 
-    def __init__(self, store: CheckpointStore, monitor: str, best: dict[str, Any] | None):
+    def __init__(self, average: Callable[[], None]):
+        super().__init__()
+        self.average = average
+
+    def on_test_begin(self, logs=None):
+        self.average()
+
+
+class Checkpointer(keras.callbacks.Callback):
+    """Saves every epoch and every `every_steps` steps (atomically), keeps the best epoch by `monitor`,
+    and stops at an agreed step on a preemption notice.
+
+    A step checkpoint holds what a mid-epoch resume needs beyond the weights:
+    the global step, each worker's input position (`input_state(steps)`, a
+    collective) and the metric accumulators of the partial epoch. Before every
+    save the replicas' non-trained state is averaged (`average`), at the same
+    steps in every run, so a resumed run continues from exactly the state an
+    uninterrupted one has there. `resume` = (epoch, step in that epoch) of
+    the checkpoint this run started from; `resume_metrics` its metric totals.
+    """
+
+    def __init__(self, store: CheckpointStore, monitor: str, best: dict[str, Any] | None, *,
+                 steps_per_epoch: int, every_steps: int, average: Callable[[], None],
+                 input_state: Callable[[int], list], watch: PreemptionWatch | None = None,
+                 resume: tuple[int, int] = (0, 0), resume_metrics: dict[str, list[float]] | None = None):
         super().__init__()
         self.store = store
         self.monitor = monitor
         self.best = best
         self._higher_is_better = not monitor.endswith("loss")
+        self.steps_per_epoch = steps_per_epoch
+        self.every_steps = every_steps
+        self.average = average
+        self.input_state = input_state
+        self.watch = watch
+        self.resume = resume
+        self.resume_metrics = resume_metrics
+        self._epoch = self._offset = 0
+        self._fit_steps = 0
+
+    def on_train_begin(self, logs=None):
+        self._fit_steps = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._offset = self.resume[1] if epoch == self.resume[0] else 0
+        if self._offset and self.resume_metrics:
+            restore_metric_totals(self.model, self.resume_metrics)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._fit_steps += 1
+        in_epoch = self._offset + batch + 1
+        if in_epoch >= self.steps_per_epoch:
+            return  # the epoch checkpoint follows validation
+        global_step = self._epoch * self.steps_per_epoch + in_epoch
+        due = self.every_steps and global_step % self.every_steps == 0
+        preempted = self.watch is not None and self.watch.agreed()
+        if due or preempted:
+            self._save_step(global_step, in_epoch)
+        if preempted:
+            raise Preempted(f"saved at step {global_step} (epoch {self._epoch + 1}, step {in_epoch})")
+
+    def _save_step(self, global_step: int, in_epoch: int) -> None:
+        self.average()
+        self.store.save(self.model, {
+            "epoch": self._epoch, "step": global_step, "step_in_epoch": in_epoch, "best": self.best,
+            "input": self.input_state(self._fit_steps), "metrics": metric_totals(self.model)}, kind="step")
 
     def on_epoch_end(self, epoch, logs=None):
         value = float(logs[self.monitor])
         if self._improved(value):
             self.best = {"epoch": epoch + 1, "metric": self.monitor, "value": value}
             self.store.save_best(self.model, self.best)
-        self.store.save(self.model, {"epoch": epoch + 1, "best": self.best})
+        self.store.save(self.model, {"epoch": epoch + 1, "step": (epoch + 1) * self.steps_per_epoch,
+                                     "step_in_epoch": 0, "best": self.best,
+                                     "input": self.input_state(self._fit_steps)})
+        if self.watch is not None and self.watch.agreed():
+            raise Preempted(f"saved at the end of epoch {epoch + 1}")
 
     def _improved(self, value: float) -> bool:
         if self.best is None:
@@ -130,7 +203,39 @@ class WandbLog(keras.callbacks.Callback):
         self.run.finish()
 
 
-def tensorboard(log_dir: str, profile_steps: tuple[int, int]) -> keras.callbacks.Callback:
-    """Keras' TensorBoard writer: per-epoch scalars (every key in the logs) and an optional profile."""
-    return keras.callbacks.TensorBoard(log_dir=log_dir, update_freq="epoch", write_graph=False,
-                                       profile_batch=tuple(profile_steps) if profile_steps[0] else 0)
+def tensorboard(log_dir: str, profile_steps: tuple[int, int], initial_epoch: int = 0) -> keras.callbacks.Callback:
+    """Keras' TensorBoard writer: per-epoch scalars (every key in the logs) and an optional profile.
+
+    A resumed run first marks a restart at its first epoch, so TensorBoard
+    drops whatever a killed run had logged from that epoch on (its
+    'orphaned data' purge) and every epoch shows once.
+    """
+    if initial_epoch:
+        mark_restart(log_dir, initial_epoch)
+    return FlushingTensorBoard(log_dir=log_dir, update_freq="epoch", write_graph=False,
+                               profile_batch=tuple(profile_steps) if profile_steps[0] else 0)
+
+
+class FlushingTensorBoard(keras.callbacks.TensorBoard):
+    """Keras' TensorBoard callback, flushed every epoch: TensorFlow's writers otherwise hold events up
+    to two minutes, and a killed or preempted run would lose epochs it had finished."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self._train_writer.flush()
+        self._val_writer.flush()
+
+
+def mark_restart(log_dir: str, step: int) -> None:
+    """Writes a SessionLog START event at `step` into each existing run folder (train/, validation/)."""
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    if not os.path.isdir(log_dir):
+        return
+    for name in sorted(os.listdir(log_dir)):
+        run = os.path.join(log_dir, name)
+        if os.path.isdir(run) and any(f.startswith("events.out.tfevents") for f in os.listdir(run)):
+            writer = EventFileWriter(run, filename_suffix=".restart")
+            writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
+                                             session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+            writer.close()

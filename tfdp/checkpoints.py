@@ -1,94 +1,178 @@
 """Atomic, resumable checkpoints under `model_dir/checkpoints/`.
 
 Layout:
-  epoch-0003/model.weights.h5   weights and optimizer state after 3 epochs
-  epoch-0003/state.json         {"epoch": 3, "best": {...}}
-  best.weights.h5, best.json    the best epoch by the configured metric
+  epoch-0003/model.weights.h5      weights and optimizer state after 3 whole epochs
+  epoch-0003/state.json            {"epoch": 3, "step": 3 * steps_per_epoch, "best": {...}, ...}
+  step-000000140/...               the same, mid-epoch, every `train.checkpoint_every_steps` steps;
+                                   state.json also holds the input position and partial metrics
+  best.weights.h5, best.json       the best epoch by the configured metric
 
 Every write goes to a temporary name first and is renamed into place only
 when complete (a rename is atomic on POSIX file systems), so a run killed at
 any instant leaves either the previous checkpoint or the new one, never half
-of one. `latest()` only ever sees complete `epoch-*` directories.
+of one. A checkpoint that is there but cannot be read (a truncated file from a
+failing disk or a bad copy) is skipped with a warning naming it, and the run
+resumes from the newest one that can be read. A write that fails (disk full,
+read-only folder) removes its partial files and ends in one line saying what
+was being written, where, and how much space it needed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import shutil
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import keras
+import numpy as np
 
 from tfdp.errors import UserError
 
-KEEP_LATEST = 2
-_EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
+KEEP_EPOCHS = 2
+KEEP_STEPS = 2
+_CHECKPOINT_DIR = re.compile(r"^(epoch|step)-(\d+)$")
+WEIGHTS, STATE = "model.weights.h5", "state.json"
 
 
 def atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with write_errors(f"{os.path.basename(path)}", os.path.dirname(path) or ".", len(text.encode())):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def write_errors(what: str, where: str, size: int = 0) -> Iterator[None]:
+    """Turns a failed write (disk full, read-only, no permission) into one line naming it."""
+    try:
+        yield
+    except OSError as e:
+        code = e.errno if e.errno is not None else _errno_in(str(e))
+        if code == errno.ENOSPC:
+            free = shutil.disk_usage(where).free if os.path.isdir(where) else 0
+            raise UserError(f"no space left on the device while writing {what} in {where} "
+                            f"(needed about {_mb(size)} MB, {_mb(free)} MB free)") from None
+        if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(f"cannot write {what} in {where}: {os.strerror(code).lower()}") from None
+        raise
+
+
+def _errno_in(message: str) -> int | None:
+    """h5py reports errors as text ('errno = 28'); fish the code out."""
+    match = re.search(r"errno\s*=\s*(\d+)", message)
+    return int(match.group(1)) if match else None
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.0f}" if size >= 1e6 else f"{size / 1e6:.2f}"
+
+
+def weights_size(model: keras.Model) -> int:
+    """Bytes a weights file of this model (with its optimizer state) needs, about."""
+    variables = list(model.weights) + list(getattr(model.optimizer, "variables", None) or [])
+    return sum(int(np.prod(v.shape)) * _itemsize(v.dtype) for v in variables)
+
+
+def _itemsize(dtype) -> int:
+    try:
+        return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
+    except TypeError:  # bfloat16 and other dtypes numpy does not name
+        return 2
 
 
 class CheckpointStore:
     def __init__(self, model_dir: str):
         self.root = os.path.join(model_dir, "checkpoints")
 
-    def completed_epochs(self) -> list[int]:
+    def checkpoints(self) -> list[tuple[int, int, str]]:
+        """Complete checkpoints as (global step, 1 for an epoch checkpoint else 0, path), oldest first."""
         if not os.path.isdir(self.root):
             return []
-        found = (_EPOCH_DIR.match(name) for name in os.listdir(self.root))
-        return sorted(int(m.group(1)) for m in found if m)
+        found = []
+        for name in os.listdir(self.root):
+            m = _CHECKPOINT_DIR.match(name)
+            if m and os.path.exists(os.path.join(self.root, name, STATE)):
+                step = _read_step(os.path.join(self.root, name))
+                if step is not None:
+                    found.append((step, int(m.group(1) == "epoch"), os.path.join(self.root, name)))
+                else:
+                    _warn(f"skipping checkpoint {os.path.join(self.root, name)}: its {STATE} cannot be read")
+        return sorted(found)
 
-    def latest_state(self) -> dict[str, Any] | None:
-        epochs = self.completed_epochs()
-        if not epochs:
-            return None
-        with open(os.path.join(self._epoch_dir(epochs[-1]), "state.json"), encoding="utf-8") as f:
-            return json.load(f)
+    def completed_epochs(self) -> list[int]:
+        return sorted(int(os.path.basename(p).split("-")[1]) for _, is_epoch, p in self.checkpoints() if is_epoch)
 
     def restore_latest(self, model: keras.Model) -> dict[str, Any] | None:
-        """Loads weights and optimizer state of the newest complete epoch; None if there is none.
+        """Loads weights and optimizer state of the newest readable checkpoint; None if there is none.
 
-        The optimizer must already be built, or Keras would skip its state.
+        The optimizer must already be built, or Keras would skip its state. A
+        checkpoint whose files cannot be read is skipped with a warning; one
+        that does not fit the model (another architecture or class count) is
+        an error, since an older one would not fit either.
         """
-        state = self.latest_state()
-        if state is not None:
-            path = os.path.join(self._epoch_dir(state["epoch"]), "model.weights.h5")
+        for _, _, path in reversed(self.checkpoints()):
+            weights = os.path.join(path, WEIGHTS)
             try:
-                model.load_weights(path)
+                with open(os.path.join(path, STATE), encoding="utf-8") as f:
+                    state = json.load(f)
+                model.load_weights(weights)
             except (ValueError, KeyError) as e:
-                raise UserError(f"cannot resume from {path}: it does not fit model '{model.name}' "
+                if isinstance(e, json.JSONDecodeError):
+                    _warn(f"skipping checkpoint {path}: {STATE} is not valid JSON")
+                    continue
+                raise UserError(f"cannot resume from {weights}: it does not fit model '{model.name}' "
                                 f"(changed architecture or class count? use a new model_dir): "
                                 f"{str(e).strip().splitlines()[0][:200]}") from None
-        return state
+            except OSError as e:  # h5py: truncated or damaged file
+                _warn(f"skipping damaged checkpoint {path} ({str(e).splitlines()[0][:120]}); "
+                      f"trying the one before it")
+                continue
+            state["path"] = path
+            return state
+        return None
 
-    def save(self, model: keras.Model, state: dict[str, Any]) -> str:
-        """Writes `epoch-N/` (N = state['epoch']) atomically, then prunes older epochs."""
-        os.makedirs(self.root, exist_ok=True)
-        final = self._epoch_dir(state["epoch"])
+    def save(self, model: keras.Model, state: dict[str, Any], kind: str = "epoch") -> str:
+        """Writes `epoch-N/` (N = state['epoch']) or `step-N/` (N = state['step']) atomically, then prunes."""
+        number = state["epoch"] if kind == "epoch" else state["step"]
+        final = os.path.join(self.root, f"{kind}-{number:04d}" if kind == "epoch" else f"{kind}-{number:09d}")
         tmp = os.path.join(self.root, f".tmp-{os.path.basename(final)}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        model.save_weights(os.path.join(tmp, "model.weights.h5"))
-        atomic_write_text(os.path.join(tmp, "state.json"), json.dumps(state, indent=1))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        try:
+            with write_errors(f"checkpoint {os.path.basename(final)}", self.root, weights_size(model)):
+                os.makedirs(self.root, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+                model.save_weights(os.path.join(tmp, WEIGHTS))
+                atomic_write_text(os.path.join(tmp, STATE), json.dumps(state, indent=1))
+                if os.path.exists(final):
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         self._prune()
         return final
 
     def save_best(self, model: keras.Model, record: dict[str, Any]) -> None:
-        os.makedirs(self.root, exist_ok=True)
         tmp = os.path.join(self.root, f".tmp-best-{os.getpid()}.weights.h5")
-        model.save_weights(tmp)
-        os.replace(tmp, self.best_weights)
+        try:
+            with write_errors("the best checkpoint", self.root, weights_size(model)):
+                os.makedirs(self.root, exist_ok=True)
+                model.save_weights(tmp)
+                os.replace(tmp, self.best_weights)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
         atomic_write_text(os.path.join(self.root, "best.json"), json.dumps(record, indent=1))
 
     @property
@@ -103,9 +187,28 @@ class CheckpointStore:
                     path = os.path.join(self.root, name)
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
-    def _epoch_dir(self, epoch: int) -> str:
-        return os.path.join(self.root, f"epoch-{epoch:04d}")
-
     def _prune(self) -> None:
-        for epoch in self.completed_epochs()[:-KEEP_LATEST]:
-            shutil.rmtree(self._epoch_dir(epoch), ignore_errors=True)
+        """Keeps the newest KEEP_EPOCHS epoch checkpoints and the newest KEEP_STEPS step checkpoints
+        newer than the last epoch checkpoint (older step checkpoints are superseded by it)."""
+        found = self.checkpoints()
+        epochs = [(s, p) for s, is_epoch, p in found if is_epoch]
+        last_epoch_step = epochs[-1][0] if epochs else -1
+        steps = [(s, p) for s, is_epoch, p in found if not is_epoch]
+        stale = [p for _, p in epochs[:-KEEP_EPOCHS]]
+        stale += [p for s, p in steps[:-KEEP_STEPS]] + [p for s, p in steps[-KEEP_STEPS:] if s <= last_epoch_step]
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _read_step(path: str) -> int | None:
+    try:
+        with open(os.path.join(path, STATE), encoding="utf-8") as f:
+            state = json.load(f)
+        return int(state.get("step", state.get("epoch", 0)))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"tfdp: warning: {message}\n")
+    sys.stderr.flush()

@@ -8,3 +8,12 @@ bug and keeps its traceback.
 
 class UserError(Exception):
     """A problem with the user's input, reported as one line without a traceback."""
+
+
+# Exit status of a run that saved a checkpoint on a preemption notice (SIGTERM) and stopped:
+# EX_TEMPFAIL from sysexits.h, "try again later". Schedulers restart on it (docker/ templates).
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(Exception):
+    """Raised once every worker has saved at the step they agreed on after a preemption notice."""

@@ -17,18 +17,23 @@ import warnings
 
 import keras
 import numpy as np
+import tensorflow as tf
 from absl import logging
 
 from tfdp import compat
 from tfdp import config as config_lib
-from tfdp.callbacks import Checkpointer, EpochStats, MetricsLog, WandbLog, read_metrics, tensorboard
+from tfdp.callbacks import (AverageReplicaState, Checkpointer, EpochStats, MetricsLog, WandbLog, read_metrics,
+                            tensorboard)
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config
 from tfdp.data import Source, build_source
-from tfdp.data.pipeline import CorruptCounter, data_errors, eval_dataset, train_dataset
+from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors, eval_dataset, train_dataset
 from tfdp.errors import UserError
+from tfdp.eval_step import install_exact_eval_loss
 from tfdp.losses import SparseSmoothedCrossentropy
 from tfdp.models import build_model, check_model_name
+from tfdp.preemption import PreemptionWatch
+from tfdp.replica_state import WorkerGather, state_averager
 from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
 from tfdp.xla import compile_per_replica_step
@@ -80,27 +85,101 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
                   weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
     if cfg.train.jit_compile:
         compile_per_replica_step(model)  # XLA per replica; Keras' own jit fails with several replicas
+    install_exact_eval_loss(model)  # val_loss over the real images, not the evaluation padding
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
     optimizer.build(model.trainable_variables)
     return model
 
 
 def distributed_datasets(cfg: Config, source: Source, runtime: Runtime, plan: Plan,
-                         corrupt: CorruptCounter | None = None, start_epoch: int = 0):
-    """Per-worker pipelines: each worker builds (and reads) only its own share."""
-    train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
-    strategy = runtime.strategy
-    train_ds = strategy.distribute_datasets_from_function(
-        lambda ctx: train_dataset(train, cfg.data, plan.global_batch, cfg.train.seed, ctx,
-                                  num_classes=plan.num_classes, corrupt=corrupt, start_epoch=start_epoch))
-    val_ds = strategy.distribute_datasets_from_function(
+                         corrupt: CorruptCounter | None = None):
+    """Per-worker pipelines from the start of the training stream, and the validation pipelines."""
+    return TrainStream(cfg, source, runtime, plan, corrupt).dataset((0, 0)), validation_dataset(cfg, source, runtime, plan)
+
+
+def validation_dataset(cfg: Config, source: Source, runtime: Runtime, plan: Plan):
+    """Per-worker validation pipelines: each worker builds (and reads) only its own share."""
+    val = source.split(cfg.data.val_split)
+    return runtime.strategy.distribute_datasets_from_function(
         lambda ctx: eval_dataset(val, cfg.data, plan.global_batch, ctx, num_classes=plan.num_classes))
-    return train_ds, val_ds
+
+
+class TrainStream:
+    """This worker's training pipeline, started at any position of its record stream.
+
+    It remembers where each batch ended (`StreamPosition`), so a checkpoint
+    can record the exact position after the last trained step and a resumed
+    run can start there, skipping records rather than decoding them.
+    """
+
+    def __init__(self, cfg: Config, source: Source, runtime: Runtime, plan: Plan, corrupt: CorruptCounter | None):
+        self.cfg, self.source, self.runtime, self.plan, self.corrupt = cfg, source, runtime, plan, corrupt
+        self.start: tuple[int, int] = (0, 0)
+        self.position = StreamPosition()
+        # Each step takes one batch per local replica from this worker's pipeline.
+        self.batches_per_step = runtime.num_replicas // runtime.num_workers
+        self.gather = WorkerGather(runtime.strategy, runtime.worker_index, runtime.num_workers)
+
+    def dataset(self, start: tuple[int, int]):
+        self.start, self.position = tuple(start), StreamPosition()
+        train, cfg, plan = self.source.split(self.cfg.data.train_split), self.cfg, self.plan
+        start, position = self.start, self.position
+        return self.runtime.strategy.distribute_datasets_from_function(
+            lambda ctx: train_dataset(train, cfg.data, plan.global_batch, cfg.train.seed, ctx,
+                                      num_classes=plan.num_classes, corrupt=self.corrupt,
+                                      start=start, position=position))
+
+    def local_state(self, steps: int) -> tuple[int, int]:
+        """(records consumed, corrupt so far) of this worker's stream after `steps` steps of the current dataset."""
+        if not steps or self.source.split(self.cfg.data.train_split).synthetic:
+            return self.start
+        return self.position.after(steps * self.batches_per_step)
+
+    def state(self, steps: int) -> list[list[int]]:
+        """Every worker's `local_state`, indexed by worker (a collective: all workers call it)."""
+        return self.gather(list(self.local_state(steps)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One `fit` call: epochs [initial_epoch, epochs) of `steps` steps each."""
+    initial_epoch: int
+    epochs: int
+    steps: int
+
+
+def segments(resume_epoch: int, step_in_epoch: int, epochs: int, steps_per_epoch: int) -> list[Segment]:
+    """The fit calls that finish a run resumed at (epoch, step in it): Keras' fit starts epochs at step 0,
+    so the rest of a partial epoch is a fit of its own."""
+    if resume_epoch >= epochs:
+        return []
+    if not step_in_epoch:
+        return [Segment(resume_epoch, epochs, steps_per_epoch)]
+    rest = [Segment(resume_epoch + 1, epochs, steps_per_epoch)] if resume_epoch + 1 < epochs else []
+    return [Segment(resume_epoch, resume_epoch + 1, steps_per_epoch - step_in_epoch), *rest]
+
+
+def resume_input(state: dict | None, runtime: Runtime, plan: Plan) -> tuple[int, int]:
+    """This worker's input position from a checkpoint's state (the stream's start for a fresh run)."""
+    if not state:
+        return (0, 0)
+    positions = state.get("input")
+    if positions and len(positions) == runtime.num_workers:
+        return tuple(positions[runtime.worker_index])
+    step = state.get("step", state["epoch"] * plan.steps_per_epoch)
+    logging.warning("the checkpoint was written by %s worker(s), this run has %d: the input continues at about "
+                    "the same position, not exactly", len(positions) if positions else "an unknown number of",
+                    runtime.num_workers)
+    return (step * (plan.global_batch // runtime.num_workers), 0)
 
 
 def train(cfg: Config, runtime: Runtime) -> dict:
     """Trains (or resumes) the run described by `cfg`; returns the final summary."""
     check_model_name(cfg.model.name)
+    if cfg.train.deterministic:
+        tf.config.experimental.enable_op_determinism()
+        print("tfdp: deterministic: TensorFlow op determinism on, seeded input; an op without a "
+              "deterministic kernel on this device fails instead of running", flush=True)
     keras.utils.set_random_seed(cfg.train.seed)
     source = build_source(cfg.data)
     plan = make_plan(cfg, source, runtime)
@@ -111,33 +190,24 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
     state = CheckpointStore(model_dir).restore_latest(model)
-    initial_epoch = state["epoch"] if state else 0
-    previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= initial_epoch]
-    if initial_epoch >= cfg.train.epochs:
+    epoch, step_in_epoch = (state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0)
+    previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
+    if epoch >= cfg.train.epochs:
         print(f"tfdp: all {cfg.train.epochs} epochs already trained in {model_dir}", flush=True)
-    elif initial_epoch:
-        print(f"tfdp: resuming at epoch {initial_epoch + 1} of {cfg.train.epochs} from {model_dir}", flush=True)
+    elif state:
+        where = f", step {step_in_epoch + 1} of {plan.steps_per_epoch}" if step_in_epoch else ""
+        print(f"tfdp: resuming at epoch {epoch + 1} of {cfg.train.epochs}{where} "
+              f"from {os.path.relpath(state['path'], model_dir)}", flush=True)
 
     with output_dir(runtime, model_dir) as out:
-        save_config(cfg, out)
         store = CheckpointStore(out)
         store.remove_partial()
+        save_config(cfg, out)
         metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
-        if initial_epoch < cfg.train.epochs:
-            corrupt = CorruptCounter()
-            train_ds, val_ds = distributed_datasets(cfg, source, runtime, plan, corrupt, initial_epoch)
-            callbacks = [
-                EpochStats(plan.global_batch, plan.steps_per_epoch, corrupt),
-                metrics_log,
-                Checkpointer(store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None),
-                *loggers(cfg, out, runtime, initial_epoch),
-            ]
-            with warnings.catch_warnings(), data_errors():
-                warnings.filterwarnings("ignore", message=".*ran out of data.*")
-                model.fit(train_ds, validation_data=val_ds, epochs=cfg.train.epochs, initial_epoch=initial_epoch,
-                          steps_per_epoch=plan.steps_per_epoch, callbacks=callbacks, shuffle=False,
-                          verbose=1 if sys.stdout.isatty() else 2)
-    summary = summarize(metrics_log.rows, runtime, plan)
+        fits = segments(epoch, step_in_epoch, cfg.train.epochs, plan.steps_per_epoch)
+        if fits:
+            fit_all(cfg, runtime, model, source, plan, fits, state, store, metrics_log, out)
+    summary = summarize(metrics_log.rows, runtime, plan, cfg.train.best_metric)
     summary["fingerprint"] = weights_fingerprint(model)
     print(f"tfdp: worker {runtime.worker_index} of {runtime.num_workers}: weights fingerprint {summary['fingerprint']}",
           flush=True)
@@ -145,11 +215,43 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     return summary
 
 
+def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, plan: Plan, fits: list[Segment],
+            state: dict | None, store: CheckpointStore, metrics_log: MetricsLog, out: str) -> None:
+    """Runs the `segments` fit calls, each continuing the input stream where the last one stopped."""
+    corrupt = CorruptCounter()
+    stream = TrainStream(cfg, source, runtime, plan, corrupt)
+    average = state_averager(model)
+    watch = PreemptionWatch(runtime.strategy)
+    checkpointer = Checkpointer(
+        store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None,
+        steps_per_epoch=plan.steps_per_epoch, every_steps=cfg.train.checkpoint_every_steps, average=average,
+        input_state=stream.state, watch=watch,
+        resume=(state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0),
+        resume_metrics=state.get("metrics") if state else None)
+    # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
+    # drops the killed run's copy of it (see `callbacks.tensorboard`).
+    callbacks = [EpochStats(plan.global_batch, corrupt), AverageReplicaState(average), metrics_log,
+                 *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
+    val_ds = validation_dataset(cfg, source, runtime, plan)
+    start = resume_input(state, runtime, plan)
+    watch.install()
+    try:
+        with warnings.catch_warnings(), data_errors():
+            warnings.filterwarnings("ignore", message=".*ran out of data.*")
+            for fit in fits:
+                model.fit(stream.dataset(start), validation_data=val_ds, epochs=fit.epochs,
+                          initial_epoch=fit.initial_epoch, steps_per_epoch=fit.steps, callbacks=callbacks,
+                          shuffle=False, verbose=1 if sys.stdout.isatty() else 2)
+                start = stream.local_state(fit.steps * (fit.epochs - fit.initial_epoch))
+    finally:
+        watch.uninstall()
+
+
 def loggers(cfg: Config, out: str, runtime: Runtime, initial_epoch: int) -> list[keras.callbacks.Callback]:
     """TensorBoard (into `out`, so only the chief's survives) and, on the chief, Weights & Biases."""
     found = []
     if cfg.log.tensorboard:
-        found.append(tensorboard(os.path.join(out, "tensorboard"), cfg.log.profile_steps))
+        found.append(tensorboard(os.path.join(out, "tensorboard"), cfg.log.profile_steps, initial_epoch))
     if cfg.log.wandb_project and runtime.is_chief:
         found.append(WandbLog(cfg.log.wandb_project, cfg.log.wandb_mode, out, config_lib.to_dict(cfg), initial_epoch))
     return found
@@ -193,13 +295,19 @@ def save_config(cfg: Config, model_dir: str) -> None:
     logging.info("resolved config:\n%s", text)
 
 
-def summarize(rows: list[dict], runtime: Runtime, plan: Plan) -> dict:
-    """Final numbers from the metrics log; throughput skips the first epoch (tracing) when it can."""
+def summarize(rows: list[dict], runtime: Runtime, plan: Plan, best_metric: str = "val_top1") -> dict:
+    """Final numbers from the metrics log; throughput skips the first epoch (tracing) when it can.
+
+    The best epoch is the one `train.best_metric` picks, as for the best checkpoint.
+    """
     if not rows:
         raise UserError("no epochs recorded in the metrics log")
     last = rows[-1]
     timed = rows[1:] if len(rows) > 1 else rows
-    best = max(rows, key=lambda r: r.get("val_top1", 0.0))
+    if best_metric.endswith("loss"):
+        best = min(rows, key=lambda r: r.get(best_metric, float("inf")))
+    else:
+        best = max(rows, key=lambda r: r.get(best_metric, 0.0))
     return {
         "epochs": last["epoch"],
         "val_top1": last.get("val_top1"),

@@ -52,38 +52,98 @@ class CorruptCounter:
         return int(self.count.numpy())
 
 
+class StreamPosition:
+    """Where each training batch ended in this input pipeline's record stream.
+
+    The pipeline runs ahead of training (prefetching), so the position after
+    the last *trained* batch cannot be read off the pipeline at checkpoint
+    time. Instead every batch writes (its number, the stream position after
+    it, corrupt images so far) into a ring of `RING` slots, and the trainer
+    looks up the batch it has just trained. Positions count records, corrupt
+    ones included, so a resumed stream skips exactly what was consumed.
+    """
+
+    RING = 4096  # far more batches than any prefetch buffer holds
+
+    def __init__(self):
+        with tf.init_scope():
+            self.slots = tf.Variable(tf.fill([self.RING, 3], tf.constant(-1, tf.int64)), trainable=False,
+                                     name="stream_position")
+
+    def record(self, batch_number: tf.Tensor, position: tf.Tensor, bad: tf.Tensor):
+        slot = tf.math.floormod(batch_number, self.RING)
+        return self.slots.scatter_nd_update([[slot]], [tf.stack([batch_number, position, bad])])
+
+    def after(self, batches: int) -> tuple[int, int]:
+        """(records consumed, corrupt images) after the first `batches` batches of this stream."""
+        if batches == 0:
+            return 0, 0
+        number, position, bad = (int(v) for v in self.slots[(batches - 1) % self.RING].numpy())
+        if number != batches - 1:
+            raise RuntimeError(f"stream position of batch {batches - 1} is no longer known (slot holds {number})")
+        return position, bad
+
+
 def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
                   input_context: tf.distribute.InputContext | None = None, *,
-                  num_classes: int = 0, corrupt: CorruptCounter | None = None, start_epoch: int = 0) -> tf.data.Dataset:
+                  num_classes: int = 0, corrupt: CorruptCounter | None = None,
+                  start: tuple[int, int] = (0, 0), position: StreamPosition | None = None) -> tf.data.Dataset:
     """Endless shuffled, augmented batches of this input pipeline's share of `split`.
 
-    A run resumed at `start_epoch` draws its shuffles and crops from a seed
-    derived from (seed, start_epoch): a fixed seed would replay the first
-    epoch's order and crops, and resuming at the same epoch twice still gives
-    the same batches.
+    The record stream is a pure function of (`seed`, position): data epoch `e`
+    is the share shuffled with a seed derived from (`seed`, `e`), and every
+    crop window is drawn from (`seed`, the record's position) under
+    `data.deterministic`. A run resumed at `start` = (records consumed,
+    corrupt images so far) therefore continues with exactly the batches the
+    uninterrupted run would have trained on, and reaches that point by
+    skipping whole data epochs and then records, before any image is read or
+    decoded. `position`, if given, records where each batch ended.
     """
     ctx = input_context or tf.distribute.InputContext()
-    seed = stream_seed(seed, start_epoch)
     batch = ctx.get_per_replica_batch_size(global_batch)
     if split.synthetic:
         return synthetic_dataset(cfg, num_classes, global_batch, ctx)
     share, data_shard = pipeline_share(split, ctx)
-    ds = _payloads(share, cfg, ctx, data_shard, shuffle_seed=seed)
-    ds = ds.shuffle(min(cfg.shuffle_buffer, max(share.num_examples, 1)), seed=seed, reshuffle_each_iteration=True)
-    ds = ds.repeat()
+    share_size = _share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
+    consumed, bad = start
+    first_epoch, offset = divmod(consumed, max(share_size, 1))
+    ds = _epochs(share, cfg, ctx, data_shard, seed, first_epoch, share_size).skip(offset)
 
     def crop(image, index):
         return random_crop(image, cfg, tf.stack([tf.constant(seed, tf.int64), index]) if cfg.deterministic else None)
-    ds = _decode_counted(ds, share, cfg, crop, num_classes, corrupt,
-                         _share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id], batch, True)
+    ds = _decode_counted(ds, share, cfg, crop, num_classes, corrupt, share_size, batch, True,
+                         start=(consumed, bad), position=position)
     return ds.prefetch(AUTOTUNE)
 
 
-def stream_seed(seed: int, start_epoch: int) -> int:
-    """The training stream's seed for a run starting at `start_epoch` (`seed` itself for a fresh run)."""
-    if not start_epoch:
-        return seed
-    return int(np.random.SeedSequence([seed, start_epoch]).generate_state(1)[0] >> 1)
+def _epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool, seed: int,
+            first_epoch: int, share_size: int) -> tf.data.Dataset:
+    """Data epochs `first_epoch`, `first_epoch + 1`, ... of the share, each in an order of its own.
+
+    Epoch `e` permutes the files (or shards) with a stateless permutation
+    drawn from (`seed`, `e`), then shuffles records through a buffer with a
+    fixed seed: a different input order gives a different output order, and
+    the same (`seed`, `e`) always the same one, whichever epoch a run starts
+    at. (tf.data's own reshuffling draws each epoch's seed from the last,
+    which could only be replayed by iterating every earlier epoch.) With
+    `data.cache` the cached payloads are reshuffled by tf.data per epoch and
+    a resumed stream skips through them: in memory that is cheap.
+    """
+    buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))
+    if cfg.cache:
+        cached = _cached(_payloads(share, cfg, ctx, data_shard), share)
+        stream = cached.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
+        return stream.skip(first_epoch * share_size)
+
+    @tf.autograph.experimental.do_not_convert  # plain Python branches on Python values
+    def epoch(e):
+        order = tf.stack([tf.constant(seed, tf.int64), e])
+        return _payloads(share, cfg, ctx, data_shard, order_seed=order).shuffle(
+            buffer, seed=seed, reshuffle_each_iteration=False)
+    return tf.data.Dataset.range(first_epoch, MAX_EPOCHS).flat_map(epoch)
+
+
+MAX_EPOCHS = 1 << 40
 
 
 def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
@@ -109,7 +169,8 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
         ds = synthetic_dataset(cfg, num_classes, per_step).unbatch().map(lambda image, label: (image, label, 1.0))
         return ds.take(sizes[ctx.input_pipeline_id]).concatenate(padding).take(padded).batch(batch)
     share, data_shard = pipeline_share(split, ctx)
-    ds = _payloads(share, cfg, ctx, data_shard, shuffle_seed=None)
+    ds = _payloads(share, cfg, ctx, data_shard)
+    ds = _cached(ds, share) if cfg.cache else ds
     center = lambda image, index: center_crop(image, cfg.image_size, cfg.eval_crop_fraction)  # noqa: E731
     ds = _decode_counted(ds, share, cfg, center, num_classes, corrupt, sizes[ctx.input_pipeline_id], batch, False)
     ds = ds.unbatch().map(lambda image, label: (image, label, 1.0))
@@ -163,39 +224,52 @@ def _share_sizes(split: Split, n: int) -> list[int]:
 
 
 def _payloads(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool,
-              shuffle_seed: int | None) -> tf.data.Dataset:
+              order_seed: tf.Tensor | None = None) -> tf.data.Dataset:
     """Serialized records, or (image file path, label) pairs that `_decode_counted` reads.
 
-    Reading a file inside the decoding map, rather than in a map of its own,
-    saves one function call per image (measured: 2% of the pipeline). With
-    `data.cache`, files are read here instead, so the cache holds their bytes.
+    With an `order_seed` (shape [2]), shards (or image files) come in the
+    permutation it draws. Reading a file inside the decoding map, rather than
+    in a map of its own, saves one function call per image (measured: 2% of
+    the pipeline).
     """
     files = localize(share.files, cfg.cache_dir)
     if share.records is not None:
-        ds = tf.data.Dataset.from_tensor_slices(files)
-        if shuffle_seed is not None:
-            ds = ds.shuffle(len(files), seed=shuffle_seed, reshuffle_each_iteration=True)
+        names = _permuted(tf.constant(files), order_seed)
         # Records are read sequentially, round robin over INTERLEAVE_CYCLE shards: reading is ~25x faster
         # than decoding, and a parallel interleave burned CPU in synchronisation that decoding needs
         # (measured: 2-6% of the whole pipeline). Shards are local files by now (see `localize`). The
         # order is deterministic, which sharding by example needs: all pipelines see the same sequence.
-        ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), INTERLEAVE_CYCLE))
-        if data_shard:
-            ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-        return ds.cache() if cfg.cache else ds
-    ds = tf.data.Dataset.from_tensor_slices((files, tf.constant(share.labels, tf.int32)))
-    if data_shard:
-        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-    if shuffle_seed is not None:
-        ds = ds.shuffle(len(files), seed=shuffle_seed, reshuffle_each_iteration=True)
-    if cfg.cache:
-        ds = ds.map(lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE).cache()
-    return ds
+        ds = tf.data.Dataset.from_tensor_slices(names).interleave(
+            tf.data.TFRecordDataset, cycle_length=min(len(files), INTERLEAVE_CYCLE))
+        return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) if data_shard else ds
+    labels = share.labels
+    if data_shard:  # as Dataset.shard on the pairs
+        files = files[ctx.input_pipeline_id::ctx.num_input_pipelines]
+        labels = labels[ctx.input_pipeline_id::ctx.num_input_pipelines]
+    pairs = (_permuted(tf.constant(files), order_seed), _permuted(tf.constant(labels, tf.int32), order_seed))
+    return tf.data.Dataset.from_tensor_slices(pairs)
+
+
+def _permuted(values: tf.Tensor, seed: tf.Tensor | None) -> tf.Tensor:
+    """`values` in the stateless random order `seed` draws (unchanged without a seed)."""
+    n = int(values.shape[0])
+    if seed is None or n < 2:
+        return values
+    return tf.gather(values, tf.random.experimental.index_shuffle(tf.range(n, dtype=tf.int64), seed, n - 1))
+
+
+def _cached(ds: tf.data.Dataset, share: Split) -> tf.data.Dataset:
+    """`data.cache`: payloads kept in memory after the first pass (image files read here, so the cache
+    holds their bytes). The cached order is the unshuffled one; training shuffles it per epoch."""
+    if share.records is None:
+        ds = ds.map(lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE)
+    return ds.cache()
 
 
 def _decode_counted(ds: tf.data.Dataset, share: Split, cfg: DataConfig, transform, num_classes: int,
                     corrupt: CorruptCounter | None, share_examples: int, batch: int,
-                    drop_remainder: bool) -> tf.data.Dataset:
+                    drop_remainder: bool, start: tuple[int, int] = (0, 0),
+                    position: StreamPosition | None = None) -> tf.data.Dataset:
     """Batches of (image, label) with corrupt images skipped, counted, logged, and bounded.
 
     Decoding keeps element order, so a skipped image shows as a gap in the
@@ -204,7 +278,8 @@ def _decode_counted(ds: tf.data.Dataset, share: Split, cfg: DataConfig, transfor
     once more than `data.max_bad_fraction` of the records read so far (or of
     this pipeline's share, whichever is larger) were corrupt. Labels are
     checked here too, so a label outside the model's classes is an error,
-    never a silent NaN or a wrong class.
+    never a silent NaN or a wrong class. `start` = (stream position of the
+    first element, corrupt images before it) continues a resumed stream.
     """
     fmt = share.records
 
@@ -221,12 +296,12 @@ def _decode_counted(ds: tf.data.Dataset, share: Split, cfg: DataConfig, transfor
             label = tf.cast(example[fmt.label_key] + fmt.label_offset, tf.int32)
         return index, transform(payload, index), label
 
-    ds = ds.enumerate().map(decode, num_parallel_calls=DECODE_CALLS, deterministic=True)
+    ds = ds.enumerate(start=start[0]).map(decode, num_parallel_calls=DECODE_CALLS, deterministic=True)
     ds = ds.ignore_errors().batch(batch, drop_remainder=drop_remainder)
     floor = max(share_examples, math.ceil(1 / cfg.max_bad_fraction) if cfg.max_bad_fraction else 0)
 
     def count(state, element):
-        last, bad = state
+        last, bad, number = state
         index, images, labels = element
         gap = index[-1] - last - tf.cast(tf.shape(index)[0], tf.int64)
         bad += gap
@@ -246,10 +321,14 @@ def _decode_counted(ds: tf.data.Dataset, share: Split, cfg: DataConfig, transfor
                                    (tf.where(low < 0, low, high), num_classes - 1))]))
         if corrupt is not None:
             checks.append(corrupt.count.assign(bad))
+        if position is not None:
+            checks.append(position.record(number, seen, bad))
         with tf.control_dependencies(checks):
-            return (index[-1], bad), (tf.identity(images), tf.identity(labels))
+            return (index[-1], bad, number + 1), (tf.identity(images), tf.identity(labels))
 
-    return ds.scan((tf.constant(-1, tf.int64), tf.constant(0, tf.int64)), count)
+    first, bad_before = start
+    return ds.scan((tf.constant(first - 1, tf.int64), tf.constant(bad_before, tf.int64), tf.constant(0, tf.int64)),
+                   count)
 
 
 @contextlib.contextmanager

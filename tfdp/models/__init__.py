@@ -70,9 +70,31 @@ def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
     backbone = MODELS[model_cfg.name](input_shape=shape, num_classes=model_cfg.num_classes, dropout=model_cfg.dropout)
     inputs = keras.Input(shape, dtype="uint8", name="image")
     x = keras.layers.RandomFlip("horizontal", name="hflip")(inputs) if data_cfg.hflip else inputs
+    if model_cfg.sync_bn:
+        synchronize_batch_norm(backbone)
     logits = backbone(Standardize(data_cfg.mean, data_cfg.std, name="standardize")(x))
     logits = keras.layers.Activation("linear", dtype="float32", name="logits_float32")(logits)
     return keras.Model(inputs, logits, name=model_cfg.name)
+
+
+def synchronize_batch_norm(model: keras.Model) -> int:
+    """Makes every BatchNormalization layer compute its statistics over the global batch.
+
+    Keras 3's `synchronized=True` all-reduces the per-replica sums of x and x^2
+    and their counts (exact global mean and variance, and gradients through
+    the all-reduce); it is read at call time, so switching it on after
+    construction works for every registry model. Returns how many layers.
+    """
+    layers = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
+    for layer in layers:
+        layer.synchronized = True
+    return len(layers)
+
+
+def _all_layers(layer):
+    for child in getattr(layer, "layers", ()):
+        yield child
+        yield from _all_layers(child)
 
 
 # Importing the model files fills the registry.

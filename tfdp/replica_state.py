@@ -1,0 +1,102 @@
+"""State that lives on every replica and must read the same everywhere.
+
+Keras 3 creates batch-norm moving statistics with aggregation NONE, so under
+a tf.distribute strategy each replica (and each worker) updates its own copy
+from its own share of the batch, and reading them in cross-replica context
+(saving, exporting, evaluating, fingerprinting) returns replica 0's. tf.keras
+averaged them over replicas on read. tfdp does the same at the points where
+they are read, not at every step: `average_non_trained_state` sets every
+replica's copy of each float non-trained variable to the mean over all
+replicas of all workers, with one batched all-reduce. The trainer calls it
+before validation and before every checkpoint, at the same steps in every run,
+so an interrupted and resumed run sees exactly the statistics of one that was
+never stopped. Integer state (random-number generator counters) is left alone:
+it advances identically on every replica and must not be averaged.
+
+Metric accumulators (sync-on-read sums) are read and restored here too, so a
+run resumed mid-epoch reports the metrics of the whole epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def float_non_trained(model: keras.Model) -> list:
+    return [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
+
+
+def state_averager(model: keras.Model) -> Callable[[], None]:
+    """A function that averages the model's float non-trained state over all replicas, in place.
+
+    Every worker must call it at the same point (it is a collective).
+    """
+    strategy = model.distribute_strategy
+    variables = float_non_trained(model)
+
+    @tf.function
+    def average():
+        def on_replica():
+            context = tf.distribute.get_replica_context()
+            means = context.all_reduce(tf.distribute.ReduceOp.MEAN, [tf.convert_to_tensor(v.value) for v in variables])
+            for variable, mean in zip(variables, means):
+                variable.assign(mean)
+        strategy.run(on_replica)
+
+    return average if variables else (lambda: None)
+
+
+def replica_copies(variable) -> list[np.ndarray]:
+    """This process's per-replica values of a (Keras) variable: one per local replica."""
+    value = variable.value
+    copies = getattr(value, "values", None) or (value,)
+    return [c.numpy() for c in copies]
+
+
+def metric_totals(model: keras.Model) -> dict[str, list[float]]:
+    """Each metric's accumulators summed over all replicas (a collective under multi-worker)."""
+    return {m.name: [float(np.sum(keras.ops.convert_to_numpy(v))) for v in m.variables] for m in model.metrics}
+
+
+def restore_metric_totals(model: keras.Model, totals: dict[str, list[float]]) -> None:
+    """Sets the metrics' accumulators so that their sum over all replicas equals `totals`.
+
+    Each replica gets an equal share: sync-on-read sums add the replicas' copies on read.
+    """
+    strategy = model.distribute_strategy
+    pairs = [(v, value) for m in model.metrics for v, value in zip(m.variables, totals.get(m.name, ()))]
+    if not pairs:
+        return
+    values = tf.constant([value / strategy.num_replicas_in_sync for _, value in pairs], tf.float64)
+
+    def on_replica():
+        for (variable, _), value in zip(pairs, tf.unstack(values)):
+            variable.assign(tf.cast(value, variable.dtype))
+    strategy.run(tf.function(on_replica))
+
+
+class WorkerGather:
+    """Every worker's few integers, indexed by worker: one SUM all-reduce in which each worker fills its
+    own row from its first local replica. A collective: all workers call it at the same point."""
+
+    def __init__(self, strategy: tf.distribute.Strategy, worker: int, workers: int):
+        self.strategy, self.worker, self.workers = strategy, worker, workers
+        local_replicas = strategy.num_replicas_in_sync // workers
+
+        def on_replica(rows):
+            first_local = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group % local_replicas, 0)
+            return tf.where(first_local, rows, tf.zeros_like(rows))
+
+        @tf.function(reduce_retracing=True)
+        def gather(rows):
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(on_replica, args=(rows,)), axis=None)
+        self._gather = gather
+
+    def __call__(self, local: list[int]) -> list[list[int]]:
+        rows = np.zeros([self.workers, len(local)], np.int64)
+        rows[self.worker] = local
+        return self._gather(tf.constant(rows)).numpy().tolist()
