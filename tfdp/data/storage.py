@@ -119,21 +119,25 @@ def count_records(path: str) -> int:
 def readable_records(path: str) -> tuple[int, str | None]:
     """(complete records at the start of a local TFRecord file, how the next one is cut short or None).
 
-    Only the framing is read (12-byte headers, seeking over the data), not the
-    payload's CRC: cheap enough to run on every shard whenever a split is listed.
+    Only the framing is read, one 8-byte length per record at its offset (not
+    the payload's CRC): cheap enough to run on every shard whenever a split is
+    listed. Read-ahead is turned off, so a cold cache reads one page per
+    record, not the images between the headers.
     """
-    count = 0
+    count, offset = 0, 0
     size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        offset = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         while offset < size:
-            header = f.read(LENGTH.size)
+            header = os.pread(fd, LENGTH.size, offset)
             if len(header) < LENGTH.size:
                 return count, "header cut short"
-            (length,) = LENGTH.unpack(header)
-            offset += HEADER_BYTES + length + FOOTER_BYTES
+            offset += HEADER_BYTES + LENGTH.unpack(header)[0] + FOOTER_BYTES
             if offset > size:
                 return count, "runs past the end"
-            f.seek(offset)
             count += 1
+    finally:
+        os.close(fd)
     return count, None
