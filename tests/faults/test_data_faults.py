@@ -11,13 +11,15 @@ import json
 import os
 import posixpath
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from PIL import Image
 
-from conftest import last_line, run_tfdp
+from conftest import REPO, last_line, run_tfdp
 from pipelines.convert_imagenet import Item, Prepared, convert, image_example
 from pipelines.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
@@ -256,9 +258,5 @@ def test_a_tree_of_no_layout_says_what_was_looked_for(layouts, tmp_path):
 
 def run_tfdp_module(module: str, *args: str):
     """Runs one of the project's command-line modules (python -m ...) in a fresh process."""
-    import subprocess
-    import sys
-
-    from conftest import REPO
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
                           cwd=REPO, env=dict(os.environ))
