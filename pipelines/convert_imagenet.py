@@ -135,10 +135,10 @@ def _xml_boxes(bbox_dir: str) -> dict[str, list[tuple]]:
 
 
 def _kaggle_boxes(src: str) -> dict[str, list[tuple]]:
-    from tfdp.data.imagenet import KAGGLE_MAPPING, read_kaggle_solution
+    from tfdp.data.imagenet import layout, read_kaggle_solution
 
     fs, root = filesystem(src)
-    if not fs.exists(posixpath.join(root, KAGGLE_MAPPING)):
+    if not fs.isdir(root) or layout(fs, root) != "kaggle":
         return {}
     found = {}
     for split in ("train", "val"):

@@ -10,6 +10,7 @@ from tfdp.checkpoints import CheckpointStore
 from tfdp.config import Config
 from tfdp.data import build_source
 from tfdp.data.pipeline import data_errors
+from tfdp.data.sources import require_complete
 from tfdp.errors import UserError
 from tfdp.models import check_model_name
 from tfdp.strategy import Runtime
@@ -33,6 +34,7 @@ def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> di
     """Top-1/top-5 over the whole validation split, spread over the replicas, each image once."""
     check_model_name(cfg.model.name)
     source = build_source(cfg.data)
+    require_complete(source.split(cfg.data.val_split))
     plan = make_plan(cfg, source, runtime)
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
@@ -40,10 +42,28 @@ def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> di
     _, val_ds = distributed_datasets(cfg, source, runtime, plan)
     with data_errors():
         result = model.evaluate(val_ds, verbose=0, return_dict=True)
-    result["examples"] = plan.val_examples
+    result["examples"] = evaluated_images(model)
+    skipped = plan.val_examples - result["examples"]
     print("tfdp: evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
-          + f" over {plan.val_examples} images", flush=True)
+          + f" over {result['examples']} images"
+          + (f" ({skipped} of the {plan.val_examples} listed could not be decoded)" if skipped else ""), flush=True)
     return result
+
+
+def evaluated_images(model: keras.Model) -> int:
+    """Images the metrics really cover: the weight top-1 was averaged over (padding and corrupt images weigh 0).
+
+    Read from the metric itself, summed over all replicas, rather than taken
+    from the listing, so the printed count can never claim images that were
+    not evaluated.
+    """
+    def walk(metrics):
+        for metric in metrics:
+            yield metric
+            yield from walk(getattr(metric, "metrics", None) or [])
+    top1 = next(m for m in walk(model.metrics) if m.name == "top1")
+    count = next(v for v in top1.variables if v.path.endswith("count"))
+    return int(round(float(keras.ops.convert_to_numpy(count))))
 
 
 def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out_dir: str | None) -> dict:

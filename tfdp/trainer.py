@@ -28,6 +28,7 @@ from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config
 from tfdp.data import Source, build_source
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors, eval_dataset, train_dataset
+from tfdp.data.sources import check_lost
 from tfdp.errors import UserError
 from tfdp.eval_step import install_exact_eval_loss
 from tfdp.losses import SparseSmoothedCrossentropy
@@ -51,6 +52,8 @@ class Plan:
     train_examples: int
     val_examples: int
     num_classes: int
+    lost_records: int = 0           # listed in counts.json but cut off their shards (both splits)
+    damaged: tuple[str, ...] = ()   # the shards those records were lost from
 
 
 def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
@@ -62,7 +65,9 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
     if steps == 0:
         raise UserError(f"the training split has {train.num_examples} images, fewer than one global batch "
                         f"of {global_batch} ({cfg.train.batch_size_per_replica} per replica x {runtime.num_replicas} replicas)")
-    return Plan(global_batch, steps, train.num_examples, val.num_examples, cfg.model.num_classes)
+    return Plan(global_batch, steps, train.num_examples, val.num_examples, cfg.model.num_classes,
+                train.lost_records + val.lost_records,
+                tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n))
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
@@ -183,6 +188,8 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     keras.utils.set_random_seed(cfg.train.seed)
     source = build_source(cfg.data)
     plan = make_plan(cfg, source, runtime)
+    for split in (cfg.data.train_split, cfg.data.val_split):
+        check_lost(source.split(split), cfg.data.max_bad_fraction)
     logging.info("data: %d train / %d val images, %d classes; global batch %d (%d x %d replicas, %d worker(s)), "
                  "%d steps/epoch", plan.train_examples, plan.val_examples, plan.num_classes, plan.global_batch,
                  cfg.train.batch_size_per_replica, runtime.num_replicas, runtime.num_workers, plan.steps_per_epoch)
@@ -319,6 +326,8 @@ def summarize(rows: list[dict], runtime: Runtime, plan: Plan, best_metric: str =
         "replicas": runtime.num_replicas,
         "global_batch": plan.global_batch,
         "corrupt_images": int(last.get("corrupt_images", 0)),
+        "lost_records": plan.lost_records,
+        "damaged_shards": [os.path.basename(f) for f in plan.damaged],
     }
 
 
@@ -327,4 +336,6 @@ def format_summary(s: dict) -> str:
             f"(best {100 * s['best_val_top1']:.2f}% at epoch {s['best_epoch']}), "
             f"{s['seconds_per_epoch']:.1f} s/epoch, {s['images_per_sec']:.0f} images/s "
             f"on {s['replicas']} replica(s), global batch {s['global_batch']}"
-            + (f"; skipped {s['corrupt_images']} corrupt training image(s)" if s.get("corrupt_images") else ""))
+            + (f"; skipped {s['corrupt_images']} corrupt training image(s)" if s.get("corrupt_images") else "")
+            + (f"; {s['lost_records']} record(s) lost from cut-short shard(s) {', '.join(s['damaged_shards'])}"
+               if s.get("lost_records") else ""))

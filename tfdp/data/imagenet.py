@@ -11,6 +11,10 @@ in where the validation labels are:
   `LOC_val_solution.csv` (first synset of each PredictionString), images
   under `ILSVRC/Data/CLS-LOC/`.
 
+The layout is recognised by where `train/` is, never by a label file: users
+copy `LOC_synset_mapping.txt` beside an image-net.org tree for its class
+names, and it is used for class text in either layout.
+
 Labels always index the sorted list of synset ids, so every layout (and the
 TFRecord shards converted from it) gives the same image the same label.
 """
@@ -34,20 +38,38 @@ VAL_NUMBER = re.compile(r"ILSVRC2012_val_(\d+)", re.IGNORECASE)
 
 
 def imagenet_tree(root: str, split_names: tuple[str, ...]) -> Source:
-    """Either raw layout, recognised by its label files."""
+    """Either raw layout, recognised by its folders (a label file alone may have been copied beside the other)."""
     fs, path = filesystem(root)
     if not fs.isdir(path):
         raise UserError(f"data directory not found: {root}")
-    if fs.exists(posixpath.join(path, KAGGLE_MAPPING)):
+    kind = layout(fs, path)
+    if kind == "kaggle":
         return kaggle_tree(root, split_names)
-    return ilsvrc_tree(root, split_names)
+    if kind == "ilsvrc":
+        return ilsvrc_tree(root, split_names)
+    raise UserError(f"no ImageNet tree in {root}: looked for train/<synset>/ (image-net.org layout, with {GROUND_TRUTH} "
+                    f"and meta.mat, or val/<synset>/) and {KAGGLE_IMAGES}/train/<synset>/ (Kaggle layout, with "
+                    f"{KAGGLE_MAPPING} and LOC_val_solution.csv)")
+
+
+def layout(fs, root: str) -> str | None:
+    """"kaggle" or "ilsvrc" by where the train/ folder is, else None.
+
+    Folders, not label files, decide: users copy `LOC_synset_mapping.txt`
+    beside an image-net.org tree for its class names.
+    """
+    if fs.isdir(posixpath.join(root, KAGGLE_IMAGES, "train")):
+        return "kaggle"
+    if fs.isdir(posixpath.join(root, "train")):
+        return "ilsvrc"
+    return None
 
 
 def ilsvrc_tree(root: str, split_names: tuple[str, ...]) -> Source:
     fs, path = filesystem(root)
     synsets = _train_synsets(fs, posixpath.join(path, "train"))
     devkit = _find_devkit(fs, path)
-    text = dict(zip(*_meta_synsets(fs, devkit)[1:])) if devkit else {}
+    text = {**(dict(zip(*_meta_synsets(fs, devkit)[1:])) if devkit else {}), **_mapping_text(fs, path)}
     splits = {}
     for name in split_names:
         if _is_train(name):
@@ -57,19 +79,19 @@ def ilsvrc_tree(root: str, split_names: tuple[str, ...]) -> Source:
         else:
             if devkit is None:
                 raise UserError(f"no validation labels in {root}: expected {GROUND_TRUTH} and the devkit's meta.mat "
-                                f"(in {root} or {root}/ILSVRC2012_devkit_t12/data)")
+                                f"(in {root} or {root}/ILSVRC2012_devkit_t12/data), or val/ sorted into "
+                                f"val/<synset>/ folders")
             splits[name] = _ground_truth_val(fs, name, posixpath.join(path, "val"), devkit, synsets)
     return Source(class_names=synsets, splits=splits, class_text=tuple(text.get(s, s) for s in synsets))
 
 
 def kaggle_tree(root: str, split_names: tuple[str, ...]) -> Source:
     fs, path = filesystem(root)
-    mapping = _read_text(fs, posixpath.join(path, KAGGLE_MAPPING))
-    names = dict(line.split(" ", 1) if " " in line else (line, line) for line in mapping.splitlines() if line.strip())
+    names = _mapping_text(fs, path)
     images = posixpath.join(path, KAGGLE_IMAGES)
     synsets = _train_synsets(fs, posixpath.join(images, "train"))
     unnamed = [s for s in synsets if s not in names]
-    if unnamed:
+    if names and unnamed:
         raise UserError(f"{KAGGLE_MAPPING} does not list the synset folder(s) {', '.join(unnamed[:3])}")
     splits = {}
     for name in split_names:
@@ -80,7 +102,16 @@ def kaggle_tree(root: str, split_names: tuple[str, ...]) -> Source:
             labels = {image_id: boxes[0][0] for image_id, boxes in solution.items() if boxes}
             splits[name] = _labelled_flat_folder(fs, name, posixpath.join(images, "val"), synsets,
                                                  lambda stem: labels.get(stem), "LOC_val_solution.csv")
-    return Source(class_names=synsets, splits=splits, class_text=tuple(names[s].strip() for s in synsets))
+    return Source(class_names=synsets, splits=splits, class_text=tuple(names.get(s, s) for s in synsets))
+
+
+def _mapping_text(fs, root: str) -> dict[str, str]:
+    """Synset → class text from `LOC_synset_mapping.txt` in `root`, in either layout; empty without one."""
+    path = posixpath.join(root, KAGGLE_MAPPING)
+    if not fs.exists(path):
+        return {}
+    rows = (line.split(None, 1) for line in _read_text(fs, path).splitlines() if line.strip())
+    return {row[0]: (row[1].strip() if len(row) > 1 else row[0]) for row in rows}
 
 
 def read_kaggle_solution(fs, path: str) -> dict[str, list[tuple[str, float, float, float, float]]]:

@@ -21,6 +21,11 @@ Shards in a bucket stay remote in the `Split`: each input pipeline copies
 only its own share to the local cache when it is built (`pipeline._payloads`),
 so a worker never fetches another worker's shards. Only shards without a
 `counts.json` entry are copied up front, because counting reads them.
+
+Local shards are checked against `counts.json` when the split is listed, from
+their framing alone (12-byte headers and seeks): a shard cut short keeps its
+readable records in `Split.counts` and its loss in `Split.lost`, so training
+and evaluation know (and name) the damage before reading any image.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import json
 import posixpath
 
 from tfdp.data.sources import RecordFormat, Source, Split
-from tfdp.data.storage import count_records, filesystem, first_record, localize, url
+from tfdp.data.storage import count_records, filesystem, first_record, is_remote, localize, readable_records, url
 from tfdp.errors import UserError
 
 IMAGENET_RECORDS = RecordFormat(image_key="image/encoded", label_key="image/class/label", label_offset=-1)
@@ -52,8 +57,10 @@ def tfrecord_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> 
     splits = {}
     for name in split_names:
         shards = tuple(url(fs, s) for s in _find_shards(fs, path, name))
-        splits[name] = Split(name=name, files=shards, counts=_shard_counts(shards, known, cache_dir),
-                             records=IMAGENET_RECORDS)
+        counts = _shard_counts(shards, known, cache_dir)
+        readable = counts if is_remote(fs) else tuple(map(_readable_count, shards, counts))
+        splits[name] = Split(name=name, files=shards, counts=readable, records=IMAGENET_RECORDS,
+                             lost=tuple(c - r for c, r in zip(counts, readable)) if readable != counts else ())
         check_first_record(splits[name], len(synsets))
     return Source(class_names=synsets, splits=splits, class_text=text)
 
@@ -63,6 +70,17 @@ def _shard_counts(shards: tuple[str, ...], known: dict[str, int], cache_dir: str
     uncounted = [s for s in shards if not known.get(posixpath.basename(s))]
     counted = {s: count_records(local) for s, local in zip(uncounted, localize(uncounted, cache_dir))}
     return tuple(known.get(posixpath.basename(s)) or counted[s] for s in shards)
+
+
+def _readable_count(path: str, expected: int) -> int:
+    """Complete records in a local shard, at most `expected` (counts.json's count).
+
+    A shard cut short (an interrupted copy) is found here, when the split is
+    listed, from its framing alone; its loss then counts against training's
+    bad-record bound and fails evaluation (`sources.check_lost`,
+    `sources.require_complete`) instead of going silently missing.
+    """
+    return min(readable_records(path)[0], expected)
 
 
 def read_synsets(fs, root: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -82,20 +100,21 @@ def check_first_record(split: Split, num_classes: int) -> None:
     import tensorflow as tf
 
     fmt = split.records
-    first = first_record(split.files[0])
+    path = next((f for f, n in zip(split.files, split.counts) if n), split.files[0])  # not one cut short to nothing
+    first = first_record(path)
     if first is None:
         return
     try:
         example = tf.train.Example.FromString(first)
     except Exception:  # protobuf's DecodeError
-        raise UserError(f"{split.files[0]}: the first record is not a tf.train.Example") from None
+        raise UserError(f"{path}: the first record is not a tf.train.Example") from None
     features = example.features.feature
     for key in (fmt.image_key, fmt.label_key):
         if key not in features:
-            raise UserError(f"{split.files[0]}: records have no '{key}' feature (found: {', '.join(sorted(features))})")
+            raise UserError(f"{path}: records have no '{key}' feature (found: {', '.join(sorted(features))})")
     label = features[fmt.label_key].int64_list.value[0] + fmt.label_offset
     if label < 0 or (num_classes and label >= num_classes):
-        raise UserError(f"{split.files[0]}: label {label} is outside 0..{(num_classes or 1) - 1} "
+        raise UserError(f"{path}: label {label} is outside 0..{(num_classes or 1) - 1} "
                         f"(stored value {label - fmt.label_offset}; this format expects 1-based labels)")
 
 

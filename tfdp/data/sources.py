@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
+import sys
 
 import fsspec
 
@@ -32,7 +33,9 @@ class Split:
     Either each file is one encoded image (`labels` gives its 0-based label),
     or each file holds serialized examples (`records` says how to read them,
     `counts` how many each file has; counts size the epochs and let every
-    evaluation pipeline run the same number of steps).
+    evaluation pipeline run the same number of steps). `counts` are the
+    records each file really holds; `lost` the ones it was expected to hold
+    (counts.json) but cuts short, as a half-finished copy leaves a shard.
     """
     name: str
     files: tuple[str, ...]
@@ -40,12 +43,22 @@ class Split:
     counts: tuple[int, ...] = ()
     records: RecordFormat | None = None
     synthetic: int = 0      # examples generated on the fly; no files
+    lost: tuple[int, ...] = ()  # per file: records counts.json lists beyond the readable ones
 
     @property
     def num_examples(self) -> int:
         if self.synthetic:
             return self.synthetic
         return sum(self.counts) if self.records else len(self.files)
+
+    @property
+    def lost_records(self) -> int:
+        return sum(self.lost)
+
+    def damage(self) -> str:
+        """The cut-short files and what each lost, in one line ('' when none)."""
+        return ", ".join(f"{f} is cut short ({n} of its {c + n} records lost)"
+                         for f, c, n in zip(self.files, self.counts, self.lost) if n)
 
     def file_counts(self) -> tuple[int, ...]:
         return self.counts if self.records else (1,) * len(self.files)
@@ -54,7 +67,7 @@ class Split:
         """The same split restricted to the files at `indices` (one input pipeline's share)."""
         pick = lambda values: tuple(values[i] for i in indices) if values else ()  # noqa: E731
         return dataclasses.replace(self, files=pick(self.files), labels=pick(self.labels),
-                                   counts=pick(self.counts))
+                                   counts=pick(self.counts), lost=pick(self.lost))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +85,30 @@ class Source:
         if name not in self.splits:
             raise UserError(f"dataset has no split '{name}' (it has: {', '.join(sorted(self.splits))})")
         return self.splits[name]
+
+
+def require_complete(split: Split) -> None:
+    """Evaluation claims no count it did not evaluate: records lost from a cut-short file are an error."""
+    if split.lost_records:
+        listed = split.num_examples + split.lost_records
+        raise UserError(f"cannot evaluate split '{split.name}': {split.damage()}; {split.lost_records} of its "
+                        f"{listed} listed images are missing (copy the file again)")
+
+
+def check_lost(split: Split, max_bad_fraction: float) -> None:
+    """Training: records lost from cut-short files count against data.max_bad_fraction, like corrupt images.
+
+    Within the bound, training goes on without them, after a warning that
+    names each file; beyond it, nothing is trained.
+    """
+    if not split.lost_records:
+        return
+    listed = split.num_examples + split.lost_records
+    if split.lost_records > max_bad_fraction * listed:
+        raise UserError(f"split '{split.name}': {split.damage()}; {split.lost_records} of {listed} records lost is "
+                        f"more than data.max_bad_fraction ({max_bad_fraction})")
+    print(f"tfdp: warning: split '{split.name}': {split.damage()}; going on without the "
+          f"{split.lost_records} lost record(s)", file=sys.stderr, flush=True)
 
 
 def image_folder(root: str, split_names: tuple[str, ...]) -> Source:
