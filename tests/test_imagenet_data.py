@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import shutil
 import tarfile
 
 import numpy as np
@@ -308,6 +309,32 @@ def test_a_stream_resumed_at_any_position_continues_the_uninterrupted_one(trees)
         for want in batches[k:k + 2]:
             got = next(resumed)
             assert np.array_equal(got[0].numpy(), want[0].numpy()) and np.array_equal(got[1].numpy(), want[1].numpy())
+
+
+def test_a_resumed_stream_reads_no_image_it_skips(trees, tmp_path):
+    """Resuming at record k decodes only what follows: the k skipped files can even be gone."""
+    shutil.copytree(trees["ilsvrc"], tmp_path / "tree")
+    cfg = DataConfig(format="imagenet", dir=str(tmp_path / "tree"), image_size=32, deterministic=True,
+                     shuffle_buffer=4)
+    split = build_source(cfg).split("train")
+    n, k = split.num_examples, 8
+    uninterrupted = iter(train_dataset(split, cfg, 4, seed=9))
+    batches = [next(uninterrupted) for _ in range(n // 4)]
+    for path in stream_files(split, cfg, seed=9, count=k):
+        os.remove(path)
+    corrupt = CorruptCounter()
+    resumed = iter(train_dataset(split, cfg, 4, seed=9, corrupt=corrupt, start=(k, 0)))
+    for want in batches[k // 4:]:
+        assert np.array_equal(next(resumed)[0].numpy(), want[0].numpy())
+    assert corrupt.value() == 0  # not one of the removed files was read
+
+
+def stream_files(split, cfg, seed, count):
+    """The files behind the first `count` records of the training stream (the pipeline's own order)."""
+    from tfdp.data import pipeline
+    ctx = tf.distribute.InputContext()
+    ds = pipeline._epochs(split, cfg, ctx, False, seed, 0, split.num_examples).take(count)
+    return [path.decode() for path, _ in ds.as_numpy_iterator()]
 
 
 def test_synthetic_format_needs_no_files():

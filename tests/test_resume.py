@@ -1,0 +1,130 @@
+"""Exact resume: step checkpoints, kill -9 at random steps, damaged checkpoints, TensorBoard after restarts."""
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import REPO, last_line, read_jsonl, run_tfdp
+from tfdp.checkpoints import CheckpointStore
+
+
+def small_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "half-written state"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, capsys, damage):
+    store = CheckpointStore(str(tmp_path))
+    model = small_model()
+    saved = {}
+    for step in (2, 4):
+        model.layers[0].kernel.assign(np.full((4, 3), step, np.float32))
+        store.save(model, {"epoch": 0, "step": step, "step_in_epoch": step, "best": None}, kind="step")
+        saved[step] = model.get_weights()
+    newest = tmp_path / "checkpoints" / "step-000000004"
+    if damage == "truncated weights":  # as a failing disk or a bad copy leaves it
+        weights = newest / "model.weights.h5"
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 3)
+    else:
+        (newest / "state.json").write_text('{"epoch": ')
+
+    fresh = small_model()
+    state = store.restore_latest(fresh)
+    assert state["step"] == 2
+    for a, b in zip(fresh.get_weights(), saved[2]):
+        np.testing.assert_array_equal(a, b)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("tfdp: warning: skipping") and str(newest) in err[0], err
+    assert newest.exists()  # nothing deleted that someone could still recover
+
+
+def test_step_checkpoints_are_pruned_and_superseded_by_the_epoch_checkpoint(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    model = small_model()
+    for step in (2, 4, 6, 8):
+        store.save(model, {"epoch": 0, "step": step, "step_in_epoch": step, "best": None}, kind="step")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-000000006", "step-000000008"]
+    store.save(model, {"epoch": 1, "step": 10, "step_in_epoch": 0, "best": None})
+    store.save(model, {"epoch": 1, "step": 12, "step_in_epoch": 2, "best": None}, kind="step")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch-0001", "step-000000012"]
+
+
+@pytest.fixture(scope="module")
+def small_dir(digits_dir, tmp_path_factory):
+    """320 training and 40 validation digits: 5 steps of 64 per epoch, seconds per step for the demo's ResNet."""
+    root = tmp_path_factory.mktemp("small")
+    for split, per_class in (("train", 32), ("val", 4)):
+        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
+            os.makedirs(root / split / cls)
+            for f in sorted(os.listdir(os.path.join(digits_dir, split, cls)))[:per_class]:
+                shutil.copy(os.path.join(digits_dir, split, cls, f), root / split / cls / f)
+    return str(root)
+
+
+def demo_args(data_dir, model_dir, epochs=3, every=2):
+    """The demo's model (ResNet with batch norm) on 2 replicas, deterministic, a step checkpoint every 2 steps."""
+    return ["train", "--config=configs/digits.yaml", f"--data_dir={data_dir}", "--data_format=image_folder",
+            f"--model_dir={model_dir}", f"--epochs={epochs}", "--set=data.image_size=16",
+            f"--set=train.checkpoint_every_steps={every}", "--set=train.deterministic=true"]
+
+
+def fingerprint(stdout):
+    return re.findall(r"weights fingerprint (\w+)", stdout)
+
+
+@pytest.mark.slow
+def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_path, small_dir):
+    """kill -9 three times at random moments (during steps or checkpoint writes), resume each time."""
+    clean = run_tfdp(*demo_args(small_dir, tmp_path / "clean"), timeout=600)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    model_dir = tmp_path / "killed"
+    rng = random.Random(7)
+    resumed_steps = []
+    for kill in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        target = 2 * (kill + 1) + rng.randint(0, 2) * 2  # a step checkpoint to wait for, then a random delay
+        seen = model_dir / "checkpoints" / f"step-{target:09d}"
+        deadline = time.time() + 300
+        while not seen.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        out = proc.communicate()[0]
+        if m := re.search(r"resuming at epoch (\d+) of 3(?:, step (\d+) of 5)?", out):
+            resumed_steps.append((int(m.group(1)) - 1) * 5 + int(m.group(2) or 1) - 1)
+    final = run_tfdp(*demo_args(small_dir, model_dir), timeout=600)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "tfdp: resuming at epoch" in final.stdout
+    assert resumed_steps == sorted(resumed_steps) and len(resumed_steps) >= 2  # each run went on from the last
+    assert fingerprint(final.stdout) == fingerprint(clean.stdout) != []
+    assert last_line(final.stdout).split(",")[:2] == last_line(clean.stdout).split(",")[:2]  # same epochs, top-1
+    assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert not [p for p in os.listdir(model_dir / "checkpoints") if p.startswith(".tmp")]
+    clean_rows, rows = read_jsonl(tmp_path / "clean" / "metrics.jsonl"), read_jsonl(model_dir / "metrics.jsonl")
+    for key in ("loss", "top1", "val_loss", "val_top1"):  # the partial epochs' metrics continued exactly
+        assert [round(r[key], 5) for r in rows] == [round(r[key], 5) for r in clean_rows], key
+    steps = tensorboard_steps(model_dir / "tensorboard" / "train", "epoch_loss")
+    assert steps == [0, 1, 2]  # one point per epoch after the restarts' purges
+
+
+def tensorboard_steps(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir), purge_orphaned_data=True)
+    events.Reload()
+    return sorted(e.step for e in events.Scalars(tag)) if tag in events.Tags()["scalars"] else \
+        sorted(e.step for e in events.Tensors(tag))
