@@ -1,0 +1,136 @@
+"""What a step checkpoint, the preemption check and a resume cost, as ratios to the training step.
+
+For each model, in this one process and on the same data:
+  - step:       median seconds per training step (synthetic data on the device, after warm-up);
+  - check:      the preemption agreement after every step (one all-reduce of a flag);
+  - checkpoint: a step checkpoint as the trainer writes it (replica averaging + weights, optimizer
+                state, input position and metric sums, written atomically);
+  - resume:     reading that checkpoint back into a freshly built model, plus the first batch of a
+                training stream started mid-epoch from the demo's JPEG files (records skipped, not decoded).
+The "every N" column is the share of training time checkpoints take at `train.checkpoint_every_steps`.
+
+  python benchmarks/checkpoint_cost.py [--models=demo,resnet50] [--every=1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SETUPS = {  # name: (registry model, image size, classes, per-replica batch)
+    "demo": ("resnet18_small", 16, 10, 32),
+    "resnet50": ("resnet50", 224, 1000, 16),
+}
+
+
+def measure(name: str, args, runtime) -> dict:
+    import keras
+
+    from tfdp.callbacks import Checkpointer
+    from tfdp.checkpoints import CheckpointStore
+    from tfdp.config import validate
+    from tfdp.data.pipeline import synthetic_dataset
+    from tfdp.preemption import PreemptionWatch
+    from tfdp.replica_state import state_averager
+    from tfdp.trainer import Plan, compile_model
+
+    model_name, size, classes, batch = SETUPS[name]
+    global_batch = batch * runtime.num_replicas
+    cfg = validate({"model": {"name": model_name, "num_classes": classes}, "data": {"image_size": size},
+                    "train": {"batch_size_per_replica": batch}})
+    plan = Plan(global_batch, 100, 0, 0, classes)
+    keras.backend.clear_session()
+    with runtime.strategy.scope():
+        model = compile_model(cfg, plan)
+    data = runtime.strategy.distribute_datasets_from_function(
+        lambda ctx: synthetic_dataset(cfg.data, classes, global_batch, ctx))
+    stamps: list[float] = []
+    watch = PreemptionWatch(runtime.strategy)
+    checks: list[float] = []
+
+    class Stamp(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            stamps.append(time.perf_counter())
+            start = time.perf_counter()
+            watch.agreed()
+            checks.append(time.perf_counter() - start)
+            stamps.append(time.perf_counter())
+
+    model.fit(data, steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0, callbacks=[Stamp()], shuffle=False)
+    steps = [stamps[i] - stamps[i - 1] for i in range(2 * args.warmup + 1, len(stamps), 2)]
+    step = statistics.median(steps)
+    check = statistics.median(checks[args.warmup:])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CheckpointStore(tmp)
+        checkpointer = Checkpointer(store, "val_top1", None, steps_per_epoch=100, every_steps=1,
+                                    average=state_averager(model), input_state=lambda steps: [[steps * batch, 0]])
+        checkpointer.set_model(model)
+        saves = []
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            checkpointer._save_step(i + 1, i + 1)
+            saves.append(time.perf_counter() - start)
+        save = statistics.median(saves)
+        with runtime.strategy.scope():
+            fresh = compile_model(cfg, plan)
+        start = time.perf_counter()
+        store.restore_latest(fresh)
+        load = time.perf_counter() - start
+        size_mb = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(tmp) for f in files) / 1e6
+    return {"step": step, "check": check, "save": save, "load": load, "size_mb": size_mb}
+
+
+def resume_input_seconds(runtime) -> float:
+    """First batch of the demo's training stream resumed at the middle of epoch 3 (files skipped, not read)."""
+    from pipelines.digits import write_digits
+    from tfdp.config import validate
+    from tfdp.data import build_source
+    from tfdp.data.pipeline import train_dataset
+    with tempfile.TemporaryDirectory() as tmp:
+        write_digits(tmp, progress=False)
+        cfg = validate({"data": {"format": "image_folder", "dir": tmp, "image_size": 16}})
+        split = build_source(cfg.data).split("train")
+        start = time.perf_counter()
+        next(iter(train_dataset(split, cfg.data, 64, 0, start=(2 * split.num_examples + split.num_examples // 2, 0))))
+        resumed = time.perf_counter() - start
+        start = time.perf_counter()
+        next(iter(train_dataset(split, cfg.data, 64, 0)))
+        fresh = time.perf_counter() - start
+    return resumed, fresh
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="demo,resnet50")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--every", type=int, default=1000, help="train.checkpoint_every_steps to cost")
+    args = parser.parse_args()
+    import tfdp  # noqa: F401
+    from tfdp.strategy import local_replicas, make_runtime
+    runtime = make_runtime(local_replicas(args.replicas))
+    print(f"{runtime.num_replicas} replica(s) on {', '.join(runtime.devices)}; seconds are medians")
+    print(f"{'model':<10}{'step s':>9}{'check/step':>12}{'ckpt s':>9}{'ckpt MB':>9}{'ckpt/step':>11}"
+          f"{'every ' + str(args.every):>12}{'load s':>9}{'load/step':>11}")
+    for name in args.models.split(","):
+        r = measure(name, args, runtime)
+        share = r["save"] / (args.every * r["step"] + r["save"])
+        print(f"{name:<10}{r['step']:>9.3f}{r['check'] / r['step']:>11.2%} {r['save']:>8.2f}{r['size_mb']:>9.0f}"
+              f"{r['save'] / r['step']:>10.2f}x{share:>12.3%}{r['load']:>9.2f}{r['load'] / r['step']:>10.2f}x",
+              flush=True)
+    resumed, fresh = resume_input_seconds(runtime)
+    print(f"first batch of the demo stream: fresh {fresh:.2f} s, resumed mid-epoch 3 {resumed:.2f} s "
+          f"({resumed / fresh:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
