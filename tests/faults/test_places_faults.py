@@ -5,19 +5,30 @@ real process (and, where one is needed, a real server on loopback)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
-import pytest
-
-from conftest import last_line, run_tfdp
+from conftest import REPO, last_line, run_tfdp
 from tfdp.cluster import free_ports
+from tfdp.launch import EXIT_CLUSTER_TIMEOUT, EXIT_WORKER_KILLED
 
 
-def assert_one_line_error(result, exit_code: int, *fragments: str) -> str:
-    """The run ended with `exit_code`, no traceback, and its last line names every fragment."""
-    output = result.stdout + result.stderr
+def assert_one_line_error(result, exit_code: int, *fragments: str, own_lines_only: bool = False) -> str:
+    """The run ended with `exit_code`, no traceback, and its last line names every fragment.
+
+    `own_lines_only` leaves out the workers' echoed output (`[worker i] ...`) of a launch: the
+    survivors of a killed peer print TensorFlow's collective error, which is the trainer's to word.
+    """
+    stdout = result.stdout
+    if own_lines_only:
+        stdout = "\n".join(line for line in stdout.splitlines() if not line.startswith("[worker "))
+    output = stdout + result.stderr
     assert result.returncode == exit_code, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     line = last_line(result.stderr)
@@ -75,3 +86,81 @@ def test_bucket_endpoint_that_refuses_is_one_line_at_once():
     result, seconds = train_from_bucket(f"http://127.0.0.1:{port}", 30)
     assert_one_line_error(result, 2, f"http://127.0.0.1:{port}", "refused", "gs://nobody/data")
     assert seconds < 20, seconds  # long before the 30 s timeout: a refusal needs no waiting
+
+
+# --- tfdp launch: a worker that dies or never starts ----------------------------------------
+
+SYNTHETIC = ["--data_format=synthetic", "--set=data.synthetic_examples=4096", "--model=simple_cnn",
+             "--set=data.image_size=16", "--batch_size_per_replica=8", "--epochs=50", "--set=log.tensorboard=false"]
+
+
+def scratch_left(tmpdir) -> list[str]:
+    """Whatever a launch left in its temp dir: its scratch folder, or any worker's."""
+    return [p.name for p in tmpdir.iterdir() if p.name.startswith(("tfdp-launch-", "tfdp-worker"))]
+
+
+def start_launch(tmp_path, *train_args: str):
+    """A `tfdp launch --workers=2` in its own TMPDIR; (process, tmpdir, {worker index: (pid, address)})."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    args = [sys.executable, "-m", "tfdp", "launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train",
+            *train_args, f"--model_dir={tmp_path}/run"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmpdir)})
+    pids = {}
+    while len(pids) < 2:
+        line = proc.stdout.readline()
+        assert line, "launcher ended before starting its workers"
+        if m := re.match(r"tfdp: launch: worker (\d) pid (\d+) at ([\d.:]+),", line):
+            pids[int(m.group(1))] = (int(m.group(2)), m.group(3))
+    return proc, tmpdir, pids
+
+
+def finish(proc, timeout=180):
+    """Waits for the launcher; a CompletedProcess-like result for the shared assertions."""
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_launch_removes_its_scratch_and_a_dead_launchers_after_a_worker_fails(tmp_path):
+    """A worker's own failure is passed on; the scratch goes, and so does one a SIGKILLed launcher left."""
+    tmpdir = tmp_path / "tmp"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmpdir / f"tfdp-launch-{dead.pid}-x" / "tfdp-worker1-y"
+    stale.mkdir(parents=True)
+    result = run_tfdp("launch", "--workers=1", f"--launch_logs={tmp_path}/logs", "--", "train", "--set=no.such=1",
+                      timeout=120, env_extra={"TMPDIR": str(tmpdir)})
+    assert_one_line_error(result, 2, "worker 0 exited with status 2", "stopped the other workers")
+    assert "unknown config key 'no'" in result.stdout  # the worker's own line, prefixed [worker 0]
+    assert scratch_left(tmpdir) == []
+
+
+def test_killed_worker_leaves_no_scratch_and_a_documented_status(tmp_path):
+    proc, tmpdir, pids = start_launch(tmp_path, *SYNTHETIC)
+    deadline = time.monotonic() + 240
+    while not list(tmpdir.glob("tfdp-launch-*/tfdp-worker1-*")):  # worker 1 is training, with scratch
+        assert proc.poll() is None and time.monotonic() < deadline, "worker 1 never started training"
+        time.sleep(0.1)
+    os.kill(pids[1][0], signal.SIGKILL)
+    result = finish(proc)
+    assert_one_line_error(result, EXIT_WORKER_KILLED, "worker 1 was killed by SIGKILL (signal 9)",
+                          "the launcher did not send", own_lines_only=True)
+    assert scratch_left(tmpdir) == []
+    assert not any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower()
+                   for pid, _ in pids.values())
+
+
+def test_worker_that_never_starts_is_not_reported_as_killed(tmp_path):
+    """A frozen worker 1: worker 0's watchdog gives up, and the launcher says so, with its own status."""
+    proc, tmpdir, pids = start_launch(tmp_path, *SYNTHETIC, "--set=distribute.startup_timeout=5")
+    os.kill(pids[1][0], signal.SIGSTOP)
+    try:
+        result = finish(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1][0], signal.SIGKILL)
+    line = assert_one_line_error(result, EXIT_CLUSTER_TIMEOUT, "worker 0 gave up: cluster did not come up within 5 s",
+                                 f"not reachable: worker 1 ({pids[1][1]})", own_lines_only=True)
+    assert result.returncode != 137, line
+    assert scratch_left(tmpdir) == []
