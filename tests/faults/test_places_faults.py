@@ -5,6 +5,7 @@ real process (and, where one is needed, a real server on loopback)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+
+import pytest
 
 from conftest import REPO, last_line, run_tfdp
 from tfdp.cluster import free_ports
@@ -164,3 +167,60 @@ def test_worker_that_never_starts_is_not_reported_as_killed(tmp_path):
                                  f"not reachable: worker 1 ({pids[1][1]})", own_lines_only=True)
     assert result.returncode != 137, line
     assert scratch_left(tmpdir) == []
+
+
+# --- commands that need no TensorFlow do not import it --------------------------------------
+
+def imported_modules(*args: str, module: bool = True) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Runs `python -X importtime -m tfdp ARGS` (or `python -X importtime ARGS`); (result, every module imported).
+
+    importtime writes each import as it happens, so even a process that ends
+    with os._exit (as a `UserError` does) reports all of them.
+    """
+    command = [sys.executable, "-X", "importtime", *(["-m", "tfdp"] if module else []), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    modules = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
+               if line.startswith("import time:") and "|" in line}
+    return result, modules
+
+
+def heavy(modules: set[str]) -> set[str]:
+    return {m for m in modules if m.split(".")[0] in ("tensorflow", "keras")}
+
+
+def write_metrics(model_dir) -> None:
+    rows = [{"epoch": e, "loss": 2.0 / e, "val_loss": 1.9 / e, "top1": 0.2 * e, "val_top1": 0.25 * e,
+             "val_top5": 0.3 * e, "lr": 0.1 / e, "images_per_sec": 100.0 * e, "seconds": 3.0 / e} for e in (1, 2)]
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_draws_without_importing_tensorflow(tmp_path):
+    write_metrics(tmp_path / "run")
+    result, modules = imported_modules("report", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "report" / "loss.png").exists()
+    assert "matplotlib" in modules  # the check sees real imports
+    assert heavy(modules) == set()
+
+
+def test_report_error_does_not_import_tensorflow(tmp_path):
+    result, modules = imported_modules("report", str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"no metrics.jsonl in {tmp_path}" in result.stderr
+    assert heavy(modules) == set()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--helpfull"], ["train", "--help"], ["launch", "--help"],
+                                  ["report", "--help"], ["benchmark", "--help"]])
+def test_help_does_not_import_tensorflow(args):
+    result, modules = imported_modules(*args)
+    assert "tfdp COMMAND" in result.stdout and "Traceback" not in result.stderr
+    assert heavy(modules) == set()
+
+
+def test_the_import_check_does_see_tensorflow():
+    """What `report` imported before (the Keras callbacks' module): the check must see it, or the tests above prove nothing."""
+    result, modules = imported_modules("-c", "import tfdp.callbacks", module=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tensorflow" in heavy(modules)
