@@ -18,6 +18,22 @@ from tfdp import cluster as cluster_lib
 from tfdp.errors import UserError
 
 DOCKER = os.path.join(REPO, "docker")
+# Seconds between SIGTERM and SIGKILL everywhere: the trainer's time to save a checkpoint and exit 75.
+STOP_GRACE_SECONDS = 120
+PREEMPTED = 75  # the trainer's "preempted, restart me" status (EX_TEMPFAIL)
+
+
+def image_user(dockerfile: str) -> tuple[int, int]:
+    """(uid, gid) the image runs as: its last stage's USER."""
+    final = open(os.path.join(DOCKER, dockerfile)).read().split("\nFROM ")[-1]
+    user = next(line.split()[1] for line in final.splitlines() if line.startswith("USER "))
+    uid, _, gid = user.partition(":")
+    return int(uid), int(gid or uid)
+
+
+def image_volumes(dockerfile: str) -> set[str]:
+    final = open(os.path.join(DOCKER, dockerfile)).read().split("\nFROM ")[-1]
+    return set(json.loads(next(line[7:] for line in final.splitlines() if line.startswith("VOLUME "))))
 
 
 def hadolint() -> str:
@@ -72,6 +88,19 @@ def test_compose_describes_one_two_worker_cluster():
         assert model_dir == ["--model_dir=/runs/digits-2w"]
 
 
+def test_compose_runs_as_the_image_user_on_a_read_only_root():
+    """Only the checkpoint and data volumes and a /tmp tmpfs are writable; no capabilities, no privilege gain."""
+    uid, gid = image_user("Dockerfile")
+    assert uid != 0
+    for name, svc in compose()["services"].items():
+        assert svc["image"] == "tfdp:cpu", name  # the image whose USER is checked
+        assert svc["user"] == f"{uid}:{gid}", name
+        assert svc["read_only"] is True and svc["tmpfs"] == ["/tmp"], name
+        assert svc["cap_drop"] == ["ALL"] and "no-new-privileges:true" in svc["security_opt"], name
+        assert {v.split(":")[1] for v in svc["volumes"]} <= image_volumes("Dockerfile"), name
+        assert svc["stop_grace_period"] == f"{STOP_GRACE_SECONDS}s", name
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda tc: {**tc, "task": {"type": "worker", "index": 0}}, "both claim worker 0"),
     (lambda tc: {**tc, "cluster": {"worker": ["worker-0:2222", "worker-1:2223"]}}, "lists a different cluster"),
@@ -124,6 +153,36 @@ def test_kubernetes_indexed_job_and_headless_service_agree():
     assert list(addresses) == expected
 
 
+def test_kubernetes_pod_runs_as_the_image_user_on_a_read_only_root():
+    _, job = k8s()
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == "tfdp:gpu"
+    uid, gid = image_user("Dockerfile.gpu")
+    assert pod["securityContext"]["runAsNonRoot"] is True and uid != 0
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (uid, gid)
+    assert pod["securityContext"]["fsGroup"] == gid  # volumes writable by that user
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert set(mounts) <= image_volumes("Dockerfile.gpu") | {"/tmp"}  # the only writable places
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert pod["terminationGracePeriodSeconds"] == STOP_GRACE_SECONDS
+
+
+def test_kubernetes_restarts_a_preempted_worker_and_not_a_config_error():
+    _, job = k8s()
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy requires it
+    actions = {}
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        if "onExitCodes" in rule:
+            assert rule["onExitCodes"]["containerName"] == "tfdp" and rule["onExitCodes"]["operator"] == "In"
+            actions.update({code: rule["action"] for code in rule["onExitCodes"]["values"]})
+    assert actions == {PREEMPTED: "Ignore", 2: "FailJob"}
+
+
 def test_kubernetes_template_with_a_pod_too_many_is_caught():
     _, job = k8s()
     job["spec"]["completions"] = 3
@@ -149,6 +208,26 @@ def test_slurm_script_gives_one_worker_per_task(monkeypatch):
             monkeypatch.setenv(key, value)
         configs[f"task {rank}"] = cluster_lib.to_tf_config(cluster_lib.from_environment())
     cluster_lib.check_consistent(configs)
+
+
+@pytest.mark.parametrize("srun_status, requeued", [(PREEMPTED, True), (1, False), (0, False)])
+def test_slurm_script_warns_before_the_time_limit_and_requeues_a_preempted_run(tmp_path, srun_status, requeued):
+    """The script itself, run by bash with stand-ins for srun and scontrol."""
+    text = open(os.path.join(DOCKER, "slurm", "train.sbatch")).read()
+    assert dict(re.findall(r"^#SBATCH --([\w-]+)=?(\S*)", text, re.M))["signal"] == f"TERM@{STOP_GRACE_SECONDS}"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nexit {srun_status}\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NAME": "tfdp"}
+    result = subprocess.run(["bash", os.path.join(DOCKER, "slurm", "train.sbatch")], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == srun_status, result.stderr
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text().split() == ["requeue", "42"]) if requeued else not log.exists()
 
 
 # --- the image's command line, run here ---------------------------------------------------

@@ -98,8 +98,9 @@ def test_killed_worker_then_same_command_resumes(tmp_path, digits_dir):
         time.sleep(0.02)
     os.kill(pids[0], signal.SIGKILL)  # the chief, during epoch 2
     out, err = launcher.communicate(timeout=120)
-    assert launcher.returncode != 0
-    assert "tfdp: error: worker 0 exited with status -9; stopped the other workers" in err
+    assert launcher.returncode == 4  # EXIT_WORKER_KILLED
+    assert ("tfdp: error: worker 0 was killed by SIGKILL (signal 9), which the launcher did not send; "
+            "stopped the other workers") in err
     for pid in pids.values():  # nothing left running
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     done = {int(p[-4:]) for p in os.listdir(model_dir / "checkpoints") if p.startswith("epoch-")}

@@ -63,11 +63,13 @@ def resolved_config() -> config_lib.Config:
 
 
 def config_and_runtime(args: list[str]):
-    """Validated config, then the strategy: built before Keras is imported,
-    because importing Keras initialises TensorFlow's devices and the CPU could
-    no longer be split into replicas."""
+    """Validated config, a bucket in data.dir known to answer, then the strategy:
+    built before Keras is imported, because importing Keras initialises
+    TensorFlow's devices and the CPU could no longer be split into replicas."""
     _no_positional(args)
     cfg = resolved_config()
+    from tfdp.data import check_reachable
+    check_reachable(cfg.data)
     from tfdp.strategy import make_runtime
     return cfg, make_runtime(cfg.distribute)
 

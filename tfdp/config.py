@@ -44,6 +44,8 @@ class DataConfig:
     tfds_name: Str = ""                 # data.format tfds: the dataset's name, e.g. imagenet2012
     tfds_manual_dir: Str = ""           # ... and where its manually downloaded files are, to prepare it
     cache_dir: Str = "~/.cache/tfdp/remote"   # local copies of files read from a bucket
+    # Seconds a bucket's endpoint may take to answer the first request before the run stops.
+    remote_timeout: PosFloat = 20.0
     synthetic_examples: PosInt = 1_281_167    # data.format synthetic: examples per "epoch"
     # Training stops once more than this fraction of the records read could not be decoded.
     max_bad_fraction: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.001

@@ -3,29 +3,63 @@
 Picks N free loopback ports, gives every worker process its own TF_CONFIG and
 `--strategy=multi_worker`, writes each worker's output to its own log file and
 to the console with a `[worker i]` prefix, forwards SIGINT/SIGTERM, and if any
-worker fails, stops the others and exits with that worker's status. Running
+worker fails, stops the others and exits with a status that says why. Running
 the same command again resumes from the last checkpoint in model_dir.
+
+Every worker's temporary files (TMPDIR) go to one scratch folder per launch,
+`tfdp-launch-PID-*` in the system temp dir, removed once the workers are gone,
+whatever ended them; one left by a launcher that was itself killed is removed
+by the next launch.
+
+Exit status of `tfdp launch`:
+
+  0    every worker finished
+  2    a usage or config error (the launcher's own, or a worker's, passed on)
+  3    EXIT_CLUSTER_TIMEOUT: the workers did not all join within
+       distribute.startup_timeout (a worker's watchdog ended it)
+  4    EXIT_WORKER_KILLED: a worker was ended by a signal the launcher did not
+       send (kill -9, the OOM killer); the message names the signal
+  N    any other non-zero status of the first worker to fail, passed on
+       (1 a crash, 75 preempted: restart the same command to resume)
+  128+N  the launcher was sent signal N (SIGINT, SIGTERM), forwarded it, and
+       a worker ended by it
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+from tfdp import watchdog
 from tfdp.cluster import free_ports
 from tfdp.errors import UserError
 
 GRACE_SECONDS = 10.0
+SCRATCH_PREFIX = "tfdp-launch-"
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_CLUSTER_TIMEOUT = 3
+EXIT_WORKER_KILLED = 4
 
 
-def worker_env(addresses: list[str], index: int) -> dict[str, str]:
+def worker_env(addresses: list[str], index: int, scratch: str) -> dict[str, str]:
+    """The worker's environment: its TF_CONFIG, and temporary files and watchdog mark in the launch's scratch."""
     tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
-    return {**os.environ, "TF_CONFIG": json.dumps(tf_config), "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "TF_CONFIG": json.dumps(tf_config), "PYTHONUNBUFFERED": "1", "TMPDIR": scratch,
+            watchdog.MARK_ENV: mark_path(scratch, index)}
+
+
+def mark_path(scratch: str, index: int) -> str:
+    return os.path.join(scratch, f"worker-{index}.startup-timeout")
 
 
 def _pump(proc: subprocess.Popen, prefix: str, log_path: str, console_lock: threading.Lock) -> None:
@@ -44,12 +78,24 @@ def launch(num_workers: int, child_args: list[str], log_dir: str) -> int:
     if not child_args or child_args[0] != "train":
         raise UserError("launch runs a training command: tfdp launch --workers=N -- train --config=...")
     os.makedirs(log_dir, exist_ok=True)
+    _remove_stale_scratch()
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    procs: list[subprocess.Popen] = []
+    try:
+        return _run(num_workers, child_args, log_dir, scratch, procs)
+    finally:
+        _stop(procs)  # nothing to do unless the launcher itself failed
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(num_workers: int, child_args: list[str], log_dir: str, scratch: str, procs: list) -> int:
+    """Starts the workers (appending each to `procs` at once, for the caller's cleanup) and waits for them."""
     addresses = [f"127.0.0.1:{p}" for p in free_ports(num_workers)]
     command = [sys.executable, "-m", "tfdp", *child_args, "--strategy=multi_worker"]
     lock = threading.Lock()
-    procs, pumps = [], []
+    pumps = []
     for i in range(num_workers):
-        proc = subprocess.Popen(command, env=worker_env(addresses, i), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(command, env=worker_env(addresses, i, scratch), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         procs.append(proc)
         print(f"tfdp: launch: worker {i} pid {proc.pid} at {addresses[i]}, "
@@ -59,40 +105,67 @@ def launch(num_workers: int, child_args: list[str], log_dir: str) -> int:
         pump.start()
         pumps.append(pump)
 
+    forwarded: set[int] = set()
+
     def forward(signum, _frame):
+        forwarded.add(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = _wait(procs)
+        index, code = _wait(procs)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         for pump in pumps:
             pump.join(timeout=5)
+    if index is None:
+        return EXIT_OK
+    status, why = _explain(code, mark_path(scratch, index), forwarded)
+    sys.stderr.write(f"tfdp: error: worker {index} {why}; stopped the other workers\n")
     return status
 
 
-def _wait(procs: list[subprocess.Popen]) -> int:
-    """0 when every worker succeeds; else the first failure's status, after stopping the rest."""
+def _wait(procs: list[subprocess.Popen]) -> tuple[int | None, int]:
+    """(None, 0) when every worker succeeds; else (index, status) of the first failure, after stopping the rest."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            index, code = failed[0]
             _stop(procs)
-            sys.stderr.write(f"tfdp: error: worker {index} exited with status {code}; stopped the other workers\n")
-            return code if code > 0 else 128 - code
+            return failed[0]
         if all(c == 0 for c in codes):
-            return 0
+            return None, 0
         time.sleep(0.2)
 
 
+def _explain(code: int, mark: str, forwarded: set[int]) -> tuple[int, str]:
+    """The launcher's exit status for a worker's `code` (Popen's: -N for signal N), and the reason in words."""
+    if code > 0:
+        return code, f"exited with status {code}"
+    signum = -code
+    if signum in forwarded:
+        return 128 + signum, f"ended by {_signal_name(signum)}, forwarded by the launcher"
+    if os.path.exists(mark):
+        with open(mark, encoding="utf-8") as f:
+            return EXIT_CLUSTER_TIMEOUT, f"gave up: {f.read().strip()}"
+    return EXIT_WORKER_KILLED, f"was killed by {_signal_name(signum)}, which the launcher did not send"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return f"{signal.Signals(signum).name} (signal {signum})"
+    except ValueError:
+        return f"signal {signum}"
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
+    """Ends the workers still running: SIGTERM, then SIGKILL after the grace period."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
+            p.send_signal(signal.SIGCONT)  # a stopped worker (SIGSTOP, ^Z) would sit out the whole grace
     deadline = time.time() + GRACE_SECONDS
     for p in procs:
         try:
@@ -100,3 +173,26 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _remove_stale_scratch() -> None:
+    """Removes this user's scratch folders whose launcher is gone (it was killed before its cleanup ran)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        path = os.path.join(root, name)
+        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        with contextlib.suppress(OSError, ValueError):
+            if os.stat(path).st_uid == os.getuid() and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

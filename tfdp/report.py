@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 
-from tfdp.callbacks import read_metrics
 from tfdp.errors import UserError
-
-METRICS_FILE = "metrics.jsonl"
+from tfdp.metrics_file import METRICS_FILE, read_metrics
 
 # (file, title, y label, [(metrics key, legend label)])
 PLOTS = (

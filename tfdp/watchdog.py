@@ -7,6 +7,10 @@ the worker has not closed the pipe by the deadline, the watchdog names the
 members that accept no connection, on the worker's stderr, and kills it.
 
   python -m tfdp.watchdog PID SECONDS   (TF_CONFIG in the environment; stdin is the pipe)
+
+A SIGKILL reads like any other kill (the OOM killer's, say), so when
+TFDP_WATCHDOG_MARK names a file the watchdog also writes its message there:
+`tfdp launch` reads it to tell "the cluster never formed" from "killed".
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import subprocess
 import sys
 
 from tfdp import cluster as cluster_lib
+
+MARK_ENV = "TFDP_WATCHDOG_MARK"
 
 
 @contextlib.contextmanager
@@ -39,9 +45,13 @@ def main() -> None:
     if ready:
         return  # EOF before the deadline: the cluster came up
     missing = cluster_lib.unreachable(cluster_lib.parse_tf_config(os.environ["TF_CONFIG"]))
-    sys.stderr.write(f"tfdp: error: cluster did not come up within {seconds:g} s; not reachable: "
-                     f"{', '.join(missing) or 'none (they answer, but did not join the collective)'}\n")
+    message = (f"cluster did not come up within {seconds:g} s; not reachable: "
+               f"{', '.join(missing) or 'none (they answer, but did not join the collective)'}")
+    sys.stderr.write(f"tfdp: error: {message}\n")
     sys.stderr.flush()
+    if os.environ.get(MARK_ENV):
+        with open(os.environ[MARK_ENV], "w", encoding="utf-8") as f:
+            f.write(message)
     os.kill(pid, signal.SIGKILL)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from tfdp.config import DataConfig
+from tfdp.data import storage
 from tfdp.data.sources import RecordFormat, Source, Split, image_folder
 from tfdp.errors import UserError
 
@@ -62,7 +63,15 @@ SOURCES: dict[str, Callable[[DataConfig], Source]] = {
 def build_source(cfg: DataConfig) -> Source:
     if cfg.format not in SOURCES:
         raise UserError(f"unknown data.format '{cfg.format}' (valid: {', '.join(sorted(SOURCES))})")
+    storage.configure(cfg.remote_timeout)
     return SOURCES[cfg.format](cfg)
+
+
+def check_reachable(cfg: DataConfig) -> None:
+    """Fails fast, before TensorFlow starts, when data.dir is in a bucket nobody answers for."""
+    if cfg.format in SOURCES and cfg.format != "synthetic":
+        storage.configure(cfg.remote_timeout)
+        storage.filesystem(cfg.dir)
 
 
 __all__ = ["SOURCES", "RecordFormat", "Source", "Split", "build_source"]
