@@ -63,13 +63,6 @@ class EpochStats(keras.callbacks.Callback):
             logs["corrupt_images"] = self.corrupt.value()
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 class MetricsLog(keras.callbacks.Callback):
     """One JSON line per epoch in `path`, after the `previous` rows of the epochs a resumed run keeps.
 

@@ -22,14 +22,14 @@ from absl import logging
 
 from tfdp import compat
 from tfdp import config as config_lib
-from tfdp.callbacks import (AverageReplicaState, Checkpointer, EpochStats, MetricsLog, WandbLog, read_metrics,
-                            tensorboard)
+from tfdp.callbacks import AverageReplicaState, Checkpointer, EpochStats, MetricsLog, WandbLog, tensorboard
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config
 from tfdp.data import Source, build_source
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors, eval_dataset, train_dataset
 from tfdp.data.sources import check_lost
 from tfdp.errors import UserError
+from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.eval_step import install_exact_eval_loss
 from tfdp.losses import SparseSmoothedCrossentropy
 from tfdp.models import build_model, check_model_name
@@ -39,7 +39,6 @@ from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
 from tfdp.xla import compile_per_replica_step
 
-METRICS_FILE = "metrics.jsonl"
 # Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
 NO_DECAY = ("gamma", "beta", "bias")
 
