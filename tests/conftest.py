@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +26,18 @@ def digits_dir(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("data") / "digits")
     write_digits(out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def small_dir(digits_dir, tmp_path_factory):
+    """320 training and 40 validation digits: 5 steps of 64 per epoch, seconds per step for the demo's ResNet."""
+    root = tmp_path_factory.mktemp("small")
+    for split, per_class in (("train", 32), ("val", 4)):
+        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
+            os.makedirs(root / split / cls)
+            for f in sorted(os.listdir(os.path.join(digits_dir, split, cls)))[:per_class]:
+                shutil.copy(os.path.join(digits_dir, split, cls, f), root / split / cls / f)
+    return str(root)
 
 
 def run_tfdp(*args: str, timeout: float = 300, cwd: str = REPO, env_extra: dict | None = None

@@ -159,3 +159,51 @@ def test_worker_that_never_comes_up_is_named_within_the_timeout():
     assert last_line(result.stderr) == (f"tfdp: error: cluster did not come up within 8 s; "
                                         f"not reachable: worker 1 (127.0.0.1:{ports[1]})")
     assert seconds < 60
+
+
+def demo_on_workers(data_dir, model_dir, logs):
+    """The demo's model (batch norm) on 2 workers, deterministic, epoch checkpoints only."""
+    return ["launch", "--workers=2", f"--launch_logs={logs}", "--", "train", "--config=configs/digits.yaml",
+            f"--data_dir={data_dir}", "--data_format=image_folder", f"--model_dir={model_dir}", "--epochs=2",
+            "--set=data.image_size=16", "--set=train.checkpoint_every_steps=0", "--set=train.deterministic=true"]
+
+
+def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp_path, small_dir):
+    clean = run_tfdp(*demo_on_workers(small_dir, tmp_path / "clean", tmp_path / "l0"), timeout=600)
+    assert clean.returncode == 0, clean.stdout[-3000:]
+    prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", clean.stdout))
+    assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]  # batch-norm statistics included
+    rows = read_jsonl(tmp_path / "clean" / "metrics.jsonl")
+    evaluated = run_tfdp("evaluate", "--config=configs/digits.yaml", f"--data_dir={small_dir}",
+                         "--data_format=image_folder", "--set=data.image_size=16",
+                         f"--checkpoint={tmp_path}/clean/checkpoints/epoch-0002/model.weights.h5", timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert f"loss {rows[-1]['val_loss']:.4f}, top1 {rows[-1]['val_top1']:.4f}" in evaluated.stdout
+
+    model_dir = tmp_path / "preempted"
+    args = [sys.executable, "-m", "tfdp", *demo_on_workers(small_dir, model_dir, tmp_path / "l1")]
+    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = {}
+    while len(pids) < 2:
+        line = launcher.stdout.readline()
+        assert line, "launcher ended before starting its workers"
+        if m := re.match(r"tfdp: launch: worker (\d) pid (\d+)", line):
+            pids[int(m.group(1))] = int(m.group(2))
+    deadline = time.time() + 300
+    while not (model_dir / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.0)  # into epoch 2
+    os.kill(pids[1], signal.SIGTERM)  # only the non-chief is told
+    out, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 75, out[-3000:] + err[-2000:]
+    saved = re.findall(r"\[worker (\d)\] tfdp: preempted: saved at step (\d+)", out)
+    assert len(saved) == 2 and saved[0][1] == saved[1][1], out[-3000:]  # both workers, the same step
+    step = int(saved[0][1])
+    assert 5 < step < 10 and (model_dir / "checkpoints" / f"step-{step:09d}").exists()
+
+    again = run_tfdp(*args[3:], timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert f"resuming at epoch 2 of 2, step {step - 5 + 1} of 5" in again.stdout  # 0 steps lost
+    resumed = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", again.stdout))
+    assert resumed == prints  # bit-identical to the run never stopped
+    assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2]

@@ -3,7 +3,6 @@
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -63,18 +62,6 @@ def test_step_checkpoints_are_pruned_and_superseded_by_the_epoch_checkpoint(tmp_
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch-0001", "step-000000012"]
 
 
-@pytest.fixture(scope="module")
-def small_dir(digits_dir, tmp_path_factory):
-    """320 training and 40 validation digits: 5 steps of 64 per epoch, seconds per step for the demo's ResNet."""
-    root = tmp_path_factory.mktemp("small")
-    for split, per_class in (("train", 32), ("val", 4)):
-        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
-            os.makedirs(root / split / cls)
-            for f in sorted(os.listdir(os.path.join(digits_dir, split, cls)))[:per_class]:
-                shutil.copy(os.path.join(digits_dir, split, cls, f), root / split / cls / f)
-    return str(root)
-
-
 def demo_args(data_dir, model_dir, epochs=3, every=2):
     """The demo's model (ResNet with batch norm) on 2 replicas, deterministic, a step checkpoint every 2 steps."""
     return ["train", "--config=configs/digits.yaml", f"--data_dir={data_dir}", "--data_format=image_folder",
@@ -97,10 +84,10 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
     for kill in range(3):
         proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir)], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        target = 2 * (kill + 1) + rng.randint(0, 2) * 2  # a step checkpoint to wait for, then a random delay
-        seen = model_dir / "checkpoints" / f"step-{target:09d}"
+        # Wait for this run's first new checkpoint, then kill after a random delay: mid-step or mid-write.
+        before = set(checkpoint_dirs(model_dir))
         deadline = time.time() + 300
-        while not seen.exists() and proc.poll() is None and time.time() < deadline:
+        while not set(checkpoint_dirs(model_dir)) - before and proc.poll() is None and time.time() < deadline:
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 1.5))
         proc.send_signal(signal.SIGKILL)
@@ -120,6 +107,17 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
         assert [round(r[key], 5) for r in rows] == [round(r[key], 5) for r in clean_rows], key
     steps = tensorboard_steps(model_dir / "tensorboard" / "train", "epoch_loss")
     assert steps == [0, 1, 2]  # one point per epoch after the restarts' purges
+
+    # What training reported for the last epoch is what `tfdp evaluate` finds in its checkpoint.
+    evaluated = run_tfdp("evaluate", *demo_args(small_dir, model_dir)[1:],
+                         f"--checkpoint={model_dir}/checkpoints/epoch-0003/model.weights.h5", timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert f"loss {rows[-1]['val_loss']:.4f}, top1 {rows[-1]['val_top1']:.4f}" in evaluated.stdout
+
+
+def checkpoint_dirs(model_dir):
+    root = model_dir / "checkpoints"
+    return [p for p in os.listdir(root) if not p.startswith(".")] if root.exists() else []
 
 
 def tensorboard_steps(run_dir, tag):

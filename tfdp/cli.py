@@ -14,7 +14,7 @@ import sys
 from absl import app, flags, logging
 
 from tfdp import config as config_lib
-from tfdp.errors import PREEMPTED_EXIT_CODE, Preempted, UserError
+from tfdp.errors import PREEMPTED_EXIT_CODE, Preempted, Restartable, UserError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "YAML config file (see configs/). Defaults apply to anything it leaves out.")
@@ -145,9 +145,10 @@ def main(argv: list[str]) -> None:
         # End at once: tf.data threads may still be decoding (say, the next corrupt JPEG), and
         # their C libraries' messages must not follow the one line the user needs.
         os._exit(2)
-    except Preempted as e:
+    except Restartable as e:
         sys.stdout.flush()
-        sys.stderr.write(f"tfdp: preempted: {e}; exit {PREEMPTED_EXIT_CODE} (run the same command to continue)\n")
+        what = "preempted" if isinstance(e, Preempted) else "stopped"
+        sys.stderr.write(f"tfdp: {what}: {e}; exit {PREEMPTED_EXIT_CODE} (run the same command to continue)\n")
         sys.stderr.flush()
         os._exit(PREEMPTED_EXIT_CODE)
     except KeyboardInterrupt:

@@ -15,5 +15,13 @@ class UserError(Exception):
 PREEMPTED_EXIT_CODE = 75
 
 
-class Preempted(Exception):
+class Restartable(Exception):
+    """The run stopped in a state that the same command continues from; exit PREEMPTED_EXIT_CODE."""
+
+
+class Preempted(Restartable):
     """Raised once every worker has saved at the step they agreed on after a preemption notice."""
+
+
+class PeerLost(Restartable):
+    """Another worker of a multi-worker run stopped answering; the last checkpoint is where to go on."""

@@ -40,7 +40,7 @@ import time
 
 from tfdp import watchdog
 from tfdp.cluster import free_ports
-from tfdp.errors import UserError
+from tfdp.errors import PREEMPTED_EXIT_CODE, UserError
 
 GRACE_SECONDS = 10.0
 SCRATCH_PREFIX = "tfdp-launch-"
@@ -142,6 +142,9 @@ def _wait(procs: list[subprocess.Popen]) -> tuple[int | None, int]:
 
 def _explain(code: int, mark: str, forwarded: set[int]) -> tuple[int, str]:
     """The launcher's exit status for a worker's `code` (Popen's: -N for signal N), and the reason in words."""
+    if code == PREEMPTED_EXIT_CODE:
+        return code, (f"stopped after saving a checkpoint (status {code}: preempted or lost a peer; "
+                      f"run the same command to continue)")
     if code > 0:
         return code, f"exited with status {code}"
     signum = -code

@@ -28,7 +28,7 @@ from tfdp.config import Config
 from tfdp.data import Source, build_source
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors, eval_dataset, train_dataset
 from tfdp.data.sources import check_lost
-from tfdp.errors import UserError
+from tfdp.errors import PeerLost, UserError
 from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.eval_step import install_exact_eval_loss
 from tfdp.losses import SparseSmoothedCrossentropy
@@ -242,7 +242,7 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
     start = resume_input(state, runtime, plan)
     watch.install()
     try:
-        with warnings.catch_warnings(), data_errors():
+        with warnings.catch_warnings(), data_errors(), peer_errors(runtime):
             warnings.filterwarnings("ignore", message=".*ran out of data.*")
             for fit in fits:
                 model.fit(stream.dataset(start), validation_data=val_ds, epochs=fit.epochs,
@@ -251,6 +251,19 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
                 start = stream.local_state(fit.steps * (fit.epochs - fit.initial_epoch))
     finally:
         watch.uninstall()
+
+
+@contextlib.contextmanager
+def peer_errors(runtime: Runtime):
+    """A worker that stops answering mid-run (killed, its host gone) ends the others with one line and
+    the restart status, not a collective's traceback: the last checkpoint is where the job goes on."""
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as e:
+        if runtime.num_workers == 1:
+            raise
+        first = (e.message or "").strip().splitlines()[0][:160] if e.message else type(e).__name__
+        raise PeerLost(f"worker {runtime.worker_index}: another worker stopped answering ({first})") from None
 
 
 def loggers(cfg: Config, out: str, runtime: Runtime, initial_epoch: int) -> list[keras.callbacks.Callback]:
