@@ -3,8 +3,9 @@
 For each model, in this one process and on the same data:
   - step:       median seconds per training step (synthetic data on the device, after warm-up);
   - check:      the preemption agreement after every step (one all-reduce of a flag);
-  - checkpoint: a step checkpoint as the trainer writes it (replica averaging + weights, optimizer
-                state, input position and metric sums, written atomically);
+  - checkpoint: a step checkpoint as the trainer writes it (each replica's statistics gathered, averaged
+                for the weights file and put back; weights, optimizer state, input position and metric
+                sums, written atomically);
   - resume:     reading that checkpoint back into a freshly built model, plus the first batch of a
                 training stream started mid-epoch from the demo's JPEG files (records skipped, not decoded).
 The "every N" column is the share of training time checkpoints take at `train.checkpoint_every_steps`.
@@ -37,7 +38,7 @@ def measure(name: str, args, runtime) -> dict:
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
     from tfdp.preemption import PreemptionWatch
-    from tfdp.replica_state import state_averager
+    from tfdp.replica_state import ReplicaSnapshot, state_averager
     from tfdp.trainer import Plan, compile_model
 
     model_name, size, classes, batch = SETUPS[name]
@@ -70,7 +71,8 @@ def measure(name: str, args, runtime) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         store = CheckpointStore(tmp)
         checkpointer = Checkpointer(store, "val_top1", None, steps_per_epoch=100, every_steps=1,
-                                    average=state_averager(model), input_state=lambda steps: [[steps * batch, 0]])
+                                    average=state_averager(model), input_state=lambda steps: [[steps * batch, 0]],
+                                    snapshot=ReplicaSnapshot(model))
         checkpointer.set_model(model)
         saves = []
         for i in range(args.repeats):

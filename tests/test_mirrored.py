@@ -8,7 +8,7 @@ from tfdp.checkpoints import CheckpointStore
 from tfdp.config import DistributeConfig, validate
 from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
-from tfdp.replica_state import replica_copies, state_averager
+from tfdp.replica_state import ReplicaSnapshot, replica_copies, state_averager
 from tfdp.strategy import make_runtime
 from tfdp.trainer import Plan, compile_model
 
@@ -134,6 +134,13 @@ def test_averaging_sets_every_replica_to_the_mean_of_the_replicas_statistics(res
     before = {path: replica_copies(v) for path, v in stats.items()}
     # Keras 3 keeps one copy per replica (aggregation NONE), each from its own half of the batch.
     assert any(not np.allclose(a, b) for a, b in before.values())
+    snapshot = ReplicaSnapshot(model)
+    own = snapshot.take()
+    state_averager(model)()
+    snapshot.put_back(own)  # what a step checkpoint does: the run goes on with each replica's own values
+    for path, v in stats.items():
+        for a, b in zip(replica_copies(v), before[path]):
+            np.testing.assert_array_equal(a, b, err_msg=path)
     state_averager(model)()
     for path, v in stats.items():
         after = replica_copies(v)

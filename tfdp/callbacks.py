@@ -17,7 +17,7 @@ import keras
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.errors import Preempted
 from tfdp.preemption import PreemptionWatch
-from tfdp.replica_state import metric_totals, restore_metric_totals
+from tfdp.replica_state import ReplicaSnapshot, metric_totals, restore_metric_totals
 
 
 class EpochStats(keras.callbacks.Callback):
@@ -105,16 +105,16 @@ class Checkpointer(keras.callbacks.Callback):
 
     A step checkpoint holds what a mid-epoch resume needs beyond the weights:
     the global step, each worker's input position (`input_state(steps)`, a
-    collective) and the metric accumulators of the partial epoch. Before every
-    save the replicas' non-trained state is averaged (`average`), at the same
-    steps in every run, so a resumed run continues from exactly the state an
-    uninterrupted one has there. `resume` = (epoch, step in that epoch) of
+    collective), the metric accumulators of the partial epoch, and every
+    replica's own batch-norm statistics (`snapshot`); the saved weights hold
+    their average (`average`), as evaluation and export read them. `resume` = (epoch, step in that epoch) of
     the checkpoint this run started from; `resume_metrics` its metric totals.
     """
 
     def __init__(self, store: CheckpointStore, monitor: str, best: dict[str, Any] | None, *,
                  steps_per_epoch: int, every_steps: int, average: Callable[[], None],
-                 input_state: Callable[[int], list], watch: PreemptionWatch | None = None,
+                 input_state: Callable[[int], list], snapshot: ReplicaSnapshot,
+                 watch: PreemptionWatch | None = None,
                  resume: tuple[int, int] = (0, 0), resume_metrics: dict[str, list[float]] | None = None):
         super().__init__()
         self.store = store
@@ -128,6 +128,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.watch = watch
         self.resume = resume
         self.resume_metrics = resume_metrics
+        self.snapshot = snapshot
         self._epoch = self._offset = 0
         self._fit_steps = 0
 
@@ -154,10 +155,14 @@ class Checkpointer(keras.callbacks.Callback):
             raise Preempted(f"saved at step {global_step} (epoch {self._epoch + 1}, step {in_epoch})")
 
     def _save_step(self, global_step: int, in_epoch: int) -> None:
+        """Saves the replica-averaged weights, and each replica's own state beside them, leaving the
+        run exactly as it was: where checkpoints are taken never changes what it computes."""
+        own = self.snapshot.take()
         self.average()
-        self.store.save(self.model, {
-            "epoch": self._epoch, "step": global_step, "step_in_epoch": in_epoch, "best": self.best,
-            "input": self.input_state(self._fit_steps), "metrics": metric_totals(self.model)}, kind="step")
+        state = {"epoch": self._epoch, "step": global_step, "step_in_epoch": in_epoch, "best": self.best,
+                 "input": self.input_state(self._fit_steps), "metrics": metric_totals(self.model)}
+        self.store.save(self.model, state, kind="step", replica_state=own)
+        self.snapshot.put_back(own)
 
     def on_epoch_end(self, epoch, logs=None):
         value = float(logs[self.monitor])

@@ -4,7 +4,8 @@ Layout:
   epoch-0003/model.weights.h5      weights and optimizer state after 3 whole epochs
   epoch-0003/state.json            {"epoch": 3, "step": 3 * steps_per_epoch, "best": {...}, ...}
   step-000000140/...               the same, mid-epoch, every `train.checkpoint_every_steps` steps;
-                                   state.json also holds the input position and partial metrics
+                                   state.json also holds the input position and partial metrics,
+                                   replicas.npy each replica's own batch-norm statistics
   best.weights.h5, best.json       the best epoch by the configured metric
 
 Every write goes to a temporary name first and is renamed into place only
@@ -26,6 +27,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from typing import Any, Iterator
 
 import keras
@@ -36,7 +38,7 @@ from tfdp.errors import UserError
 KEEP_EPOCHS = 2
 KEEP_STEPS = 2
 _CHECKPOINT_DIR = re.compile(r"^(epoch|step)-(\d+)$")
-WEIGHTS, STATE = "model.weights.h5", "state.json"
+WEIGHTS, STATE, REPLICAS = "model.weights.h5", "state.json", "replicas.npy"
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -127,7 +129,9 @@ class CheckpointStore:
             try:
                 with open(os.path.join(path, STATE), encoding="utf-8") as f:
                     state = json.load(f)
-                model.load_weights(weights)
+                with warnings.catch_warnings():  # Keras' warnings would bury the one line that says what is wrong
+                    warnings.simplefilter("ignore")
+                    model.load_weights(weights)
             except (ValueError, KeyError) as e:
                 if isinstance(e, json.JSONDecodeError):
                     _warn(f"skipping checkpoint {path}: {STATE} is not valid JSON")
@@ -139,12 +143,23 @@ class CheckpointStore:
                 _warn(f"skipping damaged checkpoint {path} ({str(e).splitlines()[0][:120]}); "
                       f"trying the one before it")
                 continue
+            replicas = os.path.join(path, REPLICAS)
+            try:
+                state["replica_state"] = np.load(replicas) if os.path.exists(replicas) else None
+            except (OSError, ValueError):
+                _warn(f"skipping damaged checkpoint {path} ({REPLICAS} cannot be read); trying the one before it")
+                continue
             state["path"] = path
             return state
         return None
 
-    def save(self, model: keras.Model, state: dict[str, Any], kind: str = "epoch") -> str:
-        """Writes `epoch-N/` (N = state['epoch']) or `step-N/` (N = state['step']) atomically, then prunes."""
+    def save(self, model: keras.Model, state: dict[str, Any], kind: str = "epoch",
+             replica_state: np.ndarray | None = None) -> str:
+        """Writes `epoch-N/` (N = state['epoch']) or `step-N/` (N = state['step']) atomically, then prunes.
+
+        `replica_state` (every replica's own non-trained state, see
+        `tfdp.replica_state.ReplicaSnapshot`) goes beside the weights.
+        """
         number = state["epoch"] if kind == "epoch" else state["step"]
         final = os.path.join(self.root, f"{kind}-{number:04d}" if kind == "epoch" else f"{kind}-{number:09d}")
         tmp = os.path.join(self.root, f".tmp-{os.path.basename(final)}-{os.getpid()}")
@@ -154,6 +169,8 @@ class CheckpointStore:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
                 model.save_weights(os.path.join(tmp, WEIGHTS))
+                if replica_state is not None:
+                    np.save(os.path.join(tmp, REPLICAS), replica_state)
                 atomic_write_text(os.path.join(tmp, STATE), json.dumps(state, indent=1))
                 if os.path.exists(final):
                     shutil.rmtree(final)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import keras
 
@@ -13,6 +14,7 @@ from tfdp.data.pipeline import data_errors
 from tfdp.data.sources import require_complete
 from tfdp.errors import UserError
 from tfdp.models import check_model_name
+from tfdp.places import writable_dir
 from tfdp.strategy import Runtime
 from tfdp.trainer import compile_model, distributed_datasets, make_plan
 
@@ -22,7 +24,9 @@ def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
     if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}")
     try:
-        model.load_weights(path)
+        with warnings.catch_warnings():  # Keras' own warnings would bury the one line that says what is wrong
+            warnings.simplefilter("ignore")
+            model.load_weights(path)
     except (ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0][:200]
         raise UserError(f"checkpoint {path} does not fit model '{cfg.model.name}' with "
@@ -69,11 +73,12 @@ def evaluated_images(model: keras.Model) -> int:
 def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out_dir: str | None) -> dict:
     from tfdp.export import export
     check_model_name(cfg.model.name)
+    model_dir = os.path.expanduser(cfg.model_dir)
+    out_dir = writable_dir(out_dir or os.path.join(model_dir, "export"), "the export folder")
     source = build_source(cfg.data)
     plan = make_plan(cfg, source, runtime)
     model = compile_model(cfg, plan)  # serving runs on one device: no strategy scope
-    model_dir = os.path.expanduser(cfg.model_dir)
     load_checkpoint(model, checkpoint or CheckpointStore(model_dir).best_weights, cfg)
-    paths = export(model, cfg, source.class_names, out_dir or os.path.join(model_dir, "export"))
+    paths = export(model, cfg, source.class_names, out_dir)
     print(f"tfdp: export: {paths['keras']} and {paths['saved_model']} (input: encoded image bytes)", flush=True)
     return paths

@@ -10,6 +10,7 @@ import os
 
 from tfdp.errors import UserError
 from tfdp.metrics_file import METRICS_FILE, read_metrics
+from tfdp.places import writable_dir
 
 # (file, title, y label, [(metrics key, legend label)])
 PLOTS = (
@@ -85,8 +86,7 @@ def summary_markdown(rows: list[dict]) -> str:
 
 def report(model_dir: str) -> str:
     rows = load_rows(model_dir)
-    out_dir = os.path.join(model_dir, "report")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = writable_dir(os.path.join(model_dir, "report"), "the report folder")
     plot(rows, out_dir)
     path = os.path.join(out_dir, "report.md")
     with open(path, "w", encoding="utf-8") as f:

@@ -29,12 +29,13 @@ from tfdp.data import Source, build_source
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors, eval_dataset, train_dataset
 from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, UserError
+from tfdp.places import writable_tree
 from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.eval_step import install_exact_eval_loss
 from tfdp.losses import SparseSmoothedCrossentropy
 from tfdp.models import build_model, check_model_name
 from tfdp.preemption import PreemptionWatch
-from tfdp.replica_state import WorkerGather, state_averager
+from tfdp.replica_state import ReplicaSnapshot, WorkerGather, state_averager
 from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
 from tfdp.xla import compile_per_replica_step
@@ -184,6 +185,9 @@ def train(cfg: Config, runtime: Runtime) -> dict:
         tf.config.experimental.enable_op_determinism()
         print("tfdp: deterministic: TensorFlow op determinism on, seeded input; an op without a "
               "deterministic kernel on this device fails instead of running", flush=True)
+    model_dir = os.path.abspath(os.path.expanduser(cfg.model_dir))
+    if runtime.is_chief:  # the other workers write only into scratch
+        writable_tree(model_dir, "model_dir")
     keras.utils.set_random_seed(cfg.train.seed)
     source = build_source(cfg.data)
     plan = make_plan(cfg, source, runtime)
@@ -192,7 +196,6 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     logging.info("data: %d train / %d val images, %d classes; global batch %d (%d x %d replicas, %d worker(s)), "
                  "%d steps/epoch", plan.train_examples, plan.val_examples, plan.num_classes, plan.global_batch,
                  cfg.train.batch_size_per_replica, runtime.num_replicas, runtime.num_workers, plan.steps_per_epoch)
-    model_dir = os.path.abspath(os.path.expanduser(cfg.model_dir))
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
     state = CheckpointStore(model_dir).restore_latest(model)
@@ -228,10 +231,14 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
     stream = TrainStream(cfg, source, runtime, plan, corrupt)
     average = state_averager(model)
     watch = PreemptionWatch(runtime.strategy)
+    snapshot = ReplicaSnapshot(model)
+    own = state.get("replica_state") if state else None
+    if own is not None and own.shape == (runtime.num_replicas, snapshot.width):
+        snapshot.put_back(own)  # each replica's statistics as they were, not just their saved average
     checkpointer = Checkpointer(
         store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None,
         steps_per_epoch=plan.steps_per_epoch, every_steps=cfg.train.checkpoint_every_steps, average=average,
-        input_state=stream.state, watch=watch,
+        input_state=stream.state, snapshot=snapshot, watch=watch,
         resume=(state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0),
         resume_metrics=state.get("metrics") if state else None)
     # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
