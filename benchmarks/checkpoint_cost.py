@@ -57,15 +57,15 @@ def measure(name: str, args, runtime) -> dict:
 
     class Stamp(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            stamps.append(time.perf_counter())
+            float(logs["loss"])  # steps run asynchronously: wait for this one to finish
             start = time.perf_counter()
             watch.agreed()
             checks.append(time.perf_counter() - start)
-            stamps.append(time.perf_counter())
+            stamps.append((start, time.perf_counter()))
 
     model.fit(data, steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0, callbacks=[Stamp()], shuffle=False)
-    steps = [stamps[i] - stamps[i - 1] for i in range(2 * args.warmup + 1, len(stamps), 2)]
-    step = statistics.median(steps)
+    # A step: from the end of one preemption check to the end of the next step.
+    step = statistics.median(stamps[i][0] - stamps[i - 1][1] for i in range(args.warmup, len(stamps)))
     check = statistics.median(checks[args.warmup:])
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +85,8 @@ def measure(name: str, args, runtime) -> dict:
         start = time.perf_counter()
         store.restore_latest(fresh)
         load = time.perf_counter() - start
-        size_mb = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(tmp) for f in files) / 1e6
+        newest = store.checkpoints()[-1][2]
+        size_mb = sum(os.path.getsize(os.path.join(newest, f)) for f in os.listdir(newest)) / 1e6
     return {"step": step, "check": check, "save": save, "load": load, "size_mb": size_mb}
 
 

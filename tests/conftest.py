@@ -53,6 +53,25 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def assert_one_line_error(result, exit_code: int, *fragments: str, own_lines_only: bool = False) -> str:
+    """The run ended with `exit_code`, no traceback, and its last line names every fragment.
+
+    `own_lines_only` leaves out the workers' echoed output (`[worker i] ...`) of a launch: the
+    survivors of a killed peer print TensorFlow's collective error, which is the trainer's to word.
+    """
+    stdout = result.stdout
+    if own_lines_only:
+        stdout = "\n".join(line for line in stdout.splitlines() if not line.startswith("[worker "))
+    output = stdout + result.stderr
+    assert result.returncode == exit_code, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    line = last_line(result.stderr)
+    assert line.startswith("tfdp: error: "), output[-3000:]
+    for fragment in fragments:
+        assert fragment in line, line
+    return line
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -85,13 +85,7 @@ def test_killed_worker_then_same_command_resumes(tmp_path, digits_dir):
     model_dir = tmp_path / "killed"
     args = [sys.executable, "-m", "tfdp", "launch", "--workers=2", f"--launch_logs={tmp_path}/l1", "--", "train",
             *common, f"--model_dir={model_dir}"]
-    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids = {}
-    while len(pids) < 2:
-        line = launcher.stdout.readline()
-        assert line, "launcher ended before starting its workers"
-        if m := re.match(r"tfdp: launch: worker (\d) pid (\d+)", line):
-            pids[int(m.group(1))] = int(m.group(2))
+    launcher, pids = start_launch(args)
     epoch1 = model_dir / "checkpoints" / "epoch-0001"
     deadline = time.time() + 300
     while not epoch1.exists() and time.time() < deadline:
@@ -113,6 +107,18 @@ def test_killed_worker_then_same_command_resumes(tmp_path, digits_dir):
     assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5, 6]
     reference = read_jsonl(tmp_path / "clean" / "metrics.jsonl")[-1]["val_top1"]
     assert abs(rows[-1]["val_top1"] - reference) <= 0.03
+
+
+def start_launch(args):
+    """A running `tfdp launch` and its workers' pids, read from its first lines."""
+    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = {}
+    while len(pids) < 2:
+        line = launcher.stdout.readline()
+        assert line, "launcher ended before starting its workers"
+        if m := re.match(r"tfdp: launch: worker (\d) pid (\d+)", line):
+            pids[int(m.group(1))] = int(m.group(2))
+    return launcher, pids
 
 
 def worker(tf_config, *extra, timeout=120):
@@ -182,13 +188,7 @@ def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp
 
     model_dir = tmp_path / "preempted"
     args = [sys.executable, "-m", "tfdp", *demo_on_workers(small_dir, model_dir, tmp_path / "l1")]
-    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids = {}
-    while len(pids) < 2:
-        line = launcher.stdout.readline()
-        assert line, "launcher ended before starting its workers"
-        if m := re.match(r"tfdp: launch: worker (\d) pid (\d+)", line):
-            pids[int(m.group(1))] = int(m.group(2))
+    launcher, pids = start_launch(args)
     deadline = time.time() + 300
     while not (model_dir / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
         time.sleep(0.02)

@@ -16,7 +16,7 @@ from tfdp.errors import UserError
 from tfdp.models import check_model_name
 from tfdp.places import writable_dir
 from tfdp.strategy import Runtime
-from tfdp.trainer import compile_model, distributed_datasets, make_plan
+from tfdp.trainer import compile_model, make_plan, validation_dataset
 
 
 def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
@@ -43,7 +43,7 @@ def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> di
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
-    _, val_ds = distributed_datasets(cfg, source, runtime, plan)
+    val_ds = validation_dataset(cfg, source, runtime, plan)
     with data_errors():
         result = model.evaluate(val_ds, verbose=0, return_dict=True)
     result["examples"] = evaluated_images(model)

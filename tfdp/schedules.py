@@ -1,4 +1,4 @@
-"""Learning-rate schedules: linear warmup, then cosine, step or constant.
+"""Learning-rate schedules: linear warmup, then cosine, step, exponential, constant or one-cycle.
 
 The peak rate follows the linear scaling rule (Goyal et al. 2017): the config
 gives the rate per 256 images and `peak_lr` multiplies it by global_batch/256,

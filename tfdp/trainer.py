@@ -96,12 +96,6 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     return model
 
 
-def distributed_datasets(cfg: Config, source: Source, runtime: Runtime, plan: Plan,
-                         corrupt: CorruptCounter | None = None):
-    """Per-worker pipelines from the start of the training stream, and the validation pipelines."""
-    return TrainStream(cfg, source, runtime, plan, corrupt).dataset((0, 0)), validation_dataset(cfg, source, runtime, plan)
-
-
 def validation_dataset(cfg: Config, source: Source, runtime: Runtime, plan: Plan):
     """Per-worker validation pipelines: each worker builds (and reads) only its own share."""
     val = source.split(cfg.data.val_split)

@@ -20,6 +20,7 @@ import tensorflow as tf
 from PIL import Image
 
 from conftest import REPO, last_line, run_tfdp
+from test_imagenet_data import listed_pairs, truth_labels
 from pipelines.convert_imagenet import Item, Prepared, convert, image_example
 from pipelines.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
@@ -162,16 +163,6 @@ def test_cut_short_shards_in_training_and_evaluation(shard_dirs, tmp_path):
 
 
 # --- (B) ImageNet layouts recognised by their folders -------------------------
-
-def truth_labels(truth: dict, split: str) -> dict[str, int]:
-    synsets = [s for s, _ in SYNSETS[:CLASSES]]
-    return {name: synsets.index(synset) for name, synset in truth[split].items()}
-
-
-def listed_pairs(source, split: str) -> dict[str, int]:
-    data = source.split(split)
-    return {posixpath.basename(f): label for f, label in zip(data.files, data.labels)}
-
 
 def copy_mapping(kaggle: str, tree: str) -> None:
     """What users do for the class names: LOC_synset_mapping.txt beside train/ and val/."""

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO, last_line, run_tfdp
+from conftest import REPO, assert_one_line_error, run_tfdp
 
 FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
         "--batch_size_per_replica=32", "--set=log.tensorboard=false"]
@@ -35,17 +35,6 @@ def tmpfs(path, size: str = "16m", read_only: bool = False):
 
 def remount_read_only(path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
-
-
-def assert_one_line_error(result, *fragments: str) -> str:
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    line = last_line(result.stderr)
-    assert line.startswith("tfdp: error: "), output[-3000:]
-    for fragment in fragments:
-        assert fragment in line, line
-    return line
 
 
 def digest(folder) -> dict[str, str]:
@@ -80,7 +69,7 @@ def test_full_disk_during_training_keeps_the_last_checkpoint_and_resumes_once_fr
         proc.send_signal(signal.SIGCONT)
         out, err = proc.communicate(timeout=300)
         result = subprocess.CompletedProcess(args, proc.returncode, out, err)
-        line = assert_one_line_error(result, "no space left on the device while writing", str(model_dir / "checkpoints"),
+        line = assert_one_line_error(result, 2, "no space left on the device while writing", str(model_dir / "checkpoints"),
                                      "MB free")
         assert "needed about" in line
         assert digest(epoch1) == kept  # the previous complete checkpoint, byte for byte
@@ -97,18 +86,18 @@ def test_full_disk_during_training_keeps_the_last_checkpoint_and_resumes_once_fr
 def test_model_dir_that_is_a_file(tmp_path, digits_dir):
     (tmp_path / "run").write_text("not a folder")
     result = run_tfdp("train", *FAST, f"--data_dir={digits_dir}", f"--model_dir={tmp_path}/run", timeout=120)
-    assert_one_line_error(result, f"model_dir {tmp_path}/run is a file, not a folder")
+    assert_one_line_error(result, 2, f"model_dir {tmp_path}/run is a file, not a folder")
 
 
 def test_read_only_model_dir_and_read_only_checkpoints_folder(tmp_path, digits_dir):
     with tmpfs(tmp_path / "ro", read_only=True) as ro:
         result = run_tfdp("train", *FAST, f"--data_dir={digits_dir}", f"--model_dir={ro}/run", timeout=120)
-        assert_one_line_error(result, "cannot write to model_dir", "read-only")
+        assert_one_line_error(result, 2, "cannot write to model_dir", "read-only")
     with tmpfs(tmp_path / "rw") as rw:
         with tmpfs(rw / "run" / "checkpoints") as checkpoints:
             remount_read_only(checkpoints)
             result = run_tfdp("train", *FAST, f"--data_dir={digits_dir}", f"--model_dir={rw}/run", timeout=120)
-            assert_one_line_error(result, f"{checkpoints}", "read-only")
+            assert_one_line_error(result, 2, f"{checkpoints}", "read-only")
             assert not (rw / "run" / "metrics.jsonl").exists()  # nothing trained, nothing half-written
 
 
@@ -116,10 +105,10 @@ def test_export_and_report_into_read_only_folders(tmp_path, digits_dir):
     with tmpfs(tmp_path / "ro", read_only=True) as ro:
         result = run_tfdp("export", *FAST, f"--data_dir={digits_dir}", f"--model_dir={tmp_path}/run",
                           f"--export_dir={ro}/export", timeout=120)
-        assert_one_line_error(result, "cannot write to the export folder", "read-only")
+        assert_one_line_error(result, 2, "cannot write to the export folder", "read-only")
     with tmpfs(tmp_path / "done") as run:
         (run / "metrics.jsonl").write_text('{"epoch": 1, "loss": 1.0, "val_loss": 1.0, "val_top1": 0.5, '
                                            '"top1": 0.5, "lr": 0.1, "seconds": 1.0, "images_per_sec": 10.0}\n')
         remount_read_only(run)
         result = run_tfdp("report", str(run), timeout=60)
-        assert_one_line_error(result, "cannot write to the report folder", "read-only")
+        assert_one_line_error(result, 2, "cannot write to the report folder", "read-only")

@@ -17,28 +17,9 @@ import time
 
 import pytest
 
-from conftest import REPO, last_line, run_tfdp
+from conftest import REPO, assert_one_line_error, last_line, run_tfdp
 from tfdp.cluster import free_ports
 from tfdp.launch import EXIT_CLUSTER_TIMEOUT, EXIT_WORKER_KILLED
-
-
-def assert_one_line_error(result, exit_code: int, *fragments: str, own_lines_only: bool = False) -> str:
-    """The run ended with `exit_code`, no traceback, and its last line names every fragment.
-
-    `own_lines_only` leaves out the workers' echoed output (`[worker i] ...`) of a launch: the
-    survivors of a killed peer print TensorFlow's collective error, which is the trainer's to word.
-    """
-    stdout = result.stdout
-    if own_lines_only:
-        stdout = "\n".join(line for line in stdout.splitlines() if not line.startswith("[worker "))
-    output = stdout + result.stderr
-    assert result.returncode == exit_code, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    line = last_line(result.stderr)
-    assert line.startswith("tfdp: error: "), output[-3000:]
-    for fragment in fragments:
-        assert fragment in line, line
-    return line
 
 
 # --- a bucket that cannot be reached --------------------------------------------------------
