@@ -6,11 +6,12 @@ For each model, in this one process and on the same data:
   - checkpoint: a step checkpoint as the trainer writes it (each replica's statistics gathered, averaged
                 for the weights file and put back; weights, optimizer state, input position and metric
                 sums, written atomically);
-  - resume:     reading that checkpoint back into a freshly built model, plus the first batch of a
-                training stream started mid-epoch from the demo's JPEG files (records skipped, not decoded).
+  - resume:     reading that checkpoint back into a freshly built model; and, for the input, the first
+                batch of a stream of 200,000 JPEG paths resumed half way through an epoch (records
+                skipped, not read), per skipped record against the time to decode an image.
 The "every N" column is the share of training time checkpoints take at `train.checkpoint_every_steps`.
 
-  python benchmarks/checkpoint_cost.py [--models=demo,resnet50] [--every=1000]
+  python benchmarks/checkpoint_cost.py [--models=demo,resnet50] [--every=1000] [--records=200000]
 """
 
 from __future__ import annotations
@@ -90,8 +91,12 @@ def measure(name: str, args, runtime) -> dict:
     return {"step": step, "check": check, "save": save, "load": load, "size_mb": size_mb}
 
 
-def resume_input_seconds(runtime) -> float:
-    """First batch of the demo's training stream resumed at the middle of epoch 3 (files skipped, not read)."""
+def resume_input_cost(records: int) -> tuple[float, float, float]:
+    """Seconds to the first batch of a training stream over `records` JPEG paths (the demo's files, repeated),
+    fresh and resumed half way through its third epoch (records skipped, not read), and the time to
+    decode one batch: what a resume costs against the images it does not decode."""
+    import dataclasses
+
     from pipelines.digits import write_digits
     from tfdp.config import validate
     from tfdp.data import build_source
@@ -100,13 +105,21 @@ def resume_input_seconds(runtime) -> float:
         write_digits(tmp, progress=False)
         cfg = validate({"data": {"format": "image_folder", "dir": tmp, "image_size": 16}})
         split = build_source(cfg.data).split("train")
-        start = time.perf_counter()
-        next(iter(train_dataset(split, cfg.data, 64, 0, start=(2 * split.num_examples + split.num_examples // 2, 0))))
-        resumed = time.perf_counter() - start
-        start = time.perf_counter()
-        next(iter(train_dataset(split, cfg.data, 64, 0)))
-        fresh = time.perf_counter() - start
-    return resumed, fresh
+        reps = -(-records // len(split.files))
+        split = dataclasses.replace(split, files=(split.files * reps)[:records], labels=(split.labels * reps)[:records])
+
+        def first_batch(start) -> tuple[float, float]:
+            begin = time.perf_counter()
+            stream = iter(train_dataset(split, cfg.data, 64, 0, start=start))
+            next(stream)
+            first = time.perf_counter() - begin
+            begin = time.perf_counter()
+            next(stream)
+            return first, time.perf_counter() - begin
+        first_batch((0, 0))  # warm-up: tracing, decoder
+        fresh, batch = first_batch((0, 0))
+        resumed, _ = first_batch((2 * records + records // 2, 0))
+    return fresh, resumed, batch
 
 
 def main() -> None:
@@ -117,6 +130,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--every", type=int, default=1000, help="train.checkpoint_every_steps to cost")
+    parser.add_argument("--records", type=int, default=200_000, help="paths in the resumed input stream")
     args = parser.parse_args()
     import tfdp  # noqa: F401
     from tfdp.strategy import local_replicas, make_runtime
@@ -130,9 +144,13 @@ def main() -> None:
         print(f"{name:<10}{r['step']:>9.3f}{r['check'] / r['step']:>11.2%} {r['save']:>8.2f}{r['size_mb']:>9.0f}"
               f"{r['save'] / r['step']:>10.2f}x{share:>12.3%}{r['load']:>9.2f}{r['load'] / r['step']:>10.2f}x",
               flush=True)
-    resumed, fresh = resume_input_seconds(runtime)
-    print(f"first batch of the demo stream: fresh {fresh:.2f} s, resumed mid-epoch 3 {resumed:.2f} s "
-          f"({resumed / fresh:.2f}x)")
+    records = args.records
+    fresh, resumed, batch = resume_input_cost(records)
+    skipped = records // 2
+    per_record = max(resumed - fresh, 0.0) / skipped
+    print(f"input resume over {records:,} JPEG paths: first batch fresh {fresh:.2f} s, resumed mid-epoch 3 "
+          f"{resumed:.2f} s: {1e6 * per_record:.1f} us per skipped record, against {1e6 * batch / 64:.0f} us "
+          f"to decode an image ({batch / 64 / max(per_record, 1e-9):.0f}x)")
 
 
 if __name__ == "__main__":
