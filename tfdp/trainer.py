@@ -187,9 +187,9 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     plan = make_plan(cfg, source, runtime)
     for split in (cfg.data.train_split, cfg.data.val_split):
         check_lost(source.split(split), cfg.data.max_bad_fraction)
-    logging.info("data: %d train / %d val images, %d classes; global batch %d (%d x %d replicas, %d worker(s)), "
-                 "%d steps/epoch", plan.train_examples, plan.val_examples, plan.num_classes, plan.global_batch,
-                 cfg.train.batch_size_per_replica, runtime.num_replicas, runtime.num_workers, plan.steps_per_epoch)
+    print(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
+          f"global batch {plan.global_batch} ({cfg.train.batch_size_per_replica} x {runtime.num_replicas} replicas, "
+          f"{runtime.num_workers} worker(s)), {plan.steps_per_epoch} steps/epoch", flush=True)
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
     state = CheckpointStore(model_dir).restore_latest(model)
@@ -312,6 +312,7 @@ def save_config(cfg: Config, model_dir: str) -> None:
             if f.read() != text:
                 logging.warning("config differs from the one saved in %s; the new one replaces it", path)
     atomic_write_text(path, text)
+    print(f"tfdp: config: the resolved config is in {path}", flush=True)
     logging.info("resolved config:\n%s", text)
 
 
