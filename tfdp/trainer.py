@@ -38,7 +38,7 @@ from tfdp.preemption import PreemptionWatch
 from tfdp.replica_state import ReplicaSnapshot, WorkerGather, state_averager
 from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
-from tfdp.xla import compile_per_replica_step
+from tfdp.xla import compile_per_replica_step, use_xla
 
 # Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
 NO_DECAY = ("gamma", "beta", "bias")
@@ -88,7 +88,8 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     # Weighted metrics, so evaluation's weight-0 padding images are not counted.
     model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
                   weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
-    if cfg.train.jit_compile:
+    jit, _ = use_xla(cfg.train.jit_compile, tf.distribute.get_strategy().extended.worker_devices, cfg.model.sync_bn)
+    if jit:
         compile_per_replica_step(model)  # XLA per replica; Keras' own jit fails with several replicas
     install_exact_eval_loss(model)  # val_loss over the real images, not the evaluation padding
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
@@ -192,6 +193,8 @@ def train(cfg: Config, runtime: Runtime) -> dict:
           f"{runtime.num_workers} worker(s)), {plan.steps_per_epoch} steps/epoch", flush=True)
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
+    jit, why = use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn)  # as compile_model resolved it
+    print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
     state = CheckpointStore(model_dir).restore_latest(model)
     epoch, step_in_epoch = (state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0)
     previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
