@@ -1,6 +1,7 @@
 """The command line as a user runs it: real processes, real files, exit codes."""
 
 import os
+import re
 
 import pytest
 import yaml
@@ -134,3 +135,24 @@ def test_killed_run_resumes_after_the_last_complete_epoch(tmp_path, digits_dir):
     assert third.returncode == 0
     assert "tfdp: all 3 epochs already trained" in third.stdout and "Epoch " not in third.stdout
     assert last_line(third.stdout) == last_line(second.stdout)
+
+
+TF_INTERNALS = re.compile(r"^(\[worker \d\] )?([IWEF]\d{4} |WARNING: All log messages)|cross_device_ops|oneDNN|cudart|"
+                          r"cuda_platform|cpu_feature_guard|Traceback")
+
+
+def test_console_shows_what_a_person_needs_and_verbosity_brings_back_the_rest(tmp_path, digits_dir):
+    args = ["train", "--config=configs/digits.yaml", *FAST, f"--data_dir={digits_dir}", "--epochs=2"]
+    quiet = run_tfdp(*args, f"--model_dir={tmp_path}/quiet", timeout=300)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    lines = [line for line in (quiet.stdout + quiet.stderr).splitlines() if line.strip()]
+    assert len(lines) < 40, "\n".join(lines)
+    assert not [line for line in lines if TF_INTERNALS.search(line)], "\n".join(lines)
+    for expected in ("tfdp: strategy mirrored: 2 replica(s)", "tfdp: data: 1437 train / 360 val images",
+                     f"tfdp: config: the resolved config is in {tmp_path}/quiet/config.yaml", "tfdp: done: 2 epochs"):
+        assert any(line.startswith(expected) for line in lines), expected
+    assert sum(line.startswith("22/22 ") for line in lines) == 2  # one line per epoch
+
+    loud = run_tfdp(*args, f"--model_dir={tmp_path}/loud", "--verbosity=1", timeout=300)
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    assert [line for line in (loud.stdout + loud.stderr).splitlines() if TF_INTERNALS.search(line)]

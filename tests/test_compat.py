@@ -52,3 +52,23 @@ def test_mirrored_evaluate_when_replicas_get_unequal_first_batches():
     result = model.evaluate(ds, verbose=0, return_dict=True)
     expected = np.mean(np.argmax(model.predict(x, verbose=0), axis=1) == y)
     assert result["accuracy"] == pytest.approx(expected)
+
+
+def test_keras_internals_the_replaced_steps_rely_on_are_still_there():
+    """tfdp/eval_step.py and tfdp/xla.py replace Keras' test and train steps with versions that call the
+    same private pieces; fails when a Keras upgrade moves them, so both are re-checked then."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.losses import loss as loss_module
+    from keras.src.trainers import trainer as base_trainer
+    test_src = inspect.getsource(TensorFlowTrainer.test_step)
+    train_src = inspect.getsource(TensorFlowTrainer.train_step)
+    for src in (test_src, train_src):
+        assert "self._compute_loss(" in src and "self._loss_tracker.update_state(" in src
+        assert "loss_module.unscale_loss_for_distribution(loss)" in src
+    # Keras' own test step still weights the loss by the batch size, padding included: the reason
+    # tfdp/eval_step.py exists. When this fails, check whether upstream now weights by sample_weight.
+    assert "sample_weight=tf.shape(" in test_src
+    assert callable(loss_module.unscale_loss_for_distribution)
+    assert hasattr(base_trainer.Trainer, "_compute_loss")
+    import keras
+    assert hasattr(keras.Model, "stateless_call")  # tfdp/xla.py's forward pass

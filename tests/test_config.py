@@ -79,3 +79,17 @@ def test_every_shipped_config_is_valid():
     assert paths
     for path in paths:
         config_lib.load_config(path)
+
+
+def test_jit_compile_auto_is_on_for_accelerators_and_off_on_cpu():
+    from tfdp.xla import use_xla
+    validate = config_lib.validate
+    assert validate({}).train.jit_compile == "auto"
+    assert use_xla("auto", ["/job:localhost/replica:0/task:0/device:GPU:0"])[0] is True
+    assert use_xla("auto", ["/device:TPU:0", "/device:TPU:1"])[0] is True
+    assert use_xla("auto", ["/device:CPU:0", "/device:CPU:1"]) == (False, "auto: off on CPU devices")
+    assert use_xla("auto", ["/device:GPU:0"], sync_bn=True)[0] is False  # its all-reduce cannot run inside XLA
+    assert use_xla(True, ["/device:CPU:0"])[0] is True and use_xla(False, ["/device:GPU:0"])[0] is False
+    assert validate({"train": {"jit_compile": True}}).train.jit_compile is True
+    with pytest.raises(UserError, match="train.jit_compile"):
+        validate({"train": {"jit_compile": "sometimes"}})

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from tfdp import config as config_lib
+from tfdp import console
 from tfdp.errors import PREEMPTED_EXIT_CODE, Preempted, Restartable, UserError
 
 FLAGS = flags.FLAGS
@@ -70,6 +71,7 @@ def config_and_runtime(args: list[str]):
     cfg = resolved_config()
     from tfdp.data import check_reachable
     check_reachable(cfg.data)
+    console.import_tensorflow()
     from tfdp.strategy import make_runtime
     return cfg, make_runtime(cfg.distribute)
 
@@ -135,7 +137,7 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[1] not in COMMANDS:
         got = f" '{argv[1]}'" if len(argv) > 1 else ""
         raise app.UsageError(f"expected a command{got}: one of {', '.join(COMMANDS)}")
-    logging.set_verbosity(logging.INFO)
+    console.set_python_logging()
     try:
         COMMANDS[argv[1]](argv[2:])
     except UserError as e:
@@ -174,4 +176,5 @@ Example:
 def run() -> None:
     """Console-script entry point."""
     sys.modules["__main__"].__doc__ = USAGE  # absl prints the main module's doc as usage
+    console.prepare(sys.argv)
     app.run(main)

@@ -128,6 +128,6 @@ def local_replicas(n: int) -> DistributeConfig:
 
 def make_runtime(cfg: DistributeConfig) -> Runtime:
     runtime = STRATEGIES[cfg.strategy](cfg)
-    logging.info("strategy %s: %d replica(s) on %s, %d worker(s)", runtime.kind, runtime.num_replicas,
-                 ", ".join(runtime.devices), runtime.num_workers)
+    print(f"tfdp: strategy {runtime.kind}: {runtime.num_replicas} replica(s) on {', '.join(runtime.devices)}, "
+          f"{runtime.num_workers} worker(s)", flush=True)
     return runtime

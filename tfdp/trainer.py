@@ -38,7 +38,7 @@ from tfdp.preemption import PreemptionWatch
 from tfdp.replica_state import ReplicaSnapshot, WorkerGather, state_averager
 from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
-from tfdp.xla import compile_per_replica_step
+from tfdp.xla import compile_per_replica_step, use_xla
 
 # Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
 NO_DECAY = ("gamma", "beta", "bias")
@@ -88,7 +88,8 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     # Weighted metrics, so evaluation's weight-0 padding images are not counted.
     model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
                   weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
-    if cfg.train.jit_compile:
+    jit, _ = use_xla(cfg.train.jit_compile, tf.distribute.get_strategy().extended.worker_devices, cfg.model.sync_bn)
+    if jit:
         compile_per_replica_step(model)  # XLA per replica; Keras' own jit fails with several replicas
     install_exact_eval_loss(model)  # val_loss over the real images, not the evaluation padding
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
@@ -187,11 +188,13 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     plan = make_plan(cfg, source, runtime)
     for split in (cfg.data.train_split, cfg.data.val_split):
         check_lost(source.split(split), cfg.data.max_bad_fraction)
-    logging.info("data: %d train / %d val images, %d classes; global batch %d (%d x %d replicas, %d worker(s)), "
-                 "%d steps/epoch", plan.train_examples, plan.val_examples, plan.num_classes, plan.global_batch,
-                 cfg.train.batch_size_per_replica, runtime.num_replicas, runtime.num_workers, plan.steps_per_epoch)
+    print(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
+          f"global batch {plan.global_batch} ({cfg.train.batch_size_per_replica} x {runtime.num_replicas} replicas, "
+          f"{runtime.num_workers} worker(s)), {plan.steps_per_epoch} steps/epoch", flush=True)
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
+    jit, why = use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn)  # as compile_model resolved it
+    print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
     state = CheckpointStore(model_dir).restore_latest(model)
     epoch, step_in_epoch = (state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0)
     previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
@@ -312,6 +315,7 @@ def save_config(cfg: Config, model_dir: str) -> None:
             if f.read() != text:
                 logging.warning("config differs from the one saved in %s; the new one replaces it", path)
     atomic_write_text(path, text)
+    print(f"tfdp: config: the resolved config is in {path}", flush=True)
     logging.info("resolved config:\n%s", text)
 
 

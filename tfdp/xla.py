@@ -26,6 +26,18 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 
+def use_xla(setting, devices, sync_bn: bool = False) -> tuple[bool, str]:
+    """Resolves `train.jit_compile` (`auto`, true, false) for the strategy's devices, with the reason."""
+    if setting != "auto":
+        return bool(setting), "train.jit_compile: " + str(bool(setting)).lower()
+    if sync_bn:
+        return False, "auto: off with model.sync_bn"
+    accelerators = [d for d in devices if any(kind in d.upper() for kind in ("GPU", "TPU"))]
+    if accelerators:
+        return True, f"auto: on for {len(accelerators)} accelerator device(s)"
+    return False, "auto: off on CPU devices"
+
+
 def compile_per_replica_step(model: keras.Model) -> None:
     """Makes `model.fit` run its forward/backward pass through XLA on every replica."""
     model.jit_compile = False  # Keras must not wrap the cross-replica step itself

@@ -1,0 +1,69 @@
+"""What a run prints: what a person needs, and TensorFlow's internals only on request.
+
+By default a run shows tfdp's own lines (the data and strategy, one line per
+epoch or the live progress bar, warnings, the summary). TensorFlow's C++
+start-up chatter (oneDNN, CUDA, CPU features) is printed while its shared
+libraries load, before any setting can quiet it, so the import itself runs
+with the process's stderr pointed at /dev/null; its Python INFO logs
+(`cross_device_ops ... Reduce to ...`) stay below absl's WARNING threshold.
+absl's own `--verbosity` flag (0 = INFO, 1 = DEBUG) brings all of it back.
+No TensorFlow import at module level: `report` and `--help` use this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+VERBOSE_ENV = "TFDP_VERBOSE"
+
+
+def verbose_requested(argv: list[str]) -> bool:
+    """True when the command line asks for absl's verbosity (or TFDP_VERBOSE=1 is set)."""
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        return True
+    return any(a == "-v" or a.startswith(("--verbosity", "-v=")) for a in argv)
+
+
+def prepare(argv: list[str]) -> None:
+    """Before TensorFlow loads: with --verbosity, let its C++ logs through (unless the user set the level)."""
+    import tfdp
+    if verbose_requested(argv):
+        os.environ[VERBOSE_ENV] = "1"  # workers started by `tfdp launch` inherit it
+        if tfdp.TF_LOG_LEVEL_DEFAULTED:
+            os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+
+
+def set_python_logging() -> None:
+    """absl's threshold: WARNING by default (tfdp prints its own lines), the flag's level on request."""
+    from absl import logging
+    if not verbose_requested(sys.argv):
+        logging.set_verbosity(logging.WARNING)
+
+
+@contextlib.contextmanager
+def stderr_to_devnull() -> None:
+    """File descriptor 2 pointed at /dev/null for the block (C++ writes bypass Python's sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def import_tensorflow() -> None:
+    """Imports TensorFlow (and Keras), without its start-up chatter unless verbosity was asked for.
+
+    A failing import still raises; Python prints its traceback after stderr is back.
+    """
+    if "tensorflow" in sys.modules or verbose_requested(sys.argv):
+        import tensorflow  # noqa: F401
+        return
+    with stderr_to_devnull():
+        import tensorflow  # noqa: F401
