@@ -88,13 +88,20 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     # Weighted metrics, so evaluation's weight-0 padding images are not counted.
     model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
                   weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
-    jit, _ = use_xla(cfg.train.jit_compile, tf.distribute.get_strategy().extended.worker_devices, cfg.model.sync_bn)
+    jit, _ = use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)
     if jit:
         compile_per_replica_step(model)  # XLA per replica; Keras' own jit fails with several replicas
     install_exact_eval_loss(model)  # val_loss over the real images, not the evaluation padding
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
     optimizer.build(model.trainable_variables)
     return model
+
+
+def current_devices() -> list[str]:
+    """The devices of the strategy whose scope we are in (outside any scope: where TensorFlow places ops)."""
+    if tf.distribute.has_strategy():
+        return list(tf.distribute.get_strategy().extended.worker_devices)
+    return [d.name for d in tf.config.list_logical_devices("GPU")[:1]] or ["/device:CPU:0"]
 
 
 def validation_dataset(cfg: Config, source: Source, runtime: Runtime, plan: Plan):
