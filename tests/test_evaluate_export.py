@@ -90,6 +90,17 @@ def test_validation_loss_is_the_mean_over_real_images_on_any_replica_count(check
     assert two["loss"] == pytest.approx(by_hand, rel=1e-6)
 
 
+def test_evaluate_reads_only_the_validation_split(checkpoint, odd_dir, tmp_path):
+    """No training split at all: evaluation neither lists nor needs it."""
+    cfg, path, model = checkpoint
+    shutil.copytree(os.path.join(odd_dir, "val"), tmp_path / "val")  # and no train/ folder
+    only_val = make_cfg(str(tmp_path), tmp_path / "run")
+    result = evaluate(only_val, make_runtime(only_val.distribute), checkpoint=path)
+    assert result["examples"] == VAL_IMAGES
+    _, predicted, labels = reference_predictions(model, cfg)
+    assert result["top1"] == pytest.approx(float(np.mean(predicted == labels)), abs=1e-6)
+
+
 def test_export_round_trip_from_jpeg_bytes(checkpoint, tmp_path):
     cfg, path, model = checkpoint
     paths = export_checkpoint(cfg, make_runtime(cfg.distribute), path, str(tmp_path / "export"))

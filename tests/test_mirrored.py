@@ -10,7 +10,7 @@ from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
 from tfdp.replica_state import ReplicaSnapshot, replica_copies, state_averager
 from tfdp.strategy import make_runtime
-from tfdp.trainer import Plan, compile_model
+from tfdp.task import Plan, compile_model
 
 STEPS = 6
 GLOBAL_BATCH = 32

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, last_line, read_jsonl, run_tfdp
 from tfdp.config import load_config, validate
-from tfdp.trainer import Plan, compile_model
+from tfdp.task import Plan, compile_model
 
 
 def recipe(name):

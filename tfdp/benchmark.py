@@ -122,7 +122,7 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
 
     from tfdp.data import build_source
     from tfdp.data.pipeline import synthetic_dataset, train_dataset
-    from tfdp.trainer import Plan, compile_model
+    from tfdp.task import Plan, compile_model
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     plan = Plan(global_batch, warmup + steps, 0, 0, cfg.model.num_classes)

@@ -16,7 +16,7 @@ from tfdp.errors import UserError
 from tfdp.models import check_model_name
 from tfdp.places import writable_dir
 from tfdp.strategy import Runtime
-from tfdp.trainer import compile_model, make_plan, validation_dataset
+from tfdp.task import evaluation_model, serving_model, validation_dataset
 
 
 def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
@@ -37,20 +37,21 @@ def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
 def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> dict:
     """Top-1/top-5 over the whole validation split, spread over the replicas, each image once."""
     check_model_name(cfg.model.name)
-    source = build_source(cfg.data)
-    require_complete(source.split(cfg.data.val_split))
-    plan = make_plan(cfg, source, runtime)
+    source = build_source(cfg.data, splits=(cfg.data.val_split,))  # the training split is not even listed
+    if source.num_classes and source.num_classes != cfg.model.num_classes:
+        raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
+    split = source.split(cfg.data.val_split)
+    require_complete(split)
     with runtime.strategy.scope():
-        model = compile_model(cfg, plan)
+        model = evaluation_model(cfg)
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
-    val_ds = validation_dataset(cfg, source, runtime, plan)
     with data_errors():
-        result = model.evaluate(val_ds, verbose=0, return_dict=True)
+        result = model.evaluate(validation_dataset(cfg, source, runtime), verbose=0, return_dict=True)
     result["examples"] = evaluated_images(model)
-    skipped = plan.val_examples - result["examples"]
+    skipped = split.num_examples - result["examples"]
     print("tfdp: evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
           + f" over {result['examples']} images"
-          + (f" ({skipped} of the {plan.val_examples} listed could not be decoded)" if skipped else ""), flush=True)
+          + (f" ({skipped} of the {split.num_examples} listed could not be decoded)" if skipped else ""), flush=True)
     return result
 
 
@@ -75,9 +76,8 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
     check_model_name(cfg.model.name)
     model_dir = os.path.expanduser(cfg.model_dir)
     out_dir = writable_dir(out_dir or os.path.join(model_dir, "export"), "the export folder")
-    source = build_source(cfg.data)
-    plan = make_plan(cfg, source, runtime)
-    model = compile_model(cfg, plan)  # serving runs on one device: no strategy scope
+    source = build_source(cfg.data, splits=(cfg.data.val_split,))  # for the class names
+    model = serving_model(cfg)  # serving runs on one device: no strategy scope
     load_checkpoint(model, checkpoint or CheckpointStore(model_dir).best_weights, cfg)
     paths = export(model, cfg, source.class_names, out_dir)
     print(f"tfdp: export: {paths['keras']} and {paths['saved_model']} (input: encoded image bytes)", flush=True)

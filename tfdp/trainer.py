@@ -1,7 +1,7 @@
 """`tfdp train`: config → data → model (in the strategy's scope) → fit → summary.
 
-Read top to bottom, this is the whole training run; everything it calls lives
-in a module of its own.
+Read top to bottom, this is the whole training run; the model and datasets
+come from `tfdp.task`, everything else it calls lives in a module of its own.
 """
 
 from __future__ import annotations
@@ -20,131 +20,22 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfdp import compat
 from tfdp import config as config_lib
 from tfdp.callbacks import AverageReplicaState, Checkpointer, EpochStats, MetricsLog, WandbLog, tensorboard
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config
 from tfdp.data import Source, build_source
-from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors, eval_dataset, train_dataset
+from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, UserError
-from tfdp.places import writable_tree
 from tfdp.metrics_file import METRICS_FILE, read_metrics
-from tfdp.eval_step import install_exact_eval_loss
-from tfdp.losses import SparseSmoothedCrossentropy
-from tfdp.models import build_model, check_model_name
+from tfdp.models import check_model_name
+from tfdp.places import writable_tree
 from tfdp.preemption import PreemptionWatch
-from tfdp.replica_state import ReplicaSnapshot, WorkerGather, state_averager
-from tfdp.schedules import build_schedule
+from tfdp.replica_state import ReplicaSnapshot, state_averager
 from tfdp.strategy import Runtime
-from tfdp.xla import compile_per_replica_step, use_xla
-
-# Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
-NO_DECAY = ("gamma", "beta", "bias")
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The numbers a run is sized by, derived once from config, data and strategy."""
-    global_batch: int
-    steps_per_epoch: int
-    train_examples: int
-    val_examples: int
-    num_classes: int
-    lost_records: int = 0           # listed in counts.json but cut off their shards (both splits)
-    damaged: tuple[str, ...] = ()   # the shards those records were lost from
-
-
-def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
-    if source.num_classes and source.num_classes != cfg.model.num_classes:  # 0: unknown until labels are read
-        raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
-    train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
-    global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
-    steps = train.num_examples // global_batch
-    if steps == 0:
-        raise UserError(f"the training split has {train.num_examples} images, fewer than one global batch "
-                        f"of {global_batch} ({cfg.train.batch_size_per_replica} per replica x {runtime.num_replicas} replicas)")
-    return Plan(global_batch, steps, train.num_examples, val.num_examples, cfg.model.num_classes,
-                train.lost_records + val.lost_records,
-                tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n))
-
-
-def compile_model(cfg: Config, plan: Plan) -> keras.Model:
-    """Builds and compiles the model; call inside `strategy.scope()` so variables are mirrored."""
-    compat.apply()  # every fit/evaluate goes through a model compiled here
-    keras.mixed_precision.set_global_policy(cfg.train.precision)
-    model = build_model(cfg.model, cfg.data)
-    schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs)
-    optimizer = keras.optimizers.SGD(
-        learning_rate=schedule, momentum=cfg.optimizer.momentum, nesterov=cfg.optimizer.nesterov,
-        weight_decay=cfg.optimizer.weight_decay or None)
-    if cfg.optimizer.weight_decay and not cfg.optimizer.decay_norm_and_bias:
-        optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
-    metrics = [keras.metrics.SparseCategoricalAccuracy(name="top1")]
-    if plan.num_classes > 5:
-        metrics.append(keras.metrics.SparseTopKCategoricalAccuracy(k=5, name="top5"))
-    # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer (dynamic loss scaling).
-    # Weighted metrics, so evaluation's weight-0 padding images are not counted.
-    model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
-                  weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
-    jit, _ = use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)
-    if jit:
-        compile_per_replica_step(model)  # XLA per replica; Keras' own jit fails with several replicas
-    install_exact_eval_loss(model)  # val_loss over the real images, not the evaluation padding
-    # Built now, not lazily in the first step, so a checkpoint can restore its state.
-    optimizer.build(model.trainable_variables)
-    return model
-
-
-def current_devices() -> list[str]:
-    """The devices of the strategy whose scope we are in (outside any scope: where TensorFlow places ops)."""
-    if tf.distribute.has_strategy():
-        return list(tf.distribute.get_strategy().extended.worker_devices)
-    return [d.name for d in tf.config.list_logical_devices("GPU")[:1]] or ["/device:CPU:0"]
-
-
-def validation_dataset(cfg: Config, source: Source, runtime: Runtime, plan: Plan):
-    """Per-worker validation pipelines: each worker builds (and reads) only its own share."""
-    val = source.split(cfg.data.val_split)
-    return runtime.strategy.distribute_datasets_from_function(
-        lambda ctx: eval_dataset(val, cfg.data, plan.global_batch, ctx, num_classes=plan.num_classes))
-
-
-class TrainStream:
-    """This worker's training pipeline, started at any position of its record stream.
-
-    It remembers where each batch ended (`StreamPosition`), so a checkpoint
-    can record the exact position after the last trained step and a resumed
-    run can start there, skipping records rather than decoding them.
-    """
-
-    def __init__(self, cfg: Config, source: Source, runtime: Runtime, plan: Plan, corrupt: CorruptCounter | None):
-        self.cfg, self.source, self.runtime, self.plan, self.corrupt = cfg, source, runtime, plan, corrupt
-        self.start: tuple[int, int] = (0, 0)
-        self.position = StreamPosition()
-        # Each step takes one batch per local replica from this worker's pipeline.
-        self.batches_per_step = runtime.num_replicas // runtime.num_workers
-        self.gather = WorkerGather(runtime.strategy, runtime.worker_index, runtime.num_workers)
-
-    def dataset(self, start: tuple[int, int]):
-        self.start, self.position = tuple(start), StreamPosition()
-        train, cfg, plan = self.source.split(self.cfg.data.train_split), self.cfg, self.plan
-        start, position = self.start, self.position
-        return self.runtime.strategy.distribute_datasets_from_function(
-            lambda ctx: train_dataset(train, cfg.data, plan.global_batch, cfg.train.seed, ctx,
-                                      num_classes=plan.num_classes, corrupt=self.corrupt,
-                                      start=start, position=position))
-
-    def local_state(self, steps: int) -> tuple[int, int]:
-        """(records consumed, corrupt so far) of this worker's stream after `steps` steps of the current dataset."""
-        if not steps or self.source.split(self.cfg.data.train_split).synthetic:
-            return self.start
-        return self.position.after(steps * self.batches_per_step)
-
-    def state(self, steps: int) -> list[list[int]]:
-        """Every worker's `local_state`, indexed by worker (a collective: all workers call it)."""
-        return self.gather(list(self.local_state(steps)))
+from tfdp.task import Plan, TrainStream, compile_model, make_plan, validation_dataset
+from tfdp.xla import use_xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +140,7 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
     # drops the killed run's copy of it (see `callbacks.tensorboard`).
     callbacks = [EpochStats(plan.global_batch, corrupt), AverageReplicaState(average), metrics_log,
                  *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
-    val_ds = validation_dataset(cfg, source, runtime, plan)
+    val_ds = validation_dataset(cfg, source, runtime)
     start = resume_input(state, runtime, plan)
     watch.install()
     try:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, last_line, run_tfdp
+from conftest import REPO, assert_one_line_error, run_tfdp
 from tfdp.cluster import free_ports
 from tfdp.launch import EXIT_CLUSTER_TIMEOUT, EXIT_WORKER_KILLED
 

@@ -14,43 +14,38 @@ from tfdp.data.sources import RecordFormat, Source, Split, image_folder
 from tfdp.errors import UserError
 
 
-def _splits(cfg: DataConfig) -> tuple[str, str]:
-    return cfg.train_split, cfg.val_split
-
-
-def _digits(cfg: DataConfig) -> Source:
+def _digits(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     """The embedded demo: scikit-learn's digits, written as JPEGs on first use."""
     from pipelines.digits import ensure_digits
-    return image_folder(ensure_digits(cfg.dir), _splits(cfg))
+    return image_folder(ensure_digits(cfg.dir), splits)
 
 
-def _image_folder(cfg: DataConfig) -> Source:
-    return image_folder(cfg.dir, _splits(cfg))
+def _image_folder(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
+    return image_folder(cfg.dir, splits)
 
 
-def _imagenet(cfg: DataConfig) -> Source:
+def _imagenet(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     from tfdp.data.imagenet import imagenet_tree
-    return imagenet_tree(cfg.dir, _splits(cfg))
+    return imagenet_tree(cfg.dir, splits)
 
 
-def _tfrecord(cfg: DataConfig) -> Source:
+def _tfrecord(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     from tfdp.data.records import tfrecord_source
-    return tfrecord_source(cfg.dir, _splits(cfg), cfg.cache_dir)
+    return tfrecord_source(cfg.dir, splits, cfg.cache_dir)
 
 
-def _tfds(cfg: DataConfig) -> Source:
+def _tfds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     from tfdp.data.tfds_source import tfds_source
-    return tfds_source(cfg.dir, cfg.tfds_name, _splits(cfg), cfg.cache_dir, cfg.tfds_manual_dir)
+    return tfds_source(cfg.dir, cfg.tfds_name, splits, cfg.cache_dir, cfg.tfds_manual_dir)
 
 
-def _synthetic(cfg: DataConfig) -> Source:
+def _synthetic(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     """Random images made in the pipeline: measures compute without input cost. Classes: the model's."""
-    val = max(cfg.synthetic_examples // 25, 1)
-    return Source(class_names=(), splits={cfg.train_split: Split(cfg.train_split, (), synthetic=cfg.synthetic_examples),
-                                          cfg.val_split: Split(cfg.val_split, (), synthetic=val)})
+    sizes = {cfg.train_split: cfg.synthetic_examples, cfg.val_split: max(cfg.synthetic_examples // 25, 1)}
+    return Source(class_names=(), splits={name: Split(name, (), synthetic=sizes.get(name, 1)) for name in splits})
 
 
-SOURCES: dict[str, Callable[[DataConfig], Source]] = {
+SOURCES: dict[str, Callable[[DataConfig, tuple[str, ...]], Source]] = {
     "digits": _digits,
     "image_folder": _image_folder,
     "imagenet": _imagenet,
@@ -60,11 +55,16 @@ SOURCES: dict[str, Callable[[DataConfig], Source]] = {
 }
 
 
-def build_source(cfg: DataConfig) -> Source:
+def build_source(cfg: DataConfig, splits: tuple[str, ...] | None = None) -> Source:
+    """The dataset in `cfg`, listing only `splits` (default: the training and validation splits).
+
+    A command lists only what it reads: evaluation the validation split, so
+    it works when the training split is empty or in a bucket out of reach.
+    """
     if cfg.format not in SOURCES:
         raise UserError(f"unknown data.format '{cfg.format}' (valid: {', '.join(sorted(SOURCES))})")
     storage.configure(cfg.remote_timeout)
-    return SOURCES[cfg.format](cfg)
+    return SOURCES[cfg.format](cfg, splits or (cfg.train_split, cfg.val_split))
 
 
 def check_reachable(cfg: DataConfig) -> None:

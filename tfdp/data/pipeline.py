@@ -19,7 +19,6 @@ import os
 import re
 import sys
 
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
