@@ -126,3 +126,16 @@ def tensorboard_steps(run_dir, tag):
     events.Reload()
     return sorted(e.step for e in events.Scalars(tag)) if tag in events.Tags()["scalars"] else \
         sorted(e.step for e in events.Tensors(tag))
+
+
+def test_resuming_with_a_model_that_does_not_fit_is_one_line_alone(tmp_path, small_dir):
+    common = ["train", "--config=configs/digits.yaml", f"--data_dir={small_dir}", "--data_format=image_folder",
+              f"--model_dir={tmp_path}/run", "--set=data.image_size=16", "--epochs=2"]
+    first = run_tfdp(*common, "--model=simple_cnn", "--epochs=1", "--set=schedule.warmup_epochs=0", timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    other = run_tfdp(*common, "--model=resnet18_small", timeout=300)
+    assert other.returncode == 2 and "Traceback" not in other.stdout + other.stderr
+    err = [line for line in other.stderr.splitlines() if line.strip()]
+    assert len(err) == 1, err  # no Keras warnings around it
+    assert err[0].startswith(f"tfdp: error: checkpoint {tmp_path}/run/checkpoints/epoch-0001/model.weights.h5 "
+                             "does not fit model 'resnet18_small'"), err

@@ -94,6 +94,20 @@ def _itemsize(dtype) -> int:
         return 2
 
 
+def load_weights(model: keras.Model, path: str, what: str) -> None:
+    """Loads a weights file; one that does not fit is one line saying so and naming `what` it was loaded into.
+
+    Keras' own warnings are silenced: they would bury that line. A damaged
+    file raises OSError (h5py's), for the caller to decide.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.load_weights(path)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"checkpoint {path} does not fit {what}: {str(e).strip().splitlines()[0][:200]}") from None
+
+
 class CheckpointStore:
     def __init__(self, model_dir: str):
         self.root = os.path.join(model_dir, "checkpoints")
@@ -129,16 +143,12 @@ class CheckpointStore:
             try:
                 with open(os.path.join(path, STATE), encoding="utf-8") as f:
                     state = json.load(f)
-                with warnings.catch_warnings():  # Keras' warnings would bury the one line that says what is wrong
-                    warnings.simplefilter("ignore")
-                    model.load_weights(weights)
-            except (ValueError, KeyError) as e:
-                if isinstance(e, json.JSONDecodeError):
-                    _warn(f"skipping checkpoint {path}: {STATE} is not valid JSON")
-                    continue
-                raise UserError(f"cannot resume from {weights}: it does not fit model '{model.name}' "
-                                f"(changed architecture or class count? use a new model_dir): "
-                                f"{str(e).strip().splitlines()[0][:200]}") from None
+            except ValueError:
+                _warn(f"skipping checkpoint {path}: {STATE} is not valid JSON")
+                continue
+            try:
+                load_weights(model, weights, f"model '{model.name}' (changed architecture or class count? "
+                                             f"use a new model_dir)")
             except OSError as e:  # h5py: truncated or damaged file
                 _warn(f"skipping damaged checkpoint {path} ({str(e).splitlines()[0][:120]}); "
                       f"trying the one before it")

@@ -111,7 +111,7 @@ def from_worker_list(workers: str, index: str | None) -> Cluster:
         raise UserError(f"TFDP_WORKERS is set but this worker's index is missing or not a number: {index!r} "
                         "(set TFDP_WORKER_INDEX, or run as a Kubernetes Indexed Job)")
     addresses = [a.strip() for a in workers.split(",") if a.strip()]
-    return parse_tf_config(json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": int(index)}}))
+    return parse_tf_config(workers_tf_config(addresses, int(index)))
 
 
 def check_consistent(tf_configs: dict[str, str]) -> None:
@@ -150,8 +150,14 @@ def from_slurm(port_base: int = 8888) -> Cluster:
 
 
 def to_tf_config(cluster: Cluster) -> str:
-    return json.dumps({"cluster": {t: list(a) for t, a in cluster.tasks.items()},
-                       "task": {"type": cluster.task_type, "index": cluster.task_index}})
+    return workers_tf_config(list(cluster.tasks.get("worker", ())), cluster.task_index, cluster.task_type,
+                             {t: list(a) for t, a in cluster.tasks.items()})
+
+
+def workers_tf_config(addresses: list[str], index: int, task_type: str = "worker",
+                      tasks: dict[str, list[str]] | None = None) -> str:
+    """The TF_CONFIG JSON for task `index` of `task_type` (default: a cluster of only workers at `addresses`)."""
+    return json.dumps({"cluster": tasks or {"worker": list(addresses)}, "task": {"type": task_type, "index": int(index)}})
 
 
 def check_port_free(cluster: Cluster) -> None:

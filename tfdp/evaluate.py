@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 import keras
 
-from tfdp.checkpoints import CheckpointStore
+from tfdp.checkpoints import CheckpointStore, load_weights
 from tfdp.config import Config
 from tfdp.data import build_source
 from tfdp.data.pipeline import data_errors
@@ -23,15 +22,8 @@ def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
     """Loads weights, turning Keras' mismatch errors into one line that says what does not fit."""
     if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}")
-    try:
-        with warnings.catch_warnings():  # Keras' own warnings would bury the one line that says what is wrong
-            warnings.simplefilter("ignore")
-            model.load_weights(path)
-    except (ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0][:200]
-        raise UserError(f"checkpoint {path} does not fit model '{cfg.model.name}' with "
-                        f"{cfg.model.num_classes} classes at {cfg.data.image_size} px "
-                        f"(another architecture or class count?): {first}") from None
+    load_weights(model, path, f"model '{cfg.model.name}' with {cfg.model.num_classes} classes at "
+                              f"{cfg.data.image_size} px (another architecture or class count?)")
 
 
 def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> dict:

@@ -28,7 +28,6 @@ Exit status of `tfdp launch`:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -39,7 +38,7 @@ import threading
 import time
 
 from tfdp import watchdog
-from tfdp.cluster import free_ports
+from tfdp.cluster import free_ports, workers_tf_config
 from tfdp.errors import PREEMPTED_EXIT_CODE, UserError
 
 GRACE_SECONDS = 10.0
@@ -53,8 +52,7 @@ EXIT_WORKER_KILLED = 4
 
 def worker_env(addresses: list[str], index: int, scratch: str) -> dict[str, str]:
     """The worker's environment: its TF_CONFIG, and temporary files and watchdog mark in the launch's scratch."""
-    tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
-    return {**os.environ, "TF_CONFIG": json.dumps(tf_config), "PYTHONUNBUFFERED": "1", "TMPDIR": scratch,
+    return {**os.environ, "TF_CONFIG": workers_tf_config(addresses, index), "PYTHONUNBUFFERED": "1", "TMPDIR": scratch,
             watchdog.MARK_ENV: mark_path(scratch, index)}
 
 
