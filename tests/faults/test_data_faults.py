@@ -22,7 +22,7 @@ from PIL import Image
 from conftest import REPO, last_line, run_tfdp
 from test_imagenet_data import listed_pairs, truth_labels
 from pipelines.convert_imagenet import Item, Prepared, convert, image_example
-from pipelines.photos import SYNSETS, write_imagenet_tree
+from support.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
 from tfdp.data import build_source
 from tfdp.errors import UserError

@@ -20,7 +20,7 @@ def _splits(cfg: DataConfig) -> tuple[str, str]:
 
 def _digits(cfg: DataConfig) -> Source:
     """The embedded demo: scikit-learn's digits, written as JPEGs on first use."""
-    from pipelines.digits import ensure_digits
+    from tfdp.data.digits import ensure_digits
     return image_folder(ensure_digits(cfg.dir), _splits(cfg))
 
 
