@@ -36,14 +36,16 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))   # support.photos, support.gcs_emulator
 
 import tfdp  # noqa: E402,F401  (TensorFlow environment defaults)
 
 
 def make_data(workdir: str, images: int, max_side: int) -> dict[str, str]:
     from pipelines.convert_imagenet import convert
-    from pipelines.photos import SYNSETS, write_imagenet_tree
+    from support.photos import SYNSETS, write_imagenet_tree
 
     classes = len(SYNSETS)
     tree = os.path.join(workdir, "tree")
@@ -107,7 +109,7 @@ def main() -> None:
     from tfdp.config import DataConfig
     from tfdp.data import build_source
 
-    from pipelines.gcs_emulator import gcs_emulator
+    from support.gcs_emulator import gcs_emulator
 
     with tempfile.TemporaryDirectory() as workdir, gcs_emulator("bench") as bucket:
         paths = make_data(workdir, args.images, args.max_side)

@@ -1,1 +1,1 @@
-"""Offline data jobs: building the demo dataset, converting raw trees to TFRecords."""
+"""Offline data jobs: converting raw ImageNet trees to TFRecord shards."""

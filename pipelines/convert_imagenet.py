@@ -1,4 +1,4 @@
-"""Raw ImageNet tree → TFRecord shards in the standard format (see tfdp/data/records.py).
+"""Raw ImageNet tree → TFRecord shards in the standard format (see tfdp/data/tfrecord.py).
 
     python -m pipelines.convert_imagenet --src=/data/ILSVRC2012 --out=/data/imagenet-tfrecord
 
@@ -45,20 +45,11 @@ from tfdp.data import build_source
 from tfdp.data.records import shard_name
 from tfdp.data.sources import Source
 from tfdp.data.storage import filesystem
+from tfdp.data.tfrecord import Item, Prepared, image_example
 from tfdp.errors import UserError
 
 REPORT = "conversion_report.json"
 SPLITS = (("train", "train"), ("val", "validation"))   # (source split, shard prefix)
-
-
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """One source image and everything its record needs."""
-    path: str
-    label: int            # 0-based; stored 1-based
-    synset: str
-    text: str
-    boxes: tuple[tuple[float, float, float, float], ...] = ()   # pixels: xmin, ymin, xmax, ymax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,14 +202,6 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    encoded: bytes        # RGB or greyscale JPEG
-    height: int
-    width: int
-    source_size: tuple[int, int]   # (width, height) of the source image, for its boxes
-
-
 def prepare_image(data: bytes, max_side: int = 0, quality: int = 95) -> Prepared:
     """The image as a JPEG the pipeline can decode; the source bytes unchanged when already fine."""
     from PIL import Image
@@ -243,42 +226,6 @@ def prepare_image(data: bytes, max_side: int = 0, quality: int = 95) -> Prepared
     out = io.BytesIO()
     image.save(out, "JPEG", quality=quality)
     return Prepared(out.getvalue(), image.height, image.width, source_size)
-
-
-def image_example(item: Item, image: Prepared):
-    """A tf.train.Example with exactly the features of TensorFlow's official ImageNet shards."""
-    import tensorflow as tf
-
-    def ints(values):
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=list(values)))
-
-    def floats(values):
-        return tf.train.Feature(float_list=tf.train.FloatList(value=list(values)))
-
-    def strings(value: str | bytes):
-        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value.encode() if isinstance(value, str) else value]))
-
-    # Boxes were measured on the source image; normalised coordinates survive downscaling.
-    src_w, src_h = image.source_size
-    boxes = [(min(max(x0 / src_w, 0.0), 1.0), min(max(y0 / src_h, 0.0), 1.0),
-              min(max(x1 / src_w, 0.0), 1.0), min(max(y1 / src_h, 0.0), 1.0)) for x0, y0, x1, y1 in item.boxes]
-    return tf.train.Example(features=tf.train.Features(feature={
-        "image/height": ints([image.height]),
-        "image/width": ints([image.width]),
-        "image/colorspace": strings("RGB"),
-        "image/channels": ints([3]),
-        "image/class/label": ints([item.label + 1]),
-        "image/class/synset": strings(item.synset),
-        "image/class/text": strings(item.text),
-        "image/object/bbox/xmin": floats(b[0] for b in boxes),
-        "image/object/bbox/ymin": floats(b[1] for b in boxes),
-        "image/object/bbox/xmax": floats(b[2] for b in boxes),
-        "image/object/bbox/ymax": floats(b[3] for b in boxes),
-        "image/object/bbox/label": ints([item.label + 1] * len(boxes)),
-        "image/format": strings("JPEG"),
-        "image/filename": strings(posixpath.basename(item.path)),
-        "image/encoded": strings(image.encoded),
-    }))
 
 
 def _finish(out: str, source: Source, tasks: list[ShardTask]) -> dict:

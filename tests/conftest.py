@@ -22,7 +22,7 @@ CPU_DEVICES = split_cpu(2)
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> str:
     """The real demo dataset (1,797 JPEGs), written once per test session."""
-    from pipelines.digits import write_digits
+    from tfdp.data.digits import write_digits
     out = str(tmp_path_factory.mktemp("data") / "digits")
     write_digits(out, progress=False)
     return out
@@ -80,6 +80,6 @@ def read_jsonl(path: str) -> list[dict]:
 @pytest.fixture(scope="session")
 def gcs_bucket():
     """A real GCS emulator server on loopback; yields its bucket's gs:// URL."""
-    from pipelines.gcs_emulator import gcs_emulator
+    from support.gcs_emulator import gcs_emulator
     with gcs_emulator("tfdp-test") as bucket:
         yield bucket

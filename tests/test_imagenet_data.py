@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from conftest import last_line, read_jsonl, run_tfdp
 from pipelines.convert_imagenet import Item, Prepared, convert, image_example
-from pipelines.photos import SYNSETS, write_imagenet_tree
+from support.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
 from tfdp.data import build_source
 from tfdp.data.pipeline import (CorruptCounter, StreamPosition, data_errors, eval_dataset, pipeline_share, random_crop,

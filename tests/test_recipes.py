@@ -101,7 +101,7 @@ def test_jit_compile_really_compiles_with_xla_under_mirrored_strategy(tmp_path, 
 def test_recipes_read_imagenet_shards(tmp_path):
     """Every recipe's data section works on standard shards (converted from real photos), only the path changed."""
     from pipelines.convert_imagenet import convert
-    from pipelines.photos import write_imagenet_tree
+    from support.photos import write_imagenet_tree
     from tfdp.data import build_source
     write_imagenet_tree(str(tmp_path / "tree"), 2, 2, 1, "ilsvrc")
     convert(str(tmp_path / "tree"), str(tmp_path / "shards"), train_shards=2, val_shards=1, workers=1, progress=False)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import posixpath
 import shutil
 import subprocess
 import sys
@@ -21,8 +20,8 @@ from PIL import Image
 
 from conftest import REPO, last_line, run_tfdp
 from test_imagenet_data import listed_pairs, truth_labels
-from pipelines.convert_imagenet import Item, Prepared, convert, image_example
-from pipelines.photos import SYNSETS, write_imagenet_tree
+from pipelines.convert_imagenet import Item, Prepared, image_example
+from support.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
 from tfdp.data import build_source
 from tfdp.errors import UserError

@@ -16,7 +16,7 @@ from tfdp.errors import UserError
 
 def _digits(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     """The embedded demo: scikit-learn's digits, written as JPEGs on first use."""
-    from pipelines.digits import ensure_digits
+    from tfdp.data.digits import ensure_digits
     return image_folder(ensure_digits(cfg.dir), splits)
 
 

@@ -1,15 +1,8 @@
 """TFRecord shards in the standard ImageNet format.
 
-The format is the one TensorFlow's official conversion script
-(`build_imagenet_data.py`) writes and Model Garden / TPU reference models
-read: shards named `train-00000-of-01024` and `validation-00000-of-00128`,
-each a sequence of tf.train.Example with
-
-    image/encoded  image/format  image/filename  image/height  image/width
-    image/colorspace  image/channels
-    image/class/label   (1-based: 0 is reserved for "background")
-    image/class/synset  image/class/text
-    image/object/bbox/{xmin,ymin,xmax,ymax,label}   (normalised to 0..1)
+Shards are named `train-00000-of-01024` and `validation-00000-of-00128`,
+each a sequence of tf.train.Example in the format `tfdp.data.tfrecord`
+defines (TensorFlow's official `build_imagenet_data.py` format).
 
 tfdp's converter (`pipelines/convert_imagenet.py`) writes this format and,
 beside the shards, `synsets.txt` (the class list in label order) and
@@ -34,11 +27,11 @@ import fnmatch
 import json
 import posixpath
 
-from tfdp.data.sources import RecordFormat, Source, Split
-from tfdp.data.storage import count_records, filesystem, first_record, is_remote, localize, readable_records, url
+from tfdp.data.sources import Source, Split
+from tfdp.data.storage import filesystem, is_remote, localize, url
+from tfdp.data.tfrecord import IMAGENET_RECORDS, count_records, first_record, readable_records
 from tfdp.errors import UserError
 
-IMAGENET_RECORDS = RecordFormat(image_key="image/encoded", label_key="image/class/label", label_offset=-1)
 SYNSET_FILES = ("synsets.txt", "LOC_synset_mapping.txt", "imagenet_metadata.txt", "imagenet_lsvrc_2015_synsets.txt")
 COUNTS_FILE = "counts.json"
 SPLIT_PREFIXES = {"val": ("validation", "val"), "validation": ("validation", "val")}

@@ -19,7 +19,6 @@ import concurrent.futures
 import hashlib
 import os
 import socket
-import struct
 import threading
 import urllib.parse
 import urllib.request
@@ -168,60 +167,3 @@ def _fetch(remote_url: str, local_path: str) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
 
-
-# TFRecord framing: uint64 length, uint32 crc of the length, data, uint32 crc of the data.
-LENGTH = struct.Struct("<Q")
-HEADER_BYTES, FOOTER_BYTES = LENGTH.size + 4, 4
-
-
-def first_record(file_url: str) -> bytes | None:
-    """The first record of a TFRecord file, local or remote (a few bytes read, nothing copied)."""
-    fs, path = filesystem(file_url)
-    size = fs.size(path)
-    if size == 0:
-        return None
-    with fs.open(path, "rb") as f:
-        header = f.read(HEADER_BYTES)
-        length = LENGTH.unpack(header[:LENGTH.size])[0] if len(header) == HEADER_BYTES else size
-        if HEADER_BYTES + length + FOOTER_BYTES > size:
-            raise UserError(f"truncated TFRecord file: {file_url} (first record cut short)")
-        return f.read(length)
-
-
-def count_records(path: str) -> int:
-    """Number of records in a local TFRecord file, read from the length headers only.
-
-    Seeking over each record's data makes counting a 140 GB ImageNet cost
-    seconds, not a full read.
-    """
-    count, cut = readable_records(path)
-    if cut is not None:
-        raise UserError(f"truncated TFRecord file: {path} (record {count} {cut})")
-    return count
-
-
-def readable_records(path: str) -> tuple[int, str | None]:
-    """(complete records at the start of a local TFRecord file, how the next one is cut short or None).
-
-    Only the framing is read, one 8-byte length per record at its offset (not
-    the payload's CRC): cheap enough to run on every shard whenever a split is
-    listed. Read-ahead is turned off, so a cold cache reads one page per
-    record, not the images between the headers.
-    """
-    count, offset = 0, 0
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        while offset < size:
-            header = os.pread(fd, LENGTH.size, offset)
-            if len(header) < LENGTH.size:
-                return count, "header cut short"
-            offset += HEADER_BYTES + LENGTH.unpack(header)[0] + FOOTER_BYTES
-            if offset > size:
-                return count, "runs past the end"
-            count += 1
-    finally:
-        os.close(fd)
-    return count, None

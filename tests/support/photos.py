@@ -15,7 +15,7 @@ Class k is cut from photo k, so a model can really learn the task. The synset
 ids are ImageNet's first ones in sorted order, so TFDS `imagenet2012` gives
 them the same labels.
 
-Run directly: `python -m pipelines.photos --out DIR --layout ilsvrc`.
+Run directly: `PYTHONPATH=tests python -m support.photos --out DIR --layout ilsvrc`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Test (and benchmark) support: realistic image trees, a local GCS server."""
