@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import keras
 
-from tfdp.models import register
+from tfdp.models.registry import register
 
 
 def _app(constructor, **extra):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from tfdp.models import register
+from tfdp.models.registry import register
 
 
 @register("simple_cnn", min_size=8)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from tfdp.models import register
+from tfdp.models.registry import register
 
 
 def fire(x, squeeze: int, expand: int, name: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from tfdp.models import register
+from tfdp.models.registry import register
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
