@@ -114,3 +114,36 @@ def test_flip_runs_on_the_device_per_image_and_only_in_training():
     assert np.array_equal(np.asarray(flip(images, training=False)), images)
     no_flip = validate({"model": {"name": "simple_cnn"}, "data": {"image_size": 16, "hflip": False}})
     assert "hflip" not in [layer.name for layer in build_model(no_flip.model, no_flip.data).layers]
+
+
+def _dropout_rates(model):
+    import keras
+    backbone = model.layers[-2]  # build_model's wrapper: ..., backbone, logits_float32
+    return {layer.name: layer.rate for layer in backbone.layers if isinstance(layer, keras.layers.Dropout)
+            and not layer.name.endswith("_drop")}  # EfficientNet's per-block stochastic depth is not the head's
+
+
+@pytest.mark.parametrize("name, layers", [("vgg11", ("dropout1", "dropout2")), ("squeezenet1_1", ("dropout",))])
+def test_vgg_and_squeezenet_dropout_defaults_to_half_and_a_configured_zero_removes_it(name, layers):
+    import keras
+    rates = {}
+    for dropout in (None, 0.0, 0.3):
+        cfg = validate({"model": {"name": name, "dropout": dropout}, "data": {"image_size": 32}})
+        rates[dropout] = _dropout_rates(build_model(cfg.model, cfg.data))
+        keras.backend.clear_session()
+    assert rates == {None: dict.fromkeys(layers, 0.5), 0.0: {}, 0.3: dict.fromkeys(layers, 0.3)}
+
+
+@pytest.mark.parametrize("name, layer, default", [("mobilenet_v2", "top_dropout", None),  # none upstream: inserted
+                                                  ("efficientnetv2_b0", "top_dropout", 0.2),  # rate set afterwards
+                                                  ("mobilenet_v3_large", "dropout", 0.2)])  # `dropout_rate`
+def test_keras_applications_models_honour_the_configured_dropout(name, layer, default):
+    import keras
+    rates = {}
+    for dropout in (None, 0.3):
+        cfg = validate({"model": {"name": name, "num_classes": 5, "dropout": dropout}, "data": {"image_size": 32}})
+        model = build_model(cfg.model, cfg.data)
+        rates[dropout] = _dropout_rates(model)
+        assert model.output_shape == (None, 5)
+        keras.backend.clear_session()
+    assert rates == {None: {layer: default} if default else {}, 0.3: {layer: 0.3}}

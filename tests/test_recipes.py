@@ -1,6 +1,7 @@
 """ImageNet recipes, weight-decay exclusion, mixed precision."""
 
 import dataclasses
+import glob
 import os
 
 import keras
@@ -8,6 +9,8 @@ import pytest
 
 from conftest import REPO, last_line, read_jsonl, run_tfdp
 from tfdp.config import load_config, validate
+from tfdp.models import build_model
+from tfdp.schedules import build_schedule
 from tfdp.task import Plan, compile_model
 
 
@@ -15,20 +18,32 @@ def recipe(name):
     return load_config(os.path.join(REPO, "configs", name))
 
 
-def test_resnet50_recipe_numbers():
-    cfg = recipe("resnet50_imagenet.yaml")
-    assert (cfg.model.name, cfg.model.num_classes, cfg.data.image_size) == ("resnet50", 1000, 224)
-    assert (cfg.train.epochs, cfg.train.label_smoothing) == (90, 0.1)
-    o, s = cfg.optimizer, cfg.schedule
-    assert (o.lr, o.momentum, o.nesterov, o.weight_decay, o.decay_norm_and_bias) == (0.1, 0.9, True, 1e-4, False)
-    assert (s.name, s.warmup_epochs) == ("cosine", 5)
+RECIPES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 
-@pytest.mark.parametrize("name, model", [("resnet18_imagenet.yaml", "resnet18"), ("vgg16_imagenet.yaml", "vgg16"),
-                                         ("efficientnetv2_s_imagenet.yaml", "efficientnetv2_s"),
-                                         ("mobilenet_v2_imagenet.yaml", "mobilenet_v2")])
-def test_other_recipes_name_their_model(name, model):
-    assert recipe(name).model.name == model and recipe(name).model.num_classes == 1000
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_builds_its_model_and_scales_its_learning_rate(name):
+    """Each recipe validates, builds its model for its classes and input size, and its schedule
+    reaches lr x global_batch / 256 at the end of warmup (at 1 and 8 replicas), lower by the end."""
+    cfg = recipe(name)  # load_config validates
+    model = build_model(cfg.model, cfg.data)
+    size = cfg.data.image_size
+    assert model.input_shape == (None, size, size, 3)
+    assert model.output_shape == (None, cfg.model.num_classes)
+    keras.backend.clear_session()
+    for replicas in (1, 8):
+        global_batch = cfg.train.batch_size_per_replica * replicas
+        steps_per_epoch = 1000
+        schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, global_batch, steps_per_epoch, cfg.train.epochs)
+        warmup_steps = round(cfg.schedule.warmup_epochs * steps_per_epoch)
+        peak = cfg.optimizer.lr * global_batch / 256
+        lr = lambda step: float(schedule(step))  # noqa: E731
+        assert lr(warmup_steps) == pytest.approx(peak, rel=1e-6)
+        if warmup_steps:
+            assert lr(warmup_steps - 1) == pytest.approx(peak, rel=1e-6)
+            assert lr(0) < peak / 2
+        if cfg.schedule.name != "constant":
+            assert lr(cfg.train.epochs * steps_per_epoch - 1) < peak / 2
 
 
 def test_weight_decay_skips_batch_norm_and_biases():

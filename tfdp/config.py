@@ -69,7 +69,9 @@ class ModelConfig:
     __pydantic_config__ = _FORBID
     name: Str = "resnet18_small"
     num_classes: PosInt = 10
-    dropout: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
+    # Dropout rate before the classifier; None: the model's own default (0.5 for VGG and SqueezeNet as
+    # their papers, 0.2 for EfficientNetV2 and MobileNetV3 as keras.applications, else 0); 0: none.
+    dropout: Annotated[float, Strict(), Field(ge=0, lt=1)] | None = None
     # Batch-norm statistics over the global batch (all replicas) instead of each replica's share, as
     # Model Garden's use_sync_bn and PyTorch's SyncBatchNorm: for small per-replica batches.
     sync_bn: Bool = False

@@ -1,101 +1,11 @@
-"""Model registry: architecture name → builder.
+"""The model zoo: importing the model files fills the registry (`tfdp.models.registry`).
 
-A builder takes `(input_shape, num_classes, dropout)` and returns a Keras model
-mapping float images (already normalised) to logits. `build_model` wraps it
-with the uint8 input, the on-device flip (training only) and normalisation
-every model shares.
+Re-exports the public names, so `from tfdp.models import build_model` etc. work.
 """
 
-from __future__ import annotations
+from tfdp.models import keras_apps, resnet, simple, squeezenet, vgg  # noqa: F401
+from tfdp.models.build import Standardize, build_model, synchronize_batch_norm
+from tfdp.models.registry import DEFAULT_DROPOUT, MIN_INPUT_SIZE, MODELS, check_model_name, register
 
-from typing import Callable
-
-import keras
-
-from tfdp.config import DataConfig, ModelConfig
-from tfdp.errors import UserError
-
-Builder = Callable[..., keras.Model]
-MODELS: dict[str, Builder] = {}
-MIN_INPUT_SIZE: dict[str, int] = {}
-
-
-def register(name: str, min_size: int = 32) -> Callable[[Builder], Builder]:
-    """Adds a builder under `name`; `min_size` is the smallest input side it can take."""
-    def add(fn: Builder) -> Builder:
-        if name in MODELS:
-            raise ValueError(f"model '{name}' registered twice")
-        MODELS[name] = fn
-        MIN_INPUT_SIZE[name] = min_size
-        return fn
-    return add
-
-
-def check_model_name(name: str) -> None:
-    if name not in MODELS:
-        raise UserError(f"unknown model '{name}' (valid: {', '.join(sorted(MODELS))})")
-
-
-@keras.saving.register_keras_serializable(package="tfdp")
-class Standardize(keras.layers.Layer):
-    """(x - mean) / std on the device, so the input pipeline can ship uint8."""
-
-    def __init__(self, mean, std, **kwargs):
-        super().__init__(**kwargs)
-        self.mean = tuple(float(m) for m in mean)
-        self.std = tuple(float(s) for s in std)
-
-    def call(self, inputs):
-        x = keras.ops.cast(inputs, self.compute_dtype)
-        mean = keras.ops.convert_to_tensor(self.mean, self.compute_dtype)
-        inv_std = keras.ops.convert_to_tensor([1.0 / s for s in self.std], self.compute_dtype)
-        return (x - mean) * inv_std
-
-    def get_config(self):
-        return {**super().get_config(), "mean": self.mean, "std": self.std}
-
-
-def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
-    """uint8 images → [random flip] → Standardize → backbone → logits (float32 whatever the precision policy).
-
-    The training flip is a layer, not an input-pipeline step, so it runs on
-    the accelerator: on the host it cost 4% of the pipeline's throughput
-    (measured). It is active only in training and draws per image.
-    """
-    check_model_name(model_cfg.name)
-    if data_cfg.image_size < MIN_INPUT_SIZE[model_cfg.name]:
-        raise UserError(f"model '{model_cfg.name}' needs data.image_size of at least "
-                        f"{MIN_INPUT_SIZE[model_cfg.name]}, got {data_cfg.image_size}")
-    shape = (data_cfg.image_size, data_cfg.image_size, 3)
-    backbone = MODELS[model_cfg.name](input_shape=shape, num_classes=model_cfg.num_classes, dropout=model_cfg.dropout)
-    inputs = keras.Input(shape, dtype="uint8", name="image")
-    x = keras.layers.RandomFlip("horizontal", name="hflip")(inputs) if data_cfg.hflip else inputs
-    if model_cfg.sync_bn:
-        synchronize_batch_norm(backbone)
-    logits = backbone(Standardize(data_cfg.mean, data_cfg.std, name="standardize")(x))
-    logits = keras.layers.Activation("linear", dtype="float32", name="logits_float32")(logits)
-    return keras.Model(inputs, logits, name=model_cfg.name)
-
-
-def synchronize_batch_norm(model: keras.Model) -> int:
-    """Makes every BatchNormalization layer compute its statistics over the global batch.
-
-    Keras 3's `synchronized=True` all-reduces the per-replica sums of x and x^2
-    and their counts (exact global mean and variance, and gradients through
-    the all-reduce); it is read at call time, so switching it on after
-    construction works for every registry model. Returns how many layers.
-    """
-    layers = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
-    for layer in layers:
-        layer.synchronized = True
-    return len(layers)
-
-
-def _all_layers(layer):
-    for child in getattr(layer, "layers", ()):
-        yield child
-        yield from _all_layers(child)
-
-
-# Importing the model files fills the registry.
-from tfdp.models import keras_apps, resnet, resnet_small, simple, squeezenet, vgg  # noqa: E402,F401
+__all__ = ["DEFAULT_DROPOUT", "MIN_INPUT_SIZE", "MODELS", "Standardize", "build_model", "check_model_name",
+           "register", "synchronize_batch_norm"]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from tfdp.models import register
+from tfdp.models.registry import register
 
 
 @register("simple_cnn", min_size=8)
-def simple_cnn(input_shape, num_classes: int, dropout: float = 0.0) -> keras.Model:
+def simple_cnn(input_shape, num_classes: int, dropout: float) -> keras.Model:
     inputs = keras.Input(input_shape)
     x = inputs
     for i, filters in enumerate((32, 64)):

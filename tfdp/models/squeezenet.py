@@ -1,7 +1,8 @@
 """SqueezeNet 1.1 (Iandola et al. 2016), following torchvision: 1,235,496 parameters at 1,000 classes.
 
 Fire modules (1x1 squeeze, then 1x1 and 3x3 expand, concatenated); the
-classifier is a 1x1 convolution to the classes, ReLU and global average pool.
+classifier (after dropout, 0.5 by default) is a 1x1 convolution to the classes,
+ReLU and global average pool.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from tfdp.models import register
+from tfdp.models.registry import register
 
 
 def fire(x, squeeze: int, expand: int, name: str):
@@ -19,8 +20,8 @@ def fire(x, squeeze: int, expand: int, name: str):
     return layers.Concatenate(name=f"{name}_concat")([e1, e3])
 
 
-@register("squeezenet1_1")
-def squeezenet1_1(input_shape, num_classes: int, dropout: float = 0.0) -> keras.Model:
+@register("squeezenet1_1", dropout=0.5)
+def squeezenet1_1(input_shape, num_classes: int, dropout: float) -> keras.Model:
     inputs = keras.Input(input_shape)
     x = layers.Conv2D(64, 3, strides=2, activation="relu", name="conv1")(inputs)
     x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool1")(x)
@@ -32,7 +33,8 @@ def squeezenet1_1(input_shape, num_classes: int, dropout: float = 0.0) -> keras.
     x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool5")(x)
     for i, (s, e) in enumerate(((48, 192), (48, 192), (64, 256), (64, 256)), start=6):
         x = fire(x, s, e, f"fire{i}")
-    x = layers.Dropout(dropout or 0.5, name="dropout")(x)
+    if dropout:
+        x = layers.Dropout(dropout, name="dropout")(x)
     x = layers.Conv2D(num_classes, 1, activation="relu", name="classifier")(x)
     logits = layers.GlobalAveragePooling2D(name="pool")(x)
     return keras.Model(inputs, logits, name="squeezenet1_1_backbone")

@@ -1,7 +1,7 @@
 """VGG-11/13/16/19, with and without batch norm, following torchvision.
 
 torchvision ends the convolutional part with an adaptive average pool to 7x7,
-so the classifier (4096-4096-classes, dropout 0.5) has the same size whatever
+so the classifier (4096-4096-classes, dropout 0.5 by default) has the same size whatever
 the input; `AdaptiveAveragePool2D` reproduces it (same bins as PyTorch). Parameter counts equal
 torchvision's (VGG-16 138,357,544; VGG-16-BN 138,365,992 at 1,000 classes).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from tfdp.models import register
+from tfdp.models.registry import register
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -65,16 +65,17 @@ def vgg(input_shape, num_classes: int, dropout: float, plan, batch_norm: bool, n
     x = layers.Flatten(name="flatten")(x)
     for j in (1, 2):
         x = layers.Dense(4096, activation="relu", name=f"fc{j}")(x)
-        x = layers.Dropout(dropout or 0.5, name=f"dropout{j}")(x)
+        if dropout:
+            x = layers.Dropout(dropout, name=f"dropout{j}")(x)
     return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name=name)
 
 
 def _add(name: str, batch_norm: bool) -> None:
     key = name + ("_bn" if batch_norm else "")
 
-    def build(input_shape, num_classes: int, dropout: float = 0.0) -> keras.Model:
+    def build(input_shape, num_classes: int, dropout: float) -> keras.Model:
         return vgg(input_shape, num_classes, dropout, PLANS[name], batch_norm, f"{key}_backbone")
-    register(key)(build)
+    register(key, dropout=0.5)(build)
 
 
 for _name in PLANS:

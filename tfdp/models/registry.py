@@ -1,0 +1,45 @@
+"""Model registry: architecture name → builder, and each model's defaults as data.
+
+A builder takes `(input_shape, num_classes, dropout)` and returns a Keras model
+mapping float images (already normalised) to logits. Model files register
+theirs with `register`; this module imports none of them (importing
+`tfdp.models` does, which fills the registry).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import keras
+
+from tfdp.errors import UserError
+
+Builder = Callable[..., keras.Model]
+# name → builder; its `dropout` argument may be left out or None for the model's default.
+MODELS: dict[str, Builder] = {}
+# name → the smallest input side the model can take.
+MIN_INPUT_SIZE: dict[str, int] = {}
+# name → the dropout rate before the classifier when `model.dropout` is not set.
+DEFAULT_DROPOUT: dict[str, float] = {}
+
+
+def register(name: str, min_size: int = 32, dropout: float = 0.0) -> Callable[[Builder], Builder]:
+    """Adds a builder under `name`, with its smallest input side and its default dropout."""
+    def add(fn: Builder) -> Builder:
+        if name in MODELS:
+            raise ValueError(f"model '{name}' registered twice")
+
+        @functools.wraps(fn)
+        def build(input_shape, num_classes: int, dropout: float | None = None) -> keras.Model:
+            return fn(input_shape, num_classes, DEFAULT_DROPOUT[name] if dropout is None else dropout)
+        MODELS[name] = build
+        MIN_INPUT_SIZE[name] = min_size
+        DEFAULT_DROPOUT[name] = dropout
+        return fn
+    return add
+
+
+def check_model_name(name: str) -> None:
+    if name not in MODELS:
+        raise UserError(f"unknown model '{name}' (valid: {', '.join(sorted(MODELS))})")
