@@ -41,8 +41,7 @@ def test_apply_is_idempotent_and_installs_both():
 def test_mirrored_evaluate_when_replicas_get_unequal_first_batches():
     """40 examples, global batch 64: replica 0 gets 32, replica 1 gets 8. Upstream Keras fails here."""
     import keras
-    compat.apply()
-    strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
+    strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy  # installs the fixes
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])

@@ -62,12 +62,10 @@ def test_weight_decay_skips_batch_norm_and_biases():
 def test_mixed_float16_gets_dynamic_loss_scaling():
     cfg = validate({"model": {"name": "simple_cnn"}, "data": {"image_size": 16},
                     "train": {"precision": "mixed_float16"}})
-    try:
-        model = compile_model(cfg, Plan(64, 10, 640, 0, 10))
-        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-        assert model.get_layer("simple_cnn_backbone").get_layer("conv1").compute_dtype == "float16"
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    model = compile_model(cfg, Plan(64, 10, 640, 0, 10))
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.get_layer("simple_cnn_backbone").get_layer("conv1").compute_dtype == "float16"
+    assert keras.mixed_precision.global_policy().name == "float32"  # the run's precision does not leak out
 
 
 def test_unknown_precision_is_a_config_error():

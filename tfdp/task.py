@@ -15,7 +15,6 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from tfdp import compat
 from tfdp.config import Config
 from tfdp.data import Source
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, train_dataset
@@ -87,14 +86,26 @@ def evaluation_model(cfg: Config) -> keras.Model:
 
 def serving_model(cfg: Config) -> keras.Model:
     """The bare model, for export: no optimizer, no metrics."""
+    return model_in_precision(cfg)
+
+
+def model_in_precision(cfg: Config) -> keras.Model:
+    """`build_model` under `train.precision`, leaving Keras' global dtype policy as it was.
+
+    The layers keep the policy they were built with (and `compile` reads the
+    model's own policy for loss scaling), so nothing built later in the same
+    process, a test or a notebook, inherits a run's precision by accident.
+    """
+    previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(cfg.train.precision)
-    return build_model(cfg.model, cfg.data)
+    try:
+        return build_model(cfg.model, cfg.data)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
 
 
 def _compiled(cfg: Config, optimizer) -> keras.Model:
-    compat.apply()  # every fit/evaluate goes through a model compiled here
-    keras.mixed_precision.set_global_policy(cfg.train.precision)
-    model = build_model(cfg.model, cfg.data)
+    model = model_in_precision(cfg)
     metrics = [keras.metrics.SparseCategoricalAccuracy(name="top1")]
     if cfg.model.num_classes > 5:
         metrics.append(keras.metrics.SparseTopKCategoricalAccuracy(k=5, name="top5"))
