@@ -105,6 +105,20 @@ def test_verdict_follows_from_real_and_synthetic_training(real, synthetic, alone
         assert f"{real / synthetic:.2f}x" in reason
 
 
+def test_scaling_rows_from_recorded_probes():
+    """Two replicas at 150 images/s against one at 100: 75 per replica, efficiency 0.75."""
+    from tfdp.benchmark import analyse
+    from tfdp.config import validate
+    probes = [{"replicas": 1, "global_batch": 32, "synthetic_images_per_sec": 100.0, "real_data_images_per_sec": 99.0},
+              {"replicas": 2, "global_batch": 64, "synthetic_images_per_sec": 150.0, "real_data_images_per_sec": 90.0}]
+    result = analyse(validate({}), probes, input_rate=400.0)
+    one, two = result["rows"]
+    assert (one["scaling_efficiency"], one["per_replica_images_per_sec"]) == (1.0, 100.0)
+    assert (two["scaling_efficiency"], two["per_replica_images_per_sec"]) == (0.75, 75.0)
+    assert result["verdict"] == "input-bound"  # 90 real vs 150 synthetic at 2 replicas, though 400 alone
+    assert "not beside training" in result["verdict_reason"]
+
+
 @pytest.mark.slow
 def test_benchmark_measures_one_and_two_replicas(tmp_path, digits_dir):
     out = tmp_path / "bench"
@@ -117,10 +131,7 @@ def test_benchmark_measures_one_and_two_replicas(tmp_path, digits_dir):
     assert [r["replicas"] for r in data["rows"]] == [1, 2]
     assert [r["global_batch"] for r in data["rows"]] == [32, 64]
     one, two = data["rows"]
-    assert one["scaling_efficiency"] == pytest.approx(1.0)
-    assert two["per_replica_images_per_sec"] == pytest.approx(two["synthetic_images_per_sec"] / 2)
-    assert two["scaling_efficiency"] == pytest.approx(two["synthetic_images_per_sec"] / (2 * one["synthetic_images_per_sec"]))
-    assert all(r["real_data_images_per_sec"] > 0 for r in data["rows"])
+    assert all(r["synthetic_images_per_sec"] > 0 and r["real_data_images_per_sec"] > 0 for r in data["rows"])
     assert data["verdict"] == verdict(two["real_data_images_per_sec"], two["synthetic_images_per_sec"],
                                       data["input_pipeline_images_per_sec"])[0]
     assert Image.open(out / "scaling.png").size[0] > 100
