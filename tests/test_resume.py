@@ -139,3 +139,25 @@ def test_resuming_with_a_model_that_does_not_fit_is_one_line_alone(tmp_path, sma
     assert len(err) == 1, err  # no Keras warnings around it
     assert err[0].startswith(f"tfdp: error: checkpoint {tmp_path}/run/checkpoints/epoch-0001/model.weights.h5 "
                              "does not fit model 'resnet18_small'"), err
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_host_saves_where_it_is_and_loses_no_step(tmp_path, small_dir):
+    args = demo_args(small_dir, tmp_path / "run", epochs=2, every=0)
+    proc = subprocess.Popen([sys.executable, "-m", "tfdp", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (tmp_path / "run" / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.0)  # into epoch 2
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-2000:]
+    line = last_line(err)
+    assert line.startswith("tfdp: preempted: saved at step ") and "exit 75" in line and "Traceback" not in err
+    step = int(re.search(r"saved at step (\d+)", line).group(1))
+    assert 5 < step < 10 and (tmp_path / "run" / "checkpoints" / f"step-{step:09d}").exists()
+    again = run_tfdp(*args, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resuming at epoch 2 of 2, step {step - 5 + 1} of 5" in again.stdout
+    assert [r["epoch"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]

@@ -125,7 +125,7 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
     corrupt = CorruptCounter()
     stream = TrainStream(cfg, source, runtime, plan, corrupt)
     average = state_averager(model)
-    watch = PreemptionWatch(runtime.strategy)
+    watch = PreemptionWatch(runtime.strategy, runtime.num_workers)
     snapshot = ReplicaSnapshot(model)
     own = state.get("replica_state") if state else None
     if own is not None and own.shape == (runtime.num_replicas, snapshot.width):
