@@ -82,7 +82,7 @@ def full_decode(files: list[str], batch: int):
 
 def crop_and_resize_alone(files: list[str], size: int, batch: int):
     from tfdp.config import DataConfig
-    from tfdp.data.pipeline import random_crop
+    from tfdp.data.preprocess import random_crop
     cfg = DataConfig(image_size=size)
     return per_file(files, lambda data: random_crop(data, cfg), batch)
 

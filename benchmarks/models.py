@@ -28,7 +28,7 @@ def measure(name: str, precision: str, jit: bool, args) -> float:
     cfg = validate({"model": {"name": name, "num_classes": 1000}, "data": {"image_size": 224},
                     "train": {"precision": precision, "jit_compile": jit, "batch_size_per_replica": args.batch}})
     model = compile_model(cfg, Plan(args.batch, args.warmup + args.steps, 0, 0, 1000))
-    rate = fit_rate(model, synthetic_dataset(cfg.data, 1000, args.batch), args.batch, args.steps, args.warmup)
+    rate, _ = fit_rate(model, synthetic_dataset(cfg.data, 1000, args.batch), args.batch, args.steps, args.warmup)
     keras.mixed_precision.set_global_policy("float32")
     return rate
 

@@ -1,4 +1,4 @@
-"""The Keras multi-worker workaround: still needed, and harmless elsewhere."""
+"""The Keras patches (tfdp/keras_patches): still needed, still resting on what they rely on, harmless elsewhere."""
 
 import inspect
 
@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp import compat
+from tfdp.keras_patches import RELIED_ON, MODEL_ATTRIBUTES, fit_fixes as compat
 from tfdp.config import DistributeConfig
 from tfdp.strategy import make_runtime
 
 
 def test_upstream_still_has_the_bugs_the_workaround_patches():
     """Fails when a Keras upgrade changes the patched code: then re-check keras-team/keras#20585
-    and delete tfdp/compat.py if upstream fixed it."""
+    and delete tfdp/keras_patches/fit_fixes.py if upstream fixed it."""
     reduce_src = inspect.getsource(compat._upstream_reduce_per_replica)
     build_src = inspect.getsource(compat._upstream_maybe_symbolic_build)
     assert 'strategy.reduce("MEAN", v, axis=0)' in reduce_src
@@ -54,21 +54,51 @@ def test_mirrored_evaluate_when_replicas_get_unequal_first_batches():
     assert result["accuracy"] == pytest.approx(expected)
 
 
-def test_keras_internals_the_replaced_steps_rely_on_are_still_there():
-    """tfdp/eval_step.py and tfdp/xla.py replace Keras' test and train steps with versions that call the
-    same private pieces; fails when a Keras upgrade moves them, so both are re-checked then."""
+def _resolve(dotted: str):
+    import importlib
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+@pytest.mark.parametrize("patch", sorted(RELIED_ON))
+def test_every_keras_internal_a_patch_relies_on_is_still_there(patch):
+    """Fails, naming the patch, when a Keras (or TensorFlow) upgrade moves what it uses."""
+    for name in RELIED_ON[patch]:
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError):
+            pytest.fail(f"tfdp/keras_patches/{patch}.py relies on {name}, which is gone: re-check the patch")
+
+
+def test_the_reasons_for_the_replaced_steps_still_hold():
+    """Each replaced step exists because of something upstream does; when that changes, re-check the step."""
+    import keras
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    from keras.src.losses import loss as loss_module
-    from keras.src.trainers import trainer as base_trainer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from tfdp.keras_patches.train_step import _NEUTRAL
     test_src = inspect.getsource(TensorFlowTrainer.test_step)
     train_src = inspect.getsource(TensorFlowTrainer.train_step)
-    for src in (test_src, train_src):
+    for src in (test_src, train_src):  # the steps call the same private pieces as Keras' own
         assert "self._compute_loss(" in src and "self._loss_tracker.update_state(" in src
         assert "loss_module.unscale_loss_for_distribution(loss)" in src
-    # Keras' own test step still weights the loss by the batch size, padding included: the reason
-    # tfdp/eval_step.py exists. When this fails, check whether upstream now weights by sample_weight.
+    # eval_step.py: Keras' own test step still weights the loss by the batch size, padding included.
     assert "sample_weight=tf.shape(" in test_src
-    assert callable(loss_module.unscale_loss_for_distribution)
-    assert hasattr(base_trainer.Trainer, "_compute_loss")
-    import keras
-    assert hasattr(keras.Model, "stateless_call")  # tfdp/xla.py's forward pass
+    # train_step.py: the TensorFlow optimizer still refuses stateless updates and still overrides, to call
+    # tf.distribute, only methods whose backend-neutral versions exist.
+    with pytest.raises(ValueError, match="not supported with the TensorFlow backend"):
+        TFOptimizer.stateless_apply(keras.optimizers.SGD(), [], [], [])
+    assert all(name in vars(TFOptimizer) for name in _NEUTRAL)
+    assert all(name in vars(BaseOptimizer) for name in _NEUTRAL)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    for name in MODEL_ATTRIBUTES:
+        assert hasattr(model, name), name

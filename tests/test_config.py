@@ -82,7 +82,7 @@ def test_every_shipped_config_is_valid():
 
 
 def test_jit_compile_auto_is_on_for_accelerators_and_off_on_cpu():
-    from tfdp.xla import use_xla
+    from tfdp.keras_patches.train_step import use_xla
     validate = config_lib.validate
     assert validate({}).train.jit_compile == "auto"
     assert use_xla("auto", ["/job:localhost/replica:0/task:0/device:GPU:0"])[0] is True

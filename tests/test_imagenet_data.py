@@ -17,8 +17,8 @@ from pipelines.convert_imagenet import Item, Prepared, convert, image_example
 from support.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
 from tfdp.data import build_source
-from tfdp.data.pipeline import (CorruptCounter, StreamPosition, data_errors, eval_dataset, pipeline_share, random_crop,
-                                train_dataset)
+from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors, eval_dataset, pipeline_share, train_dataset
+from tfdp.data.preprocess import random_crop
 from tfdp.data.storage import localize
 from tfdp.errors import UserError
 
@@ -345,6 +345,21 @@ def test_synthetic_format_needs_no_files():
     assert images.shape == (8, 16, 16, 3) and images.dtype == tf.uint8 and int(tf.reduce_max(labels)) < 10
     batches = list(eval_dataset(source.split("val"), cfg, 8, num_classes=10))
     assert sum(float(tf.reduce_sum(w)) for _, _, w in batches) == source.split("val").num_examples
+
+
+def test_synthetic_data_flows_through_the_same_sharding_and_resumable_stream():
+    """Synthetic data is a source like any other: whole parts per pipeline, stream positions recorded,
+    and a stream resumed at a position continues the uninterrupted one."""
+    cfg = DataConfig(format="synthetic", synthetic_examples=100, image_size=8)
+    train = build_source(cfg).split("train")
+    sizes = [pipeline_share(train, tf.distribute.InputContext(2, i, 2))[0].num_examples for i in (0, 1)]
+    assert sizes == [50, 50] and not any(pipeline_share(train, tf.distribute.InputContext(2, i, 2))[1] for i in (0, 1))
+    position = StreamPosition()
+    whole = list(train_dataset(train, cfg, 8, seed=0, num_classes=10, position=position).take(5))
+    assert position.after(3) == (24, 0)
+    resumed = list(train_dataset(train, cfg, 8, seed=0, num_classes=10, start=(24, 0)).take(2))
+    for (a, la), (b, lb) in zip(whole[3:], resumed):
+        assert np.array_equal(a, b) and np.array_equal(la, lb)
 
 
 # --- conversion ------------------------------------------------------------

@@ -76,25 +76,34 @@ def test_two_replicas_equal_one_replica_on_the_same_global_batch(two_and_one):
 
 
 @pytest.mark.slow
-def test_xla_per_replica_step_trains_like_the_plain_step_with_batch_norm(digits_dir):
-    """2 replicas, ResNet with batch norm: XLA-compiled forward/backward gives the same weights and statistics."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_whole_step_xla_trains_like_the_plain_keras_step_with_batch_norm(digits_dir, replicas):
+    """ResNet with batch norm: tfdp's compiled step (forward, backward and the momentum update in XLA; on 2
+    replicas with the gradient all-reduce between) gives the weights, batch-norm statistics and optimizer
+    state of Keras' own op-by-op step."""
     # A moderate learning rate: at 0.4 a deep net amplifies XLA's different rounding within 6 steps.
-    _, plain, initial = train_steps(digits_dir, 2, model="resnet18_small", lr=0.05)
-    _, xla, initial_xla = train_steps(digits_dir, 2, model="resnet18_small", jit_compile=True, lr=0.05)
-    assert xla.xla_forward_backward.experimental_get_tracing_count() >= 1  # the jit-compiled function really ran
+    _, plain, initial = train_steps(digits_dir, replicas, model="resnet18_small", lr=0.05)
+    _, xla, initial_xla = train_steps(digits_dir, replicas, model="resnet18_small", jit_compile=True, lr=0.05)
+    forward_backward, whole_step, update = xla.tfdp_step_functions
+    ran = [f.experimental_get_tracing_count() > 0 for f in (forward_backward, whole_step, update)]
+    assert ran == ([False, True, False] if replicas == 1 else [True, False, True])  # one program, or two
     for a, b in zip(initial, initial_xla):
         np.testing.assert_array_equal(a, b)
     moved = {}
     for a, b, init in zip(plain.weights, xla.weights, initial):
         # Replica by replica: Keras 3 keeps batch-norm statistics per replica (aggregation NONE),
         # so they may differ between replicas, but must match the plain step's on the same replica.
-        for copy_a, copy_b in zip(a.value.values, b.value.values):
-            np.testing.assert_allclose(copy_b.numpy(), copy_a.numpy(), rtol=1e-2, atol=5e-3, err_msg=a.path)
+        for copy_a, copy_b in zip(replica_copies(a), replica_copies(b)):
+            np.testing.assert_allclose(copy_b, copy_a, rtol=1e-2, atol=5e-3, err_msg=a.path)
         if b.trainable:
-            for copy in b.value.values:
-                np.testing.assert_array_equal(copy.numpy(), b.numpy(), err_msg=b.path)
+            for copy in replica_copies(b):
+                np.testing.assert_array_equal(copy, b.numpy(), err_msg=b.path)  # replicas stay identical
         moved[a.path] = float(np.abs(b.numpy() - init).max())
     assert any("moving_mean" in p and m > 1e-3 for p, m in moved.items())  # batch-norm statistics were updated
+    assert max(m for p, m in moved.items() if "kernel" in p) > 1e-3       # and the weights trained
+    assert int(xla.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == STEPS
+    for a, b in zip(plain.optimizer.variables, xla.optimizer.variables):  # momentum included
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-2, atol=5e-3, err_msg=a.path)
 
 
 def test_checkpoint_round_trip_restores_weights_and_optimizer_state(two_and_one, tmp_path, digits_dir):

@@ -53,13 +53,16 @@ def layer_weights(path):
 
 
 def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
+    """2 workers with the whole step compiled by XLA (the update too) against Keras' own op-by-op step on
+    2 replicas of one process: the same weights to float tolerance, and identical on both workers."""
     launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
                         f"--model_dir={tmp_path}/mw", "--batch_size_per_replica=32", *deterministic(tiny_dir),
-                        timeout=600)
+                        "--set=train.jit_compile=true", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
     prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", launched.stdout))
     assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
     assert "on 2 replica(s), global batch 64" in launched.stdout
+    assert "xla: on (train.jit_compile: true)" in launched.stdout
     for i in (0, 1):
         assert "tfdp: done: 4 epochs" in (tmp_path / "logs" / f"worker-{i}.log").read_text()
 
@@ -70,7 +73,7 @@ def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
     reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
     assert ours.keys() == reference.keys() and len(ours) >= 8
     for name in ours:
-        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-3, atol=1e-4, err_msg=name)
     # Only the chief wrote into model_dir; the other worker's temporary output is gone.
     assert [r["epoch"] for r in read_jsonl(tmp_path / "mw" / "metrics.jsonl")] == [1, 2, 3, 4]
     assert not [p for p in os.listdir("/tmp") if p.startswith("tfdp-worker1-")]

@@ -119,6 +119,17 @@ def test_scaling_rows_from_recorded_probes():
     assert "not beside training" in result["verdict_reason"]
 
 
+def test_probes_wait_for_two_windows_that_agree():
+    """Windows of 2 steps: a warming-up rate is not steady, two windows within 3% are."""
+    from tfdp.benchmark import steady
+    warming = [0.0, 1.0, 2.0, 2.5, 3.0]            # windows of 2.0 s then 1.0 s
+    assert not steady(warming, 2)
+    settled = warming + [3.5, 4.0]                  # then 1.0 s and 1.0 s
+    assert steady(settled, 2)
+    assert not steady(settled + [4.5, 5.2], 2)      # 1.0 s then 1.2 s: 17% apart
+    assert not steady([0.0, 1.0, 2.0], 2)           # one window is never steady
+
+
 @pytest.mark.slow
 def test_benchmark_measures_one_and_two_replicas(tmp_path, digits_dir):
     out = tmp_path / "bench"
@@ -127,7 +138,8 @@ def test_benchmark_measures_one_and_two_replicas(tmp_path, digits_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((out / "benchmark.json").read_text())
     assert set(data) >= {"model", "image_size", "batch_size_per_replica", "rows", "input_pipeline_images_per_sec",
-                         "verdict", "verdict_reason"}
+                         "input_beside_training_images_per_sec", "verdict", "verdict_reason"}
+    assert data["input_beside_training_images_per_sec"] > 0
     assert [r["replicas"] for r in data["rows"]] == [1, 2]
     assert [r["global_batch"] for r in data["rows"]] == [32, 64]
     one, two = data["rows"]

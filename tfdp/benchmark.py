@@ -2,12 +2,13 @@
 
 For 1..N replicas (GPUs, or logical CPU devices on a GPU-less host) each count
 runs in a fresh process (devices can be configured once per process) and
-measures, after warm-up steps:
+measures, in steady state (windows of `--steps` steps until two agree within
+3%, after `--warmup_steps`):
   - training images/s on synthetic data already on the device (compute only),
   - training images/s on the configured data (compute + input), unless the
     config's data is synthetic,
-  - and, once, the input pipeline alone: images/s of the training tf.data
-    pipeline with no model.
+  - and, once, the input pipeline's images/s alone and beside training (the
+    same process training on synthetic batches meanwhile).
 Scaling efficiency is rate(n) / (n x rate(1)) with a fixed per-replica batch.
 The verdict comes from what training achieved at the largest replica count:
 real-data training below 0.95x synthetic is input-bound, and the pipeline's
@@ -32,13 +33,14 @@ from tfdp.errors import UserError
 INPUT_BOUND_BELOW = 0.95  # real-data training slower than this fraction of synthetic: the input limits the run
 
 
-def verdict(real_rate: float | None, synthetic_rate: float, input_rate: float) -> tuple[str, str]:
+def verdict(real_rate: float | None, synthetic_rate: float, input_rate: float,
+            beside_rate: float | None = None) -> tuple[str, str]:
     """What limits training, from what training itself achieved on real and on synthetic data.
 
     The pipeline's rate alone does not decide it: a pipeline that keeps up
     alone can still starve the model when it shares the CPU with the training
-    step. Real-data training below 0.95x synthetic is input-bound; the rate
-    of the pipeline alone then names the likely cause.
+    step. Real-data training below 0.95x synthetic is input-bound; the
+    pipeline's rates alone and beside training then name the likely cause.
     """
     if real_rate is None:
         return "compute-bound", f"synthetic data only: the model trains at {synthetic_rate:.0f} images/s"
@@ -51,12 +53,13 @@ def verdict(real_rate: float | None, synthetic_rate: float, input_rate: float) -
         cause = (f"the input pipeline alone delivers {input_rate:.0f} images/s, less than the model takes: decoding "
                  f"is the limit (more CPU cores per accelerator, downscaled shards, or the tf.data service)")
     else:
-        cause = (f"the input pipeline alone delivers {input_rate:.0f} images/s, enough alone but not beside "
+        beside = f" ({beside_rate:.0f} beside training)" if beside_rate else ""
+        cause = (f"the input pipeline alone delivers {input_rate:.0f} images/s{beside}, enough alone but not beside "
                  f"training: decoding and the training step compete for the host's CPUs")
     return "input-bound", f"{rates}; {cause}"
 
 
-def analyse(cfg: Config, probes: list[dict], input_rate: float) -> dict:
+def analyse(cfg: Config, probes: list[dict], input_rate: float, beside_rate: float | None = None) -> dict:
     base = probes[0]["synthetic_images_per_sec"]
     rows = []
     for p in probes:
@@ -64,24 +67,26 @@ def analyse(cfg: Config, probes: list[dict], input_rate: float) -> dict:
         rows.append({**p, "per_replica_images_per_sec": p["synthetic_images_per_sec"] / n,
                      "scaling_efficiency": p["synthetic_images_per_sec"] / (n * base)})
     last = rows[-1]
-    name, reason = verdict(last.get("real_data_images_per_sec"), last["synthetic_images_per_sec"], input_rate)
+    name, reason = verdict(last.get("real_data_images_per_sec"), last["synthetic_images_per_sec"], input_rate,
+                           beside_rate)
     return {"model": cfg.model.name, "image_size": cfg.data.image_size, "data_format": cfg.data.format,
             "batch_size_per_replica": cfg.train.batch_size_per_replica, "rows": rows,
-            "input_pipeline_images_per_sec": input_rate, "verdict": name, "verdict_reason": reason}
+            "input_pipeline_images_per_sec": input_rate, "input_beside_training_images_per_sec": beside_rate,
+            "verdict": name, "verdict_reason": reason}
 
 
 def benchmark(cfg: Config, max_replicas: int, steps: int, warmup_steps: int, out_dir: str) -> dict:
     if max_replicas < 1 or steps < 1 or warmup_steps < 1:
         raise UserError("benchmark needs --max_replicas, --steps and --warmup_steps of at least 1")
+    # Windows of `steps` steps are timed until two agree (see `probe`): `steps` is the window.
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "config.yaml")
         with open(path, "w", encoding="utf-8") as f:
             f.write(config_lib.dump_yaml(cfg))
         probes = [_run_probe(path, n, steps, warmup_steps, measure_input=(n == 1)) for n in range(1, max_replicas + 1)]
-    result = analyse(cfg, probes, probes[0].pop("input_images_per_sec"))
-    for p in result["rows"]:
-        p.pop("input_images_per_sec", None)
+    first = probes[0]
+    result = analyse(cfg, probes, first.pop("input_images_per_sec"), first.pop("input_beside_training_images_per_sec"))
     with open(os.path.join(out_dir, "benchmark.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(out_dir, "scaling.png"))
@@ -95,7 +100,8 @@ def format_table(result: dict) -> str:
         real = f"{r['real_data_images_per_sec']:.1f}" if r.get("real_data_images_per_sec") else "-"
         lines.append(f"{r['replicas']:>8} {r['global_batch']:>12} {r['synthetic_images_per_sec']:>15.1f} "
                      f"{real:>10} {r['per_replica_images_per_sec']:>11.1f} {r['scaling_efficiency']:>10.2f}")
-    lines.append(f"input pipeline alone: {result['input_pipeline_images_per_sec']:.1f} images/s")
+    lines.append(f"input pipeline alone: {result['input_pipeline_images_per_sec']:.1f} images/s; beside training "
+                 f"(1 replica, synthetic batches): {result['input_beside_training_images_per_sec'] or 0:.1f} images/s")
     lines.append(f"verdict: {result['verdict']}: {result['verdict_reason']}")
     return "\n".join(lines)
 
@@ -136,10 +142,20 @@ def _run_probe(config_path: str, replicas: int, steps: int, warmup: int, measure
 
 # --- the probe: one replica count, in its own process ---------------------------------------
 
+STEADY = 0.03      # two successive windows within 3% of each other: steady state
+MAX_WINDOWS = 12   # ... or give up waiting and report the last window
+
+
 def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bool) -> dict:
+    """Training rates on synthetic and real data, and (once) the input pipeline alone and beside training.
+
+    Every rate is a steady-state rate: windows of `steps` steps are timed
+    until two successive ones agree within 3%, so autotuning, page-cache
+    warm-up and compilation are not averaged in (a short probe read 0.77x of
+    what training then achieved on one H100).
+    """
     from tfdp.strategy import local_replicas, make_runtime
     runtime = make_runtime(local_replicas(replicas))
-    import tensorflow as tf
 
     from tfdp.data import build_source
     from tfdp.data.pipeline import synthetic_dataset, train_dataset
@@ -152,42 +168,93 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     result = {"replicas": runtime.num_replicas, "global_batch": global_batch}
     synthetic = runtime.strategy.distribute_datasets_from_function(
         lambda ctx: synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch, ctx))
-    result["synthetic_images_per_sec"] = fit_rate(model, synthetic, global_batch, steps, warmup)
+    split = build_source(cfg.data).split(cfg.data.train_split)
+    local_pipeline = lambda: train_dataset(split, cfg.data, global_batch, cfg.train.seed)  # noqa: E731
+    if measure_input:
+        with Drain(local_pipeline()) as beside:  # the pipeline decoding while the model trains
+            result["synthetic_images_per_sec"], windows = fit_rate(model, synthetic, global_batch, steps, warmup)
+        result["input_beside_training_images_per_sec"] = beside.rate(global_batch, *windows)
+        result["input_images_per_sec"] = pipeline_rate(local_pipeline(), global_batch, steps, warmup)
+    else:
+        result["synthetic_images_per_sec"], _ = fit_rate(model, synthetic, global_batch, steps, warmup)
     if cfg.data.format != "synthetic":
-        split = build_source(cfg.data).split(cfg.data.train_split)
         real = runtime.strategy.distribute_datasets_from_function(
             lambda ctx: train_dataset(split, cfg.data, global_batch, cfg.train.seed, ctx))
-        result["real_data_images_per_sec"] = fit_rate(model, real, global_batch, steps, warmup)
-    if measure_input:
-        if cfg.data.format == "synthetic":
-            ds = synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch)
-        else:
-            ds = train_dataset(build_source(cfg.data).split(cfg.data.train_split), cfg.data, global_batch, cfg.train.seed)
-        result["input_images_per_sec"] = _pipeline_rate(ds, global_batch, steps, warmup, tf)
+        result["real_data_images_per_sec"], _ = fit_rate(model, real, global_batch, steps, warmup)
     return result
 
 
-def fit_rate(model, dataset, global_batch: int, steps: int, warmup: int) -> float:
-    """Training images/s over `steps` steps, timed from the end of the `warmup`-th step."""
+def steady(stamps: list[float], steps: int) -> bool:
+    """Whether the last two windows of `steps` steps (from step-end times `stamps`) ran within STEADY."""
+    if len(stamps) < 2 * steps + 1:
+        return False
+    last, before = stamps[-1] - stamps[-1 - steps], stamps[-1 - steps] - stamps[-1 - 2 * steps]
+    return abs(last - before) <= STEADY * max(last, before)
+
+
+def fit_rate(model, dataset, global_batch: int, steps: int, warmup: int) -> tuple[float, tuple[float, float]]:
+    """Steady-state training images/s over the last window of `steps` steps, and that window's (start, end).
+
+    One `fit` call (a new call would rebuild the input pipeline), stopped as
+    soon as two successive windows agree.
+    """
     import keras
-    stamps: dict[int, float] = {}
+    stamps: list[float] = []
 
-    class Stamp(keras.callbacks.Callback):
+    class Windows(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            stamps[batch] = time.perf_counter()
+            if batch + 1 >= warmup:
+                stamps.append(time.perf_counter())
+                timed = len(stamps) - 1
+                if timed and timed % steps == 0 and steady(stamps, steps):
+                    self.model.stop_training = True
 
-    model.fit(dataset, steps_per_epoch=warmup + steps, epochs=1, verbose=0, callbacks=[Stamp()], shuffle=False)
-    return steps * global_batch / (stamps[warmup + steps - 1] - stamps[warmup - 1])
+    model.fit(dataset, steps_per_epoch=warmup + steps * MAX_WINDOWS, epochs=1, verbose=0, callbacks=[Windows()],
+              shuffle=False)
+    window = (stamps[-1 - steps], stamps[-1])
+    return steps * global_batch / (window[1] - window[0]), window
 
 
-def _pipeline_rate(dataset, global_batch: int, steps: int, warmup: int, tf) -> float:
+def pipeline_rate(dataset, global_batch: int, steps: int, warmup: int) -> float:
+    """Steady-state images/s of a (local) training pipeline with nothing else running."""
     it = iter(dataset)
     for _ in range(warmup):
         next(it)
-    start = time.perf_counter()
-    for _ in range(steps):
-        images, _ = next(it)
-    return steps * global_batch / (time.perf_counter() - start)
+    stamps = [time.perf_counter()]
+    while len(stamps) < steps * MAX_WINDOWS + 1:
+        next(it)
+        stamps.append(time.perf_counter())
+        if (len(stamps) - 1) % steps == 0 and steady(stamps, steps):
+            break
+    return steps * global_batch / (stamps[-1] - stamps[-1 - steps])
+
+
+class Drain:
+    """Reads a pipeline as fast as it delivers, in a thread, while the caller trains: the input rate under load."""
+
+    def __init__(self, dataset):
+        import threading
+        self.dataset, self.stamps, self.stop = dataset, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="tfdp-benchmark-drain")
+
+    def _run(self):
+        for _ in self.dataset:
+            self.stamps.append(time.perf_counter())
+            if self.stop.is_set():
+                return
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+    def rate(self, global_batch: int, start: float, end: float) -> float:
+        """Images/s delivered between `start` and `end` (the timed training window)."""
+        inside = [t for t in self.stamps if start <= t <= end]
+        return global_batch * (len(inside) - 1) / (inside[-1] - inside[0]) if len(inside) > 1 else 0.0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfdp.config import Config
-from tfdp.data.pipeline import center_crop
+from tfdp.data.preprocess import center_crop
 
 
 @keras.saving.register_keras_serializable(package="tfdp")

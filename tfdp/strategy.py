@@ -127,15 +127,15 @@ def local_replicas(n: int) -> DistributeConfig:
 
 
 def make_runtime(cfg: DistributeConfig) -> Runtime:
-    """Builds the configured strategy, then installs the Keras fixes every strategy's fit needs (tfdp/compat.py).
+    """Builds the configured strategy, then installs the Keras fixes every strategy's fit needs (tfdp/keras_patches).
 
     They are installed here, once the devices exist (importing Keras earlier
     would initialise TensorFlow's devices before the CPU could be split), and
     not as a side effect of compiling a model.
     """
     runtime = STRATEGIES[cfg.strategy](cfg)
-    from tfdp import compat
-    compat.apply()
+    from tfdp import keras_patches
+    keras_patches.install()
     print(f"tfdp: strategy {runtime.kind}: {runtime.num_replicas} replica(s) on {', '.join(runtime.devices)}, "
           f"{runtime.num_workers} worker(s)", flush=True)
     return runtime

@@ -19,13 +19,13 @@ from tfdp.config import Config
 from tfdp.data import Source
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, train_dataset
 from tfdp.errors import UserError
-from tfdp.eval_step import install_exact_eval_loss
+from tfdp.keras_patches.eval_step import install_exact_eval_loss
+from tfdp.keras_patches.train_step import compile_train_step, use_xla
 from tfdp.losses import SparseSmoothedCrossentropy
 from tfdp.models import build_model
 from tfdp.replica_state import WorkerGather
 from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
-from tfdp.xla import compile_per_replica_step, use_xla
 
 # Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
 NO_DECAY = ("gamma", "beta", "bias")
@@ -70,7 +70,7 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
     model = _compiled(cfg, optimizer)
     if use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)[0]:
-        compile_per_replica_step(model)  # XLA per replica; Keras' own jit fails with several replicas
+        compile_train_step(model)  # whole-step XLA per replica; Keras' own jit fails with several replicas
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
     optimizer.build(model.trainable_variables)
     return model
@@ -143,7 +143,7 @@ class TrainStream:
     def __init__(self, cfg: Config, source: Source, runtime: Runtime, plan: Plan, corrupt: CorruptCounter | None):
         self.cfg, self.source, self.runtime, self.plan, self.corrupt = cfg, source, runtime, plan, corrupt
         self.start: tuple[int, int] = (0, 0)
-        self.position = StreamPosition()
+        self.position: StreamPosition | None = None   # made with each dataset
         # Each step takes one batch per local replica from this worker's pipeline.
         self.batches_per_step = runtime.num_replicas // runtime.num_workers
         self.gather = WorkerGather(runtime.strategy, runtime.worker_index, runtime.num_workers)
@@ -159,7 +159,7 @@ class TrainStream:
 
     def local_state(self, steps: int) -> tuple[int, int]:
         """(records consumed, corrupt so far) of this worker's stream after `steps` steps of the current dataset."""
-        if not steps or self.source.split(self.cfg.data.train_split).synthetic:
+        if not steps:
             return self.start
         return self.position.after(steps * self.batches_per_step)
 

@@ -35,7 +35,7 @@ from tfdp.preemption import PreemptionWatch
 from tfdp.replica_state import ReplicaSnapshot, state_averager
 from tfdp.strategy import Runtime
 from tfdp.task import Plan, TrainStream, compile_model, make_plan, validation_dataset
-from tfdp.xla import use_xla
+from tfdp.keras_patches.train_step import use_xla
 
 
 @dataclasses.dataclass(frozen=True)

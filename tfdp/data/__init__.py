@@ -42,7 +42,15 @@ def _tfds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
 def _synthetic(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     """Random images made in the pipeline: measures compute without input cost. Classes: the model's."""
     sizes = {cfg.train_split: cfg.synthetic_examples, cfg.val_split: max(cfg.synthetic_examples // 25, 1)}
-    return Source(class_names=(), splits={name: Split(name, (), synthetic=sizes.get(name, 1)) for name in splits})
+    return Source(class_names=(), splits={name: synthetic_split(name, sizes.get(name, 1)) for name in splits})
+
+
+def synthetic_split(name: str, examples: int, parts: int = 1024) -> Split:
+    """A split of `examples` synthetic examples in `parts` equal parts, so that every input pipeline gets
+    whole parts, as it would get whole shards of real data (ImageNet has 1,024 training shards)."""
+    parts = max(1, min(parts, examples))
+    counts = tuple(len(range(i, examples, parts)) for i in range(parts))
+    return Split(name, tuple(f"synthetic-{i:05d}-of-{parts:05d}" for i in range(parts)), counts=counts, synthetic=True)
 
 
 SOURCES: dict[str, Callable[[DataConfig, tuple[str, ...]], Source]] = {

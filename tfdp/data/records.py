@@ -11,7 +11,7 @@ from a synset file if one is present, and record counts from the shards'
 length headers.
 
 Shards in a bucket stay remote in the `Split`: each input pipeline copies
-only its own share to the local cache when it is built (`pipeline._payloads`),
+only its own share to the local cache when it is built (`readers.payloads`),
 so a worker never fetches another worker's shards. Only shards without a
 `counts.json` entry are copied up front, because counting reads them.
 

@@ -42,14 +42,12 @@ class Split:
     labels: tuple[int, ...] = ()
     counts: tuple[int, ...] = ()
     records: RecordFormat | None = None
-    synthetic: int = 0      # examples generated on the fly; no files
+    synthetic: bool = False   # examples made in the pipeline: `files` only name its parts, `counts` size them
     lost: tuple[int, ...] = ()  # per file: records counts.json lists beyond the readable ones
 
     @property
     def num_examples(self) -> int:
-        if self.synthetic:
-            return self.synthetic
-        return sum(self.counts) if self.records else len(self.files)
+        return sum(self.file_counts())
 
     @property
     def lost_records(self) -> int:
@@ -61,7 +59,12 @@ class Split:
                          for f, c, n in zip(self.files, self.counts, self.lost) if n)
 
     def file_counts(self) -> tuple[int, ...]:
-        return self.counts if self.records else (1,) * len(self.files)
+        return self.counts if self.records or self.synthetic else (1,) * len(self.files)
+
+    @property
+    def kind(self) -> str:
+        """Which reader turns the files into examples (see `tfdp.data.readers`)."""
+        return "synthetic" if self.synthetic else "records" if self.records else "images"
 
     def subset(self, indices) -> "Split":
         """The same split restricted to the files at `indices` (one input pipeline's share)."""

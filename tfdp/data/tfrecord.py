@@ -25,6 +25,8 @@ import os
 import posixpath
 import struct
 
+import tensorflow as tf
+
 from tfdp.data.sources import RecordFormat
 from tfdp.data.storage import filesystem
 from tfdp.errors import UserError
@@ -148,3 +150,10 @@ def readable_records(path: str) -> tuple[int, str | None]:
     finally:
         os.close(fd)
     return count, None
+
+
+def parse_record(serialized: tf.Tensor, fmt: RecordFormat) -> tuple[tf.Tensor, tf.Tensor]:
+    """(encoded image, 0-based int32 label) of one serialized tf.train.Example in format `fmt`."""
+    spec = {fmt.image_key: tf.io.FixedLenFeature([], tf.string), fmt.label_key: tf.io.FixedLenFeature([], tf.int64)}
+    example = tf.io.parse_single_example(serialized, spec)
+    return example[fmt.image_key], tf.cast(example[fmt.label_key] + fmt.label_offset, tf.int32)

@@ -1,0 +1,55 @@
+"""Every place tfdp changes how Keras 3 trains, in one package, each guarded by a canary.
+
+Keras' `fit` is kept (callbacks, metrics, progress, distribution), and three
+pieces of it are replaced:
+
+- `fit_fixes`: two workarounds for `fit` under MultiWorkerMirroredStrategy
+  (keras-team/keras#20585), installed once by `tfdp.strategy.make_runtime`
+  (`install()`);
+- `train_step`: the training step compiled with XLA, optimizer update
+  included, per replica with the gradient all-reduce between;
+- `eval_step`: the evaluation step whose loss is the mean over the real
+  images, not over the evaluation padding.
+
+Each relies on Keras internals. `RELIED_ON` names them all, and
+`tests/test_compat.py` resolves every name and checks the upstream code each
+patch exists for: when a Keras upgrade moves or changes one, that test fails
+and says which patch to re-check.
+"""
+
+from __future__ import annotations
+
+# Private Keras (and tf.distribute) names the patches use, by patch. The canary resolves each one.
+RELIED_ON = {
+    "fit_fixes": (
+        "keras.src.backend.tensorflow.trainer.reduce_per_replica",
+        "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._maybe_symbolic_build",
+        "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._symbolic_build",
+        "keras.src.backend.tensorflow.trainer._collective_all_reduce_multi_worker",
+        "keras.src.backend.tensorflow.trainer._is_per_replica_instance",
+    ),
+    "train_step": (
+        "keras.src.trainers.trainer.Trainer._compute_loss",
+        "keras.src.losses.loss.unscale_loss_for_distribution",
+        "keras.src.trainers.data_adapters.data_adapter_utils.unpack_x_y_sample_weight",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer.stateless_apply",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._backend_update_step",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._apply_weight_decay",
+        "keras.src.backend.tensorflow.optimizer.TFOptimizer.stateless_apply",
+        "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer",
+        "tensorflow.python.distribute.values.DistributedVariable._get_on_device_or_primary",
+    ),
+    "eval_step": (
+        "keras.src.trainers.trainer.Trainer._compute_loss",
+        "keras.src.losses.loss.unscale_loss_for_distribution",
+        "keras.src.trainers.data_adapters.data_adapter_utils.unpack_x_y_sample_weight",
+    ),
+}
+# ... and attributes of a compiled model they use (set in `compile`, so checked on one).
+MODEL_ATTRIBUTES = ("_loss_tracker", "stateless_call", "compute_metrics")
+
+
+def install() -> None:
+    """Installs the `fit` workarounds every strategy needs; idempotent. The steps are installed per model."""
+    from tfdp.keras_patches import fit_fixes
+    fit_fixes.apply()

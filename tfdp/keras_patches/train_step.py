@@ -1,0 +1,167 @@
+"""The training step, compiled with XLA whole: forward, backward and the optimizer update, on every replica.
+
+Keras 3 compiles `train_step` as a whole with `jit_compile=True`, but that
+step ends in `optimizer.apply_gradients`, which all-reduces gradients across
+replicas (a cross-replica `merge_call`) and updates mirrored variables one by
+one: XLA cannot compile that inside a replica, so Keras turns its own jit off
+under MirroredStrategy, and compiling only the forward/backward pass leaves
+the optimizer update running op by op (0.86x plain Keras on one H100).
+
+tfdp's step is written the way Keras' JAX trainer works, as stateless
+functions of the variables' values:
+
+    one replica:   [forward, backward, optimizer update]                    one XLA program
+    N replicas:    [forward, backward]  →  all-reduce(gradients)  →  [optimizer update]
+
+The update is Keras' own optimizer maths (`stateless_apply`: schedule,
+momentum, weight decay, clipping, EMA), run with the backend-neutral versions
+of the few methods the TensorFlow backend overrides to call tf.distribute.
+Every replica applies the same all-reduced gradients to its own copy of the
+variables (Keras creates them with aggregation NONE, so a write in replica
+context lands on the local copy), which keeps the copies identical without
+a second collective. Nothing here knows the strategy: the replica count
+decides whether there is an all-reduce between the two programs.
+
+A mixed_float16 loss-scale optimizer skips steps whose gradients overflow, a
+decision its TensorFlow version takes across replicas; with it the update
+stays Keras' own (forward/backward still compiled).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.losses import loss as loss_module
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+
+def use_xla(setting, devices, sync_bn: bool = False) -> tuple[bool, str]:
+    """Resolves `train.jit_compile` (`auto`, true, false) for the strategy's devices, with the reason."""
+    if setting != "auto":
+        return bool(setting), "train.jit_compile: " + str(bool(setting)).lower()
+    if sync_bn:
+        return False, "auto: off with model.sync_bn"
+    accelerators = [d for d in devices if any(kind in d.upper() for kind in ("GPU", "TPU"))]
+    if accelerators:
+        return True, f"auto: on for {len(accelerators)} accelerator device(s)"
+    return False, "auto: off on CPU devices"
+
+
+def compile_train_step(model: keras.Model) -> None:
+    """Makes `model.fit` run the whole training step through XLA on every replica (`train.jit_compile`).
+
+    Without it Keras' own step runs op by op: the reference the compiled step
+    is tested against.
+    """
+    model.jit_compile = False  # Keras must not wrap the cross-replica step itself
+    optimizer = model.optimizer
+    compiled_update = not isinstance(optimizer, LossScaleOptimizer)
+    jit = tf.function(jit_compile=True, reduce_retracing=True)
+
+    def forward_backward(trainable, non_trainable, x, y, sample_weight):
+        with tf.GradientTape() as tape:
+            tape.watch(trainable)
+            y_pred, new_non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            scaled = optimizer.scale_loss(loss)
+        return loss, tape.gradient(scaled, trainable), y_pred, new_non_trainable
+
+    def whole_step(trainable, non_trainable, optimizer_values, x, y, sample_weight):
+        loss, gradients, y_pred, new_non_trainable = forward_backward(trainable, non_trainable, x, y, sample_weight)
+        new_trainable, new_optimizer = stateless_update(optimizer, optimizer_values, gradients, trainable)
+        return loss, y_pred, new_non_trainable, new_trainable, new_optimizer
+
+    forward_backward_c, whole_step_c = jit(forward_backward), jit(whole_step)
+    update_c = jit(lambda trainable, optimizer_values, gradients: stateless_update(
+        optimizer, optimizer_values, gradients, trainable))
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        trainable, non_trainable = self.trainable_variables, self.non_trainable_variables
+        values = lambda variables: [v.value for v in variables]  # noqa: E731
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        if compiled_update and replicas == 1:
+            loss, y_pred, new_non_trainable, new_trainable, new_optimizer = whole_step_c(
+                values(trainable), values(non_trainable), values(optimizer.variables), x, y, sample_weight)
+        else:
+            loss, gradients, y_pred, new_non_trainable = forward_backward_c(
+                values(trainable), values(non_trainable), x, y, sample_weight)
+            if not compiled_update:
+                optimizer.apply_gradients(zip(gradients, trainable))
+                new_trainable, new_optimizer = values(trainable), values(optimizer.variables)
+            else:
+                gradients = all_reduce_sum(gradients)
+                new_trainable, new_optimizer = update_c(values(trainable), values(optimizer.variables), gradients)
+        write_local(non_trainable, new_non_trainable)
+        write_local(trainable, new_trainable)
+        write_local(optimizer.variables, new_optimizer)
+        batch = tf.shape(next(i for i in tree.flatten(x) if i is not None))[0]
+        self._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss), sample_weight=batch)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    model.train_step = types.MethodType(train_step, model)
+    model.tfdp_step_functions = (forward_backward_c, whole_step_c, update_c)  # for tests: which ones ran
+
+
+def all_reduce_sum(gradients: list) -> list:
+    """The sum over all replicas of all workers, in one batched collective (None gradients stay None)."""
+    present = [i for i, g in enumerate(gradients) if g is not None]
+    reduced = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, [gradients[i] for i in present])
+    out = list(gradients)
+    for i, g in zip(present, reduced):
+        out[i] = g
+    return out
+
+
+def write_local(variables, new_values) -> None:
+    """Writes each changed value to this replica's own copy of its variable.
+
+    Values the step did not change come back as None (or as the variable
+    itself) and are skipped. Writing the local copy directly also covers the
+    optimizer's iteration counter, which tf.distribute would otherwise
+    synchronise through a merge_call: every replica computes the same value.
+    """
+    for variable, value in zip(variables, new_values):
+        target = variable.value
+        if value is target or value is None:
+            continue
+        if isinstance(target, tf.distribute.DistributedValues):
+            target = target._get_on_device_or_primary()
+        target.assign(tf.cast(value, target.dtype))
+
+
+# The TensorFlow backend overrides these to call tf.distribute (merge_call, replica all-reduce, in-place
+# variable writes); the backend-neutral versions compute the same update on values, as JAX runs it.
+_NEUTRAL = ("stateless_apply", "assign", "assign_add", "assign_sub", "_apply_weight_decay", "_backend_update_step",
+            "_overwrite_model_variables_with_average_value", "_backend_increment_gradient_accumulators")
+_neutral_lock = threading.Lock()
+
+
+def stateless_update(optimizer: keras.optimizers.Optimizer, optimizer_values: list, gradients: list,
+                     trainable_values: list) -> tuple[list, list]:
+    """(new trainable values, new optimizer values): Keras' own `optimizer.apply`, on values only.
+
+    Must run while tracing (inside a tf.function): the neutral methods are
+    installed on the instance just for the trace. Replicas of a
+    MirroredStrategy trace in threads, hence the lock.
+    """
+    with _neutral_lock:
+        overridden = [name for name in _NEUTRAL if getattr(type(optimizer), name) is getattr(TFOptimizer, name)]
+        for name in overridden:
+            setattr(optimizer, name, types.MethodType(getattr(BaseOptimizer, name), optimizer))
+        try:
+            new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_values, gradients, trainable_values)
+        finally:
+            for name in overridden:
+                delattr(optimizer, name)
+    # stateless_apply hands back the very input for a value it did not change: None says so to `write_local`.
+    unchanged = lambda new, old: [None if n is o else n for n, o in zip(new, old)]  # noqa: E731
+    return unchanged(new_trainable, trainable_values), unchanged(new_optimizer, optimizer_values)
