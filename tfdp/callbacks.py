@@ -23,16 +23,17 @@ from tfdp.replica_state import ReplicaSnapshot, metric_totals, restore_metric_to
 class EpochStats(keras.callbacks.Callback):
     """Adds `lr`, `seconds` (training part of the epoch), `images_per_sec` and `corrupt_images` to the logs.
 
-    The per-batch logs get `lr` and a running `images_per_sec` too, so the
-    progress bar (which Keras runs after every other callback) shows them.
+    With a live progress bar the per-batch logs get `lr` and a running
+    `images_per_sec` too (Keras runs the bar after every other callback).
     Throughput counts the steps this process ran, so the partial first epoch
     of a resumed run is timed correctly.
     """
 
-    def __init__(self, global_batch: int, corrupt=None):
+    def __init__(self, global_batch: int, corrupt=None, live: bool = False):
         super().__init__()
         self.corrupt = corrupt  # tfdp.data.pipeline.CorruptCounter: images skipped so far
         self.global_batch = global_batch
+        self.live = live  # a progress bar shows per-batch values (a terminal); otherwise none are computed
         self._start = self._train_end = 0.0
         self._steps = 0
 
@@ -43,7 +44,9 @@ class EpochStats(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps = batch + 1
-        if logs is not None:
+        # Reading the learning rate waits for the step in flight; without a progress bar to show it, that
+        # wait would only keep the host from queueing the next step.
+        if self.live and logs is not None:
             logs["lr"] = self._lr()
             logs["images_per_sec"] = self._steps * self.global_batch / (time.perf_counter() - self._start)
 

@@ -138,7 +138,7 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
         resume_metrics=state.get("metrics") if state else None)
     # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
     # drops the killed run's copy of it (see `callbacks.tensorboard`).
-    callbacks = [EpochStats(plan.global_batch, corrupt), AverageReplicaState(average), metrics_log,
+    callbacks = [EpochStats(plan.global_batch, corrupt, live=sys.stdout.isatty()), AverageReplicaState(average), metrics_log,
                  *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
     val_ds = validation_dataset(cfg, source, runtime)
     start = resume_input(state, runtime, plan)
