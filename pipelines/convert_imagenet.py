@@ -3,14 +3,17 @@
     python -m pipelines.convert_imagenet --src=/data/ILSVRC2012 --out=/data/imagenet-tfrecord
 
 Reads any layout tfdp reads (image-net.org or Kaggle tree, class folders;
-local or gs://) and writes `train-00000-of-01024` ... `validation-00127-of-00128`
-plus `synsets.txt`, `counts.json` and `conversion_report.json`.
+local or in a bucket: gs://, s3://) and writes `train-00000-of-01024` ...
+`validation-00127-of-00128` plus `synsets.txt`, `counts.json` and
+`conversion_report.json`, to a local folder or a bucket.
 
 - Parallel: one shard per task, over `--workers` processes; a progress bar.
 - Resumable: each shard is written under a hidden temporary name and renamed
   when complete; finished shards are skipped on re-run, and a re-run writes
   byte-identical shards (the train list is shuffled with a fixed seed, images
-  are re-encoded deterministically).
+  are re-encoded deterministically). For a bucket, shards are written in a
+  local staging folder and each is uploaded when complete (an object appears
+  whole or not at all), its summary first.
 - Repairs what ILSVRC2012 really contains: CMYK JPEGs and PNG files named
   .JPEG become RGB JPEGs; greyscale JPEGs are kept (decoders expand them).
 - Never drops silently: zero-byte, truncated and undecodable files are skipped,
@@ -29,13 +32,16 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import io
 import json
 import multiprocessing
 import os
 import posixpath
 import random
+import shutil
 import sys
+import tempfile
 
 from absl import app, flags
 
@@ -44,7 +50,7 @@ from tfdp.config import DataConfig
 from tfdp.data import build_source
 from tfdp.data.records import shard_name
 from tfdp.data.sources import Source
-from tfdp.data.storage import filesystem
+from tfdp.data.storage import filesystem, is_remote
 from tfdp.data.tfrecord import Item, Prepared, image_example
 from tfdp.errors import UserError
 
@@ -59,6 +65,7 @@ class ShardTask:
     items: tuple[Item, ...]
     max_side: int
     quality: int
+    publish_to: str = ""   # a bucket URL the finished shard is uploaded to, from `out_dir` (then a staging folder)
 
 
 class BadImage(Exception):
@@ -69,10 +76,15 @@ def convert(src: str, out: str, data_format: str = "imagenet", train_shards: int
             workers: int = 0, max_side: int = 0, quality: int = 95, seed: int = 12345,
             progress: bool = True, bbox_dir: str = "") -> dict:
     """Converts the tree at `src`; returns the report (also written to `out`/conversion_report.json)."""
+    out = os.path.expanduser(out)
+    remote = is_remote(filesystem(out)[0])  # a bucket out of reach fails here, before any work
     source = build_source(DataConfig(format=data_format, dir=src, train_split="train", val_split="val"))
     boxes = {**_kaggle_boxes(src), **(_xml_boxes(bbox_dir) if bbox_dir else {})}
-    os.makedirs(out, exist_ok=True)
-    _remove_stale_temporaries(out)
+    stage = _staging_dir(out) if remote else out
+    if remote:
+        shutil.rmtree(stage, ignore_errors=True)  # scratch only: what counts as done is in the bucket
+    os.makedirs(stage, exist_ok=True)
+    _remove_stale_temporaries(stage)
     tasks = []
     for split, prefix in SPLITS:
         items = _items(source, split, boxes)
@@ -82,9 +94,19 @@ def convert(src: str, out: str, data_format: str = "imagenet", train_shards: int
         if num_shards > len(items):
             raise UserError(f"{num_shards} {prefix} shards for {len(items)} images: use at most {len(items)} shards")
         for index, chunk in enumerate(_chunks(items, num_shards)):
-            tasks.append(ShardTask(out, shard_name(prefix, index, num_shards), tuple(chunk), max_side, quality))
-    _run(tasks, workers or os.cpu_count() or 1, progress)
-    return _finish(out, source, tasks)
+            tasks.append(ShardTask(stage, shard_name(prefix, index, num_shards), tuple(chunk), max_side, quality,
+                                   out if remote else ""))
+    _run(tasks, _finished(out), workers or os.cpu_count() or 1, progress)
+    report = _finish(out, source, tasks)
+    if remote:
+        shutil.rmtree(stage, ignore_errors=True)
+    return report
+
+
+def _staging_dir(out: str) -> str:
+    """The local folder where shards for a bucket are written before upload. The same for the same `out`,
+    so a re-run clears what an interrupted one left (one converter per output directory at a time)."""
+    return os.path.join(tempfile.gettempdir(), f"tfdp-convert-{hashlib.sha1(out.encode()).hexdigest()[:12]}")
 
 
 def _remove_stale_temporaries(out: str) -> None:
@@ -146,10 +168,10 @@ def _chunks(items: list, n: int) -> list[list]:
     return [items[bounds[i]:bounds[i + 1]] for i in range(n)]
 
 
-def _run(tasks: list[ShardTask], workers: int, progress: bool) -> None:
+def _run(tasks: list[ShardTask], finished: set[str], workers: int, progress: bool) -> None:
     from tqdm import tqdm
 
-    todo = [t for t in tasks if not _done(t)]
+    todo = [t for t in tasks if t.name not in finished]
     total = sum(len(t.items) for t in tasks)
     with tqdm(total=total, initial=total - sum(len(t.items) for t in todo), unit="img", disable=not progress,
               desc="convert", file=sys.stderr) as bar:
@@ -166,12 +188,21 @@ def _run(tasks: list[ShardTask], workers: int, progress: bool) -> None:
                 bar.update(len(futures[future].items))
 
 
+def _sidecar_name(name: str) -> str:
+    return f".{name}.json"
+
+
 def _sidecar(out_dir: str, name: str) -> str:
-    return os.path.join(out_dir, f".{name}.json")
+    return os.path.join(out_dir, _sidecar_name(name))
 
 
-def _done(task: ShardTask) -> bool:
-    return os.path.exists(os.path.join(task.out_dir, task.name)) and os.path.exists(_sidecar(task.out_dir, task.name))
+def _finished(out: str) -> set[str]:
+    """The shards an earlier run completed in `out` (local or a bucket): those with their summary beside them."""
+    fs, root = filesystem(out)
+    if not fs.isdir(root):
+        return set()
+    names = {posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)}
+    return {n for n in names if _sidecar_name(n) in names}
 
 
 def convert_shard(task: ShardTask) -> None:
@@ -194,6 +225,22 @@ def convert_shard(task: ShardTask) -> None:
     summary = {"examples": sum(per_class.values()), "per_class": dict(sorted(per_class.items())), "bad": bad}
     atomic_write_text(_sidecar(task.out_dir, task.name), json.dumps(summary, indent=1))
     os.replace(tmp, final)
+    if task.publish_to:
+        _publish(task)
+
+
+def _publish(task: ShardTask) -> None:
+    """Uploads a finished shard from the staging folder, its summary first, and removes the local copies.
+
+    An object store shows each object whole or not at all (a multipart upload
+    too), and a shard counts as done only beside its summary, so an upload cut
+    short is redone on re-run, never read half-written.
+    """
+    fs, root = filesystem(task.publish_to)
+    for name in (_sidecar_name(task.name), task.name):
+        local = os.path.join(task.out_dir, name)
+        fs.put_file(local, posixpath.join(root, name))
+        os.remove(local)
 
 
 def _read(path: str) -> bytes:
@@ -236,8 +283,7 @@ def _finish(out: str, source: Source, tasks: list[ShardTask]) -> dict:
         converted: collections.Counter = collections.Counter()
         skipped: collections.Counter = collections.Counter()
         for task in (t for t in tasks if t.name.startswith(prefix + "-")):
-            with open(_sidecar(out, task.name), encoding="utf-8") as f:
-                summary = json.load(f)
+            summary = json.loads(_read_text(out, _sidecar_name(task.name)))
             shards[task.name] = summary["examples"]
             converted.update(summary["per_class"])
             skipped.update(b["synset"] for b in summary["bad"])
@@ -249,17 +295,30 @@ def _finish(out: str, source: Source, tasks: list[ShardTask]) -> dict:
         counts[prefix] = {"examples": sum(converted.values()), "skipped": sum(skipped.values()),
                           "per_class": dict(sorted(converted.items()))}
     text = source.class_text or source.class_names
-    atomic_write_text(os.path.join(out, "synsets.txt"),
-                      "".join(f"{s}\t{t}\n" for s, t in zip(source.class_names, text)))
-    atomic_write_text(os.path.join(out, "counts.json"), json.dumps({"shards": shards, "splits": counts}, indent=1))
+    _write_text(out, "synsets.txt", "".join(f"{s}\t{t}\n" for s, t in zip(source.class_names, text)))
+    _write_text(out, "counts.json", json.dumps({"shards": shards, "splits": counts}, indent=1))
     report = {"splits": counts, "bad_files": bad}
-    atomic_write_text(os.path.join(out, REPORT), json.dumps(report, indent=1))
+    _write_text(out, REPORT, json.dumps(report, indent=1))
     return report
 
 
+def _read_text(out: str, name: str) -> str:
+    fs, root = filesystem(out)
+    return fs.cat_file(posixpath.join(root, name)).decode("utf-8")
+
+
+def _write_text(out: str, name: str, text: str) -> None:
+    """Replaces `out`/`name` at once: renamed into place locally, one object put in a bucket."""
+    fs, root = filesystem(out)
+    if is_remote(fs):
+        fs.pipe_file(posixpath.join(root, name), text.encode("utf-8"))
+    else:
+        atomic_write_text(os.path.join(out, name), text)
+
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("src", None, "Raw tree: image-net.org or Kaggle layout, or class folders (local or gs://).")
-flags.DEFINE_string("out", None, "Output directory for the shards (local).")
+flags.DEFINE_string("src", None, "Raw tree: image-net.org or Kaggle layout, or class folders (local or a bucket).")
+flags.DEFINE_string("out", None, "Output directory for the shards (local or a bucket: gs://..., s3://...).")
 flags.DEFINE_enum("format", "imagenet", ["imagenet", "image_folder"], "Layout of --src.")
 flags.DEFINE_integer("train_shards", 1024, "Number of train shards.")
 flags.DEFINE_integer("val_shards", 128, "Number of validation shards.")

@@ -10,9 +10,5 @@ import os as _os
 _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 TF_LOG_LEVEL_DEFAULTED = "TF_CPP_MIN_LOG_LEVEL" not in _os.environ  # --verbosity may lift ours (tfdp.console)
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# gcsfs asks a GCS endpoint for the bucket type over gRPC first; an emulator
-# (STORAGE_EMULATOR_HOST) never answers and each bucket access hangs ~60 s.
-if _os.environ.get("STORAGE_EMULATOR_HOST"):
-    _os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 __version__ = "0.1.0"

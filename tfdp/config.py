@@ -38,7 +38,7 @@ class DataConfig:
     __pydantic_config__ = _FORBID
     # digits | image_folder | imagenet (raw ILSVRC2012 or Kaggle tree) | tfrecord | tfds | synthetic
     format: Str = "digits"
-    dir: Str = "~/.cache/tfdp/digits"   # a local path or gs://bucket/prefix
+    dir: Str = "~/.cache/tfdp/digits"   # a local path or a bucket: gs://bucket/prefix, s3://bucket/prefix
     train_split: Str = "train"
     val_split: Str = "val"
     tfds_name: Str = ""                 # data.format tfds: the dataset's name, e.g. imagenet2012

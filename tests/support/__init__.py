@@ -1,1 +1,1 @@
-"""Test (and benchmark) support: realistic image trees, a local GCS server."""
+"""Test (and benchmark) support: realistic image trees, a local GCS server, a local S3 server."""

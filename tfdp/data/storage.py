@@ -1,22 +1,29 @@
-"""Where bytes live: local disk or a bucket (`gs://...`), through fsspec/gcsfs.
+"""Where bytes live: local disk or a bucket (`gs://...`, `s3://...`), through fsspec.
 
 Sources list and read metadata through `filesystem()`, so every layout works
-the same from a local path or a bucket. TensorFlow's own `gs://` support cannot
-be pointed at anything but Google's endpoint (no emulator, no other stores),
-so the pipeline never hands TensorFlow a remote path: `localize()` copies the
-files a pipeline reads to a local cache on first use (in parallel, each file
-written under a temporary name and renamed when complete), and every later
-epoch or run reads them at local-disk speed.
+the same from a local path or a bucket of any store fsspec has a driver for
+(gcsfs, s3fs: AWS, MinIO, Ceph, ...). Each driver finds its endpoint and
+credentials its own way (gcsfs: STORAGE_EMULATOR_HOST, application default
+credentials; s3fs through botocore: AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID,
+~/.aws/config); tfdp adds no settings of its own. TensorFlow's own bucket
+support cannot be pointed at anything but Google's endpoint (no emulator, no
+other stores), so the pipeline never hands TensorFlow a remote path:
+`localize()` copies the files a pipeline reads to a local cache on first use
+(in parallel, each file written under a temporary name and renamed when
+complete), and every later epoch or run reads them at local-disk speed.
 
-A bucket whose endpoint cannot be reached fails the first `filesystem()` call
-for it with one line naming the endpoint, within `data.remote_timeout`
-seconds: gcsfs alone retries for ~40 s and then prints a traceback.
+The first `filesystem()` call for a bucket asks its endpoint about it, within
+`data.remote_timeout` seconds, and turns what goes wrong into one line naming
+the endpoint and the bucket: unreachable, silent, access denied, no such
+bucket, no credentials. The drivers alone retry for ~40 s and then print a
+traceback, or fail much later, deep in a listing.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import operator
 import os
 import socket
 import threading
@@ -29,6 +36,10 @@ import fsspec.utils
 from tfdp.errors import UserError
 
 LOCAL_PROTOCOLS = ("file", "local")
+# Where a driver says which server it talks to: an attribute path on its filesystem object.
+# gcsfs: STORAGE_EMULATOR_HOST or Google's. s3fs: its botocore client's, resolved from
+# AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / ~/.aws/config, else AWS's for the region.
+ENDPOINT_ATTRIBUTES = {"gs": "_location", "s3": "s3.meta.endpoint_url"}
 DOWNLOAD_THREADS = 16
 DEFAULT_REMOTE_TIMEOUT = 20.0
 
@@ -38,6 +49,23 @@ _probed: dict[tuple, str | None] = {}
 _probe_lock = threading.Lock()
 
 
+def _gcs_emulator_defaults() -> None:
+    """Turns off gcsfs's bucket-type lookup when an emulator stands in for GCS.
+
+    gcsfs asks a GCS endpoint for the bucket type over gRPC first; an emulator
+    (STORAGE_EMULATOR_HOST) never answers and each bucket access hangs ~60 s.
+    gcsfs reads the switch once, when fsspec first imports it for a gs:// URL,
+    so this runs when this module is imported and again before each URL is
+    opened (an emulator may be set up after the import). The user's own
+    setting wins.
+    """
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+_gcs_emulator_defaults()
+
+
 def configure(remote_timeout: float) -> None:
     """Sets how long a bucket's endpoint may take to answer its first request (data.remote_timeout)."""
     global _remote_timeout
@@ -45,11 +73,12 @@ def configure(remote_timeout: float) -> None:
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path inside it) for a local path or a URL such as gs://bucket/prefix.
+    """(filesystem, path inside it) for a local path or a URL such as gs://bucket/prefix or s3://bucket/prefix.
 
-    A remote bucket is checked to answer the first time it is seen, so an
-    unreachable one is a one-line error, not a hang.
+    A remote bucket is checked the first time it is seen, so an unreachable,
+    forbidden or missing one is a one-line error, not a hang or a traceback.
     """
+    _gcs_emulator_defaults()
     try:
         fs, path = fsspec.core.url_to_fs(os.path.expanduser(url))
     except (ImportError, ValueError) as e:
@@ -60,30 +89,41 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def endpoint(fs: fsspec.AbstractFileSystem) -> str | None:
-    """The server a remote filesystem talks to (gcsfs: STORAGE_EMULATOR_HOST or Google's), if it says."""
-    location = getattr(fs, "_location", None)
-    return location if isinstance(location, str) and "://" in location else None
+    """The server a remote filesystem talks to, if its driver says (see ENDPOINT_ATTRIBUTES).
+
+    s3fs builds its client to answer (no request is sent); a client that cannot
+    be built says nothing here, and the probe reports why.
+    """
+    attribute = next((ENDPOINT_ATTRIBUTES[p] for p in _protocols(fs) if p in ENDPOINT_ATTRIBUTES), None)
+    if attribute is None:
+        return None
+    try:
+        where = operator.attrgetter(attribute)(fs)
+    except Exception:  # noqa: BLE001 - e.g. botocore's unknown profile; the probe meets it again and says so
+        return None
+    return where if isinstance(where, str) and "://" in where else None
 
 
 def _check_reachable(fs: fsspec.AbstractFileSystem, path: str, url: str) -> None:
-    """Raises a one-line `UserError` if the bucket's endpoint refuses or stays silent; probes once per bucket."""
+    """Raises a one-line `UserError` if the bucket's endpoint refuses, stays silent, denies access or has no
+    such bucket; probes once per bucket and process (later calls are dictionary lookups)."""
     where = endpoint(fs)
     bucket = fs._strip_protocol(path).split("/", 1)[0]
     key = (type(fs), where, bucket)
     with _probe_lock:
         if key not in _probed:
-            _probed[key] = _probe(fs, bucket, where or url, _remote_timeout)
+            _probed[key] = _probe(fs, bucket, path, where or url, _remote_timeout)
         error = _probed[key]
     if error:
         raise UserError(f"{error} (reading {url})")
 
 
-def _probe(fs: fsspec.AbstractFileSystem, bucket: str, where: str, seconds: float) -> str | None:
-    """None if the endpoint answers a request about `bucket` within `seconds`, else what went wrong.
+def _probe(fs: fsspec.AbstractFileSystem, bucket: str, path: str, where: str, seconds: float) -> str | None:
+    """None if the endpoint answers that `bucket` is there for us within `seconds`, else what went wrong.
 
     A refused connection is known at once (a plain TCP connect, unless a proxy
-    stands between); silence needs the deadline. Any answer counts, even "no
-    such bucket": reporting that is the caller's job.
+    stands between); silence needs the deadline. The answer itself is judged
+    by `_bucket_problem`.
     """
     address = _direct_address(where)
     if address:
@@ -94,17 +134,71 @@ def _probe(fs: fsspec.AbstractFileSystem, bucket: str, where: str, seconds: floa
         except OSError as e:
             return f"cannot reach storage endpoint {where}: {e.strerror or e}"
     done = threading.Event()
+    problem: list[str | None] = []
 
     def ask() -> None:
-        try:
-            fs.info(bucket)
-        except Exception:  # noqa: BLE001 - any answer means the endpoint is there
-            pass
+        problem.append(_bucket_problem(fs, bucket, path, where))
         done.set()
     threading.Thread(target=ask, daemon=True, name="tfdp-storage-probe").start()
     if not done.wait(seconds):
         return f"storage endpoint {where} did not answer within {seconds:g} s (data.remote_timeout)"
+    return problem[0]
+
+
+def _bucket_problem(fs: fsspec.AbstractFileSystem, bucket: str, path: str, where: str) -> str | None:
+    """What the endpoint's answer about `bucket` says stands in the way, in one line; None when nothing does.
+
+    One request when all is well. The drivers turn the stores' answers into
+    OSErrors: FileNotFoundError and PermissionError are the two this can word
+    better than the listing that would meet them later; any other answer means
+    the endpoint is there, and what the data lacks is the caller's to report.
+    An exception that is no OSError means the driver could not even ask (no
+    credentials, an unknown profile, an invalid bucket name).
+    """
+    try:
+        fs.info(bucket)
+        return None
+    except FileNotFoundError:
+        return None if _exists_anyway(fs, bucket) else f"bucket {bucket} does not exist at {where}"
+    except PermissionError:
+        denied = _denied(fs, path)
+        return f"access denied to bucket {bucket} at {where} (check the credentials): {denied}" if denied else None
+    except OSError:
+        return None
+    except Exception as e:  # noqa: BLE001 - the driver's own error types; their message is the line
+        return f"cannot access bucket {bucket} at {where}: {_one_line(e)}"
+
+
+def _exists_anyway(fs: fsspec.AbstractFileSystem, bucket: str) -> bool:
+    """Whether a bucket reported missing lists anyway: gcsfs, without the right to read a bucket's
+    metadata, cannot tell an empty bucket from a missing one, and falls back to listing it."""
+    try:
+        fs.ls(bucket, detail=False)
+    except FileNotFoundError:
+        return False
+    except Exception:  # noqa: BLE001 - any other answer: it is there
+        pass
+    return True
+
+
+def _denied(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """The store's reason when `path` itself cannot be listed, else None.
+
+    A policy may deny the bucket's root yet allow a prefix, so a denial there
+    is confirmed on the path the user gave; a listing also carries the store's
+    own reason (an unknown key, a bad signature), which a HEAD request cannot.
+    """
+    try:
+        fs.ls(path, detail=False)
+    except PermissionError as e:
+        return _one_line(e) or "permission denied"
+    except Exception:  # noqa: BLE001 - missing, or another answer: not a denial
+        pass
     return None
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
 
 
 def _direct_address(where: str) -> tuple[str, int] | None:
@@ -117,13 +211,16 @@ def _direct_address(where: str) -> tuple[str, int] | None:
     return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
 def is_remote(fs: fsspec.AbstractFileSystem) -> bool:
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
-    return not set(protocols) & set(LOCAL_PROTOCOLS)
+    return not set(_protocols(fs)) & set(LOCAL_PROTOCOLS)
 
 
 def url(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    """A path as the user would write it (gs://bucket/x for remote files, /x locally)."""
+    """A path as the user would write it (gs://bucket/x or s3://bucket/x for remote files, /x locally)."""
     return fs.unstrip_protocol(path) if is_remote(fs) else path
 
 

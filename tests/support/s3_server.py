@@ -1,0 +1,105 @@
+"""A real S3 server on loopback (PyPI `moto[server]`, run as its own process) for tests and local trials.
+
+s3fs (through botocore) finds it the way it finds any S3-compatible store:
+AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and a region from
+the environment. The server checks credentials like S3 does: the bucket is
+made and the IAM users are created before request authentication is switched
+on, so afterwards an unknown key is refused and a user without a policy is
+denied. The user's own ~/.aws files and AWS_* variables are masked while the
+server runs and restored when it stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tfdp.cluster import free_ports
+
+REGION = "us-east-1"
+# Whatever botocore would otherwise read instead of (or on top of) what the server sets.
+MASKED = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+          "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION",
+          "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_EC2_METADATA_DISABLED")
+ALLOW_S3 = json.dumps({"Version": "2012-10-17",
+                       "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]})
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Server:
+    endpoint: str     # http://127.0.0.1:<port>
+    bucket: str       # s3://<bucket>, made empty at start
+    env: dict         # what points botocore at the server as the user allowed to use the bucket
+    outsider: dict    # the credentials of a real user with no permission at all
+
+    def client_env(self, **credentials: str) -> dict:
+        """`env` with other credentials (e.g. AWS_SECRET_ACCESS_KEY=wrong), for a subprocess."""
+        return {**self.env, **credentials}
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str = "tfdp-test", startup_seconds: float = 60):
+    """Starts moto_server on a free loopback port with `bucket`; sets the environment; yields an `S3Server`."""
+    port = free_ports(1)[0]
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = {k: os.environ.get(k) for k in MASKED}
+    try:
+        _wait_for_port(server, port, startup_seconds)
+        for key in MASKED:
+            os.environ.pop(key, None)
+        base = {"AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": REGION, "AWS_CONFIG_FILE": os.devnull,
+                "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_EC2_METADATA_DISABLED": "true"}
+        member, outsider = _set_up(endpoint, bucket)
+        os.environ.update(base, **member)
+        yield S3Server(endpoint, f"s3://{bucket}", {**base, **member}, outsider)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _set_up(endpoint: str, bucket: str) -> tuple[dict, dict]:
+    """Makes the bucket and two IAM users (one allowed s3:*, one allowed nothing), then turns authentication on."""
+    import boto3
+
+    anyone = {"endpoint_url": endpoint, "region_name": REGION, "aws_access_key_id": "setup",
+              "aws_secret_access_key": "setup"}
+    boto3.client("s3", **anyone).create_bucket(Bucket=bucket)
+    iam = boto3.client("iam", **anyone)
+    keys = []
+    for user, policy in (("tfdp", ALLOW_S3), ("outsider", None)):
+        iam.create_user(UserName=user)
+        if policy:
+            iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=policy)
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        keys.append({"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]})
+    # Every request from now on is authenticated and authorised (moto counts from 0 again).
+    request = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=b"0", method="POST",
+                                     headers={"Content-Type": "text/plain"})
+    urllib.request.urlopen(request, timeout=10).close()
+    return keys[0], keys[1]
+
+
+def _wait_for_port(server: subprocess.Popen, port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the S3 server (moto) did not start") from None
+            time.sleep(0.2)
