@@ -97,7 +97,8 @@ def test_mixed_bfloat16_matches_float32_accuracy(tmp_path, digits_dir):
 
 @pytest.mark.slow
 def test_jit_compile_really_compiles_with_xla_under_mirrored_strategy(tmp_path, digits_dir):
-    """2 replicas (the demo config's MirroredStrategy): XLA dumps the per-replica step's HLO, device flip included."""
+    """2 replicas (the demo config's MirroredStrategy): XLA dumps both programs of the per-replica step, the
+    forward/backward pass (device flip included) and the optimizer update (momentum included)."""
     dump = tmp_path / "xla"
     result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
                       f"--data_dir={digits_dir}", f"--model_dir={tmp_path / 'run'}", "--epochs=2",
@@ -109,6 +110,8 @@ def test_jit_compile_really_compiles_with_xla_under_mirrored_strategy(tmp_path, 
     step = [p for p in modules if "forward_backward" in p.name and p.name.endswith(".txt")]
     assert step, [p.name for p in modules[:10]]
     assert any(" reverse(" in p.read_text() for p in step)  # the random flip runs inside the compiled step
+    update = [p for p in modules if "optimizer_update" in p.name and p.name.endswith(".txt")]
+    assert update and any(" multiply(" in p.read_text() for p in update)  # momentum * m - lr * g, compiled
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["val_top1"] > 0.5
 
 

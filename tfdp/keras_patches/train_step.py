@@ -78,9 +78,10 @@ def compile_train_step(model: keras.Model) -> None:
         new_trainable, new_optimizer = stateless_update(optimizer, optimizer_values, gradients, trainable)
         return loss, y_pred, new_non_trainable, new_trainable, new_optimizer
 
-    forward_backward_c, whole_step_c = jit(forward_backward), jit(whole_step)
-    update_c = jit(lambda trainable, optimizer_values, gradients: stateless_update(
-        optimizer, optimizer_values, gradients, trainable))
+    def optimizer_update(trainable, optimizer_values, gradients):
+        return stateless_update(optimizer, optimizer_values, gradients, trainable)
+
+    forward_backward_c, whole_step_c, update_c = jit(forward_backward), jit(whole_step), jit(optimizer_update)
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
