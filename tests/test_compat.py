@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.keras_patches import RELIED_ON, MODEL_ATTRIBUTES, fit_fixes as compat
+from tfdp.keras_patches import MODEL_ATTRIBUTES, RELIED_ON, VARIABLE_ATTRIBUTES, fit_fixes as compat
 from tfdp.config import DistributeConfig
 from tfdp.strategy import make_runtime
 
@@ -102,3 +102,5 @@ def test_the_reasons_for_the_replaced_steps_still_hold():
     model.compile(optimizer="sgd", loss="mse")
     for name in MODEL_ATTRIBUTES:
         assert hasattr(model, name), name
+    for name in VARIABLE_ATTRIBUTES:
+        assert hasattr(keras.Variable(1.0), name), name

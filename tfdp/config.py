@@ -80,14 +80,22 @@ class ModelConfig:
 @dataclasses.dataclass
 class OptimizerConfig:
     __pydantic_config__ = _FORBID
-    name: Literal["sgd"] = "sgd"
+    # sgd (momentum) | adamw | lamb | lars (layer-wise trust ratio, for very large batches); see tfdp/optimizers.py
+    name: Literal["sgd", "adamw", "lamb", "lars"] = "sgd"
     # Learning rate per 256 images; scaled linearly with the global batch.
     lr: PosFloat = 0.1
-    momentum: Fraction = 0.9
-    nesterov: Bool = False
+    momentum: Fraction = 0.9               # sgd, lars
+    nesterov: Bool = False                 # sgd
+    beta1: Fraction = 0.9                  # adamw, lamb
+    beta2: Fraction = 0.999                # adamw, lamb
+    epsilon: PosFloat = 1e-8               # adamw, lamb
     weight_decay: NonNegFloat = 0.0
     # Most ImageNet recipes decay only conv/dense kernels, not batch-norm scale/shift or biases.
     decay_norm_and_bias: Bool = True
+    # Clip the global gradient norm to this (0: off).
+    clip_norm: NonNegFloat = 0.0
+    # Exponential moving average of the weights with this decay (0: off), warmed up as (1 + t) / (10 + t).
+    ema_decay: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
 
 
 @dataclasses.dataclass

@@ -23,12 +23,10 @@ from tfdp.keras_patches.eval_step import install_exact_eval_loss
 from tfdp.keras_patches.train_step import compile_train_step, use_xla
 from tfdp.losses import SparseSmoothedCrossentropy
 from tfdp.models import build_model
+from tfdp.optimizers import build_optimizer
 from tfdp.replica_state import WorkerGather
 from tfdp.schedules import build_schedule
 from tfdp.strategy import Runtime
-
-# Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
-NO_DECAY = ("gamma", "beta", "bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +61,7 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     Call inside `strategy.scope()` so variables are mirrored.
     """
     schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs)
-    optimizer = keras.optimizers.SGD(
-        learning_rate=schedule, momentum=cfg.optimizer.momentum, nesterov=cfg.optimizer.nesterov,
-        weight_decay=cfg.optimizer.weight_decay or None)
-    if cfg.optimizer.weight_decay and not cfg.optimizer.decay_norm_and_bias:
-        optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
+    optimizer = build_optimizer(cfg.optimizer, schedule)
     model = _compiled(cfg, optimizer)
     if use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)[0]:
         compile_train_step(model)  # whole-step XLA per replica; Keras' own jit fails with several replicas

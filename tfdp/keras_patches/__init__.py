@@ -36,6 +36,7 @@ RELIED_ON = {
         "keras.src.optimizers.base_optimizer.BaseOptimizer._backend_update_step",
         "keras.src.optimizers.base_optimizer.BaseOptimizer._apply_weight_decay",
         "keras.src.backend.tensorflow.optimizer.TFOptimizer.stateless_apply",
+        "keras.src.backend.tensorflow.optimizer.TFOptimizer._var_key",
         "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer",
         "tensorflow.python.distribute.values.DistributedVariable._get_on_device_or_primary",
     ),
@@ -45,8 +46,9 @@ RELIED_ON = {
         "keras.src.trainers.data_adapters.data_adapter_utils.unpack_x_y_sample_weight",
     ),
 }
-# ... and attributes of a compiled model they use (set in `compile`, so checked on one).
+# ... and attributes of a compiled model and of a Keras variable they use (set at construction, so checked on one).
 MODEL_ATTRIBUTES = ("_loss_tracker", "stateless_call", "compute_metrics")
+VARIABLE_ATTRIBUTES = ("_value",)
 
 
 def install() -> None:

@@ -146,6 +146,14 @@ _NEUTRAL = ("stateless_apply", "assign", "assign_add", "assign_sub", "_apply_wei
 _neutral_lock = threading.Lock()
 
 
+def _var_key_in_stateless_scope(optimizer, variable):
+    """The TensorFlow optimizer's key for `variable` (its tf.Variable's id), found without reading the
+    variable's value: inside a stateless scope `.value` is the mapped tensor, which has no id."""
+    if isinstance(variable, keras.Variable):
+        variable = variable._value
+    return TFOptimizer._var_key(optimizer, variable)
+
+
 def stateless_update(optimizer: keras.optimizers.Optimizer, optimizer_values: list, gradients: list,
                      trainable_values: list) -> tuple[list, list]:
     """(new trainable values, new optimizer values): Keras' own `optimizer.apply`, on values only.
@@ -158,10 +166,11 @@ def stateless_update(optimizer: keras.optimizers.Optimizer, optimizer_values: li
         overridden = [name for name in _NEUTRAL if getattr(type(optimizer), name) is getattr(TFOptimizer, name)]
         for name in overridden:
             setattr(optimizer, name, types.MethodType(getattr(BaseOptimizer, name), optimizer))
+        optimizer._var_key = types.MethodType(_var_key_in_stateless_scope, optimizer)
         try:
             new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_values, gradients, trainable_values)
         finally:
-            for name in overridden:
+            for name in [*overridden, "_var_key"]:
                 delattr(optimizer, name)
     # stateless_apply hands back the very input for a value it did not change: None says so to `write_local`.
     unchanged = lambda new, old: [None if n is o else n for n, o in zip(new, old)]  # noqa: E731

@@ -1,0 +1,95 @@
+"""Optimizers by name: each one's maths, and each one inside tfdp's whole-step XLA update on 2 replicas."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.config import OptimizerConfig, validate
+from tfdp.errors import UserError
+from tfdp.keras_patches.train_step import compile_train_step
+from tfdp.optimizers import LARS, build_optimizer
+from tfdp.strategy import make_runtime
+from tfdp.config import DistributeConfig
+
+STEPS, BATCH = 5, 16
+
+
+def toy_fit(name: str, replicas: int, jit: bool, **opt):
+    """A small conv net with batch norm trained STEPS steps on fixed data; returns (model, the classifier's kernel
+    after each step). No bias before batch norm (as in ResNets): its gradient is rounding noise, which Adam's
+    normalisation would amplify into the update."""
+    import keras
+    strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=replicas)).strategy
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, use_bias=False), keras.layers.BatchNormalization(),
+                                  keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5)])
+        model.compile(optimizer=build_optimizer(OptimizerConfig(name=name, **opt), 0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        if jit:
+            compile_train_step(model)
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(BATCH * STEPS, 8, 8, 3)).astype("float32"), rng.integers(0, 5, BATCH * STEPS)
+    ds = strategy.distribute_datasets_from_function(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        .batch(ctx.get_per_replica_batch_size(BATCH)))
+    kernels = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            kernels.append(model.layers[-1].kernel.numpy().copy())
+
+    model.fit(ds, epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[Record()])
+    return model, kernels
+
+
+@pytest.mark.parametrize("name, opt", [
+    ("sgd", {"momentum": 0.9, "nesterov": True, "clip_norm": 0.5}),
+    ("adamw", {"weight_decay": 0.05, "ema_decay": 0.9}),
+    ("lamb", {"weight_decay": 0.01}),
+    ("lars", {"weight_decay": 1e-4, "momentum": 0.9}),
+])
+def test_every_optimizer_runs_in_the_compiled_update_like_keras_own_step(name, opt):
+    """2 replicas: the whole-step XLA update (the gradients all-reduced between the two programs) gives the
+    weights and optimizer state of Keras' own op-by-op step, for every optimizer, clipping and EMA included."""
+    plain, _ = toy_fit(name, 2, jit=False, **opt)
+    xla, _ = toy_fit(name, 2, jit=True, **opt)
+    assert xla.tfdp_step_functions[2].experimental_get_tracing_count() > 0  # the compiled update ran
+    for a, b in zip(plain.weights + plain.optimizer.variables, xla.weights + xla.optimizer.variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=2e-4, atol=2e-5, err_msg=a.path)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_ema_after_k_steps_is_the_closed_form_with_warmup(replicas):
+    """EMA_1 = w_1, then EMA_t = d * EMA_(t-1) + (1 - d) * w_t with d = min(decay, (1 + t') / (10 + t')), t' = t - 1."""
+    decay = 0.5
+    model, kernels = toy_fit("sgd", replicas, jit=True, ema_decay=decay)
+    expected = kernels[0]
+    for t, w in enumerate(kernels[1:], start=1):
+        d = min(decay, (1 + t) / (10 + t))
+        expected = d * expected + (1 - d) * w
+    index = next(i for i, v in enumerate(model.trainable_variables) if v is model.layers[-1].kernel)
+    average = model.optimizer._model_variables_moving_average[index]
+    np.testing.assert_allclose(average.numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(expected, kernels[-1], atol=1e-4)  # the average really lags the weights
+
+
+def test_lars_step_is_the_trust_ratio_closed_form():
+    w0, g = np.array([3.0, 4.0], "float32"), np.array([0.6, 0.8], "float32")   # ||w|| = 5, ||g|| = 1
+    import keras
+    for name, exclude in (("kernel", ()), ("bias", ("bias",))):
+        var = keras.Variable(w0, name=name)
+        opt = LARS(learning_rate=0.1, momentum=0.9, weight_decay_rate=0.0, trust_coefficient=0.01, exclude=exclude)
+        opt.build([var])
+        opt.apply([tf.constant(g)], [var])
+        ratio = 0.01 * 5.0 / 1.0 if not exclude else 1.0
+        np.testing.assert_allclose(var.numpy(), w0 - 0.1 * ratio * g, rtol=1e-6)
+
+
+def test_unknown_optimizer_and_bad_values_are_one_line_naming_the_field():
+    with pytest.raises(UserError, match="optimizer.name"):
+        validate({"optimizer": {"name": "adam_but_better"}})
+    with pytest.raises(UserError, match="optimizer.ema_decay"):
+        validate({"optimizer": {"ema_decay": 1.5}})
+    with pytest.raises(UserError, match="optimizer.clip_norm"):
+        validate({"optimizer": {"clip_norm": -1.0}})

@@ -1,0 +1,133 @@
+"""Optimizers by name (`optimizer.name`): a registry of builders, plus what every recipe shares.
+
+SGD with momentum is the classic ImageNet recipe; AdamW and LAMB are Keras'
+own (decoupled weight decay, as in PyTorch's AdamW and timm's LAMB); LARS,
+which Keras lacks, is here (`LARS`). Every one takes the learning-rate
+schedule, weight decay (optionally sparing batch-norm scale/shift and
+biases), global gradient-norm clipping (`optimizer.clip_norm`) and an
+exponential moving average of the weights (`optimizer.ema_decay`) with the
+warm-up of TensorFlow's `ExponentialMovingAverage(num_updates=...)`, which
+Model Garden and the EfficientNet recipes use: decay_t = min(decay, (1 + t) / (10 + t))
+(the first update copies the weights).
+All of them run inside tfdp's whole-step XLA update (their maths is Keras'
+backend-neutral `update_step`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import keras
+from keras import ops
+
+from tfdp.config import OptimizerConfig
+
+# Variable names (Keras: BatchNormalization's gamma/beta, layers' bias) left undecayed on request.
+NO_DECAY = ("gamma", "beta", "bias")
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class LARS(keras.optimizers.Optimizer):
+    """SGD with momentum and a layer-wise trust ratio (You et al., 2017), as MLPerf's ResNet-50 uses it.
+
+    Per variable: g' = g + wd * w; ratio = eta * ||w|| / ||g'|| (1 when either
+    norm is 0, and for excluded variables, which also get no decay);
+    m = momentum * m + lr * ratio * g'; w = w - m. Weight decay is part of the
+    adapted gradient here, not Keras' decoupled decay.
+    """
+
+    def __init__(self, learning_rate=0.1, momentum=0.9, weight_decay_rate=0.0, trust_coefficient=0.001,
+                 exclude=NO_DECAY, name="lars", **kwargs):
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.momentum, self.weight_decay_rate = float(momentum), float(weight_decay_rate)
+        self.trust_coefficient, self.exclude = float(trust_coefficient), tuple(exclude)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self.momentums = self.add_optimizer_variables(var_list, "momentum")
+
+    def adapted(self, variable) -> bool:
+        return not any(part in variable.name for part in self.exclude)
+
+    def update_step(self, gradient, variable, learning_rate):
+        lr = ops.cast(learning_rate, variable.dtype)
+        g = ops.cast(gradient, variable.dtype)
+        m = self.momentums[self._get_variable_index(variable)]
+        if self.adapted(variable):
+            g = g + self.weight_decay_rate * variable
+            w_norm, g_norm = ops.sqrt(ops.sum(ops.square(variable))), ops.sqrt(ops.sum(ops.square(g)))
+            ratio = ops.where((w_norm > 0) & (g_norm > 0), self.trust_coefficient * w_norm / g_norm, 1.0)
+            g = g * ratio
+        self.assign(m, self.momentum * m + lr * g)
+        self.assign_sub(variable, m)
+
+    def get_config(self):
+        return {**super().get_config(), "momentum": self.momentum, "weight_decay_rate": self.weight_decay_rate,
+                "trust_coefficient": self.trust_coefficient, "exclude": self.exclude}
+
+
+class EmaWarmup:
+    """Mixed into an optimizer class: the weights' moving average with TensorFlow's warm-up.
+
+    Keras' own EMA uses the full decay from step 2, so the average of a
+    short run stays near the initial weights; here the decay grows as
+    (1 + t) / (10 + t) until it reaches `ema_momentum`.
+    """
+
+    def _update_model_variables_moving_average(self, trainable_variables):
+        if not self.use_ema:
+            return
+        t = ops.cast(self.iterations, "float32")
+        # The first update copies the weights (the average starts at zero), as Keras' own EMA does.
+        decay = ops.where(t > 0, ops.minimum(self.ema_momentum, (1.0 + t) / (10.0 + t)), 0.0)
+        for var, average in zip(trainable_variables, self._model_variables_moving_average):
+            if average is not None:
+                d = ops.cast(decay, var.dtype)
+                average.assign(d * average + (1 - d) * var)
+
+
+def _sgd(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
+    return _with_ema(keras.optimizers.SGD)(momentum=cfg.momentum, nesterov=cfg.nesterov,
+                                           weight_decay=cfg.weight_decay or None, **common)
+
+
+def _adamw(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
+    return _with_ema(keras.optimizers.AdamW)(beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon,
+                                             weight_decay=cfg.weight_decay, **common)
+
+
+def _lamb(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
+    return _with_ema(keras.optimizers.Lamb)(beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon,
+                                            weight_decay=cfg.weight_decay or None, **common)
+
+
+def _lars(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
+    exclude = () if cfg.decay_norm_and_bias else NO_DECAY
+    return _with_ema(LARS)(momentum=cfg.momentum, weight_decay_rate=cfg.weight_decay, exclude=exclude, **common)
+
+
+OPTIMIZERS: dict[str, Callable[[OptimizerConfig, dict], keras.optimizers.Optimizer]] = {
+    "sgd": _sgd, "adamw": _adamw, "lamb": _lamb, "lars": _lars,
+}
+
+
+def build_optimizer(cfg: OptimizerConfig, schedule) -> keras.optimizers.Optimizer:
+    """The configured optimizer on `schedule`; LARS handles its exclusions itself."""
+    common = {"learning_rate": schedule, "global_clipnorm": cfg.clip_norm or None,
+              "use_ema": bool(cfg.ema_decay), "ema_momentum": cfg.ema_decay or 0.99}
+    optimizer = OPTIMIZERS[cfg.name](cfg, common)
+    if cfg.weight_decay and not cfg.decay_norm_and_bias and cfg.name != "lars":
+        optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
+    return optimizer
+
+
+_EMA_CLASSES: dict[type, type] = {}
+
+
+def _with_ema(cls: type) -> type:
+    """`cls` with `EmaWarmup` mixed in (one class per optimizer, made once)."""
+    if cls not in _EMA_CLASSES:
+        _EMA_CLASSES[cls] = type(cls.__name__, (EmaWarmup, cls), {})
+    return _EMA_CLASSES[cls]
