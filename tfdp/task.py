@@ -21,7 +21,7 @@ from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, tra
 from tfdp.errors import UserError
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
 from tfdp.keras_patches.train_step import compile_train_step, use_xla
-from tfdp.losses import SparseSmoothedCrossentropy
+from tfdp.losses import SparseSmoothedCrossentropy, Top1, TopK
 from tfdp.models import build_model
 from tfdp.optimizers import build_optimizer
 from tfdp.replica_state import WorkerGather
@@ -100,9 +100,9 @@ def model_in_precision(cfg: Config) -> keras.Model:
 
 def _compiled(cfg: Config, optimizer) -> keras.Model:
     model = model_in_precision(cfg)
-    metrics = [keras.metrics.SparseCategoricalAccuracy(name="top1")]
+    metrics = [Top1(name="top1")]
     if cfg.model.num_classes > 5:
-        metrics.append(keras.metrics.SparseTopKCategoricalAccuracy(k=5, name="top5"))
+        metrics.append(TopK(k=5, name="top5"))
     # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer (dynamic loss scaling).
     # Weighted metrics, so evaluation's weight-0 padding images are not counted.
     model.compile(optimizer=optimizer, loss=SparseSmoothedCrossentropy(cfg.train.label_smoothing),
