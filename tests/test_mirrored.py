@@ -174,3 +174,30 @@ def test_sync_bn_on_two_replicas_equals_one_device_at_the_same_global_batch(digi
     for a, b in zip(synced.trainable_weights, one.trainable_weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-3, atol=1e-4, err_msg=a.path)
 
+
+
+def test_each_replica_flips_its_own_images():
+    """The same images on both replicas: Keras seeds the flip alike everywhere, so both replicas flipped the same
+    ones; after `decorrelate_random_streams` each replica draws its own flips (and a second call after a
+    restore, when all replicas again hold replica 0's state, gives the same streams)."""
+    import keras
+    from tfdp.replica_state import decorrelate_random_streams
+    strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.RandomFlip("horizontal", seed=7)])
+    x = tf.reshape(tf.range(64 * 16, dtype=tf.float32), [64, 4, 4, 1])
+
+    def flips():
+        out = strategy.run(tf.function(lambda: model(x, training=True)))
+        return [np.any(o.numpy() != x.numpy(), axis=(1, 2, 3)) for o in strategy.experimental_local_results(out)]
+
+    before = flips()
+    assert np.array_equal(before[0], before[1])           # the correlation being fixed
+    state = next(v for v in model.non_trainable_variables if v.path.endswith("seed_generator_state"))
+    saved = replica_copies(state)[0]
+    assert decorrelate_random_streams(model) == 1
+    after = flips()
+    assert not np.array_equal(after[0], after[1]) and 10 < after[1].sum() < 54
+    state.assign(saved)                                   # a restore: replica 0's state everywhere
+    decorrelate_random_streams(model)
+    assert [a.tolist() for a in flips()] == [a.tolist() for a in after]

@@ -10,7 +10,7 @@ from tfdp.models import MIN_INPUT_SIZE, MODELS, build_model
 # torchvision's counts (its parameters: conv/linear weights and biases, batch-norm scale and shift),
 # compared with our trainable weights, for the architectures written here.
 TORCHVISION = {
-    "resnet18": 11_689_512, "resnet34": 21_797_672, "resnext50_32x4d": 25_028_904,
+    "resnet18": 11_689_512, "resnet34": 21_797_672, "resnet50_v1_5": 25_557_032, "resnext50_32x4d": 25_028_904,
     "vgg11": 132_863_336, "vgg11_bn": 132_868_840, "vgg13": 133_047_848, "vgg13_bn": 133_053_736,
     "vgg16": 138_357_544, "vgg16_bn": 138_365_992, "vgg19": 143_667_240, "vgg19_bn": 143_678_248,
     "squeezenet1_1": 1_235_496,
@@ -147,3 +147,26 @@ def test_keras_applications_models_honour_the_configured_dropout(name, layer, de
         assert model.output_shape == (None, 5)
         keras.backend.clear_session()
     assert rates == {None: {layer: default} if default else {}, 0.3: {layer: 0.3}}
+
+
+def test_stochastic_depth_drops_whole_residual_branches_per_sample_at_rising_rates():
+    """resnet18 with drop_path 0.3: 8 blocks at rates 0, 0.3/7, ..., 0.3; in training each sample's branch is
+    either dropped (all zeros) or scaled by 1/(1 - rate); at inference it passes unchanged."""
+    import keras
+    from tfdp.models.resnet import DropPath
+    model = MODELS["resnet18"]((32, 32, 3), 10, drop_path_rate=0.3)
+    rates = [layer.rate for layer in model.layers if isinstance(layer, DropPath)]
+    np.testing.assert_allclose(rates, [0.3 * i / 7 for i in range(1, 8)])   # the first block (rate 0) has none
+    layer = DropPath(0.25, seed=1)
+    x = keras.ops.ones((4000, 3, 3, 2))
+    out = keras.ops.convert_to_numpy(layer(x, training=True))
+    per_sample = out.reshape(4000, -1)
+    assert set(np.unique(per_sample)) <= {0.0, 1 / 0.75} and (per_sample == per_sample[:, :1]).all()
+    assert abs((per_sample[:, 0] == 0).mean() - 0.25) < 0.03
+    assert np.array_equal(keras.ops.convert_to_numpy(layer(x, training=False)), np.ones((4000, 3, 3, 2)))
+
+
+def test_drop_path_on_a_model_without_residual_blocks_is_one_line():
+    cfg = validate({"model": {"name": "vgg11", "drop_path": 0.1}})
+    with pytest.raises(UserError, match="model.drop_path: model 'vgg11' has no residual blocks"):
+        build_model(cfg.model, cfg.data)

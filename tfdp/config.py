@@ -75,6 +75,9 @@ class ModelConfig:
     # Batch-norm statistics over the global batch (all replicas) instead of each replica's share, as
     # Model Garden's use_sync_bn and PyTorch's SyncBatchNorm: for small per-replica batches.
     sync_bn: Bool = False
+    # Stochastic depth: residual branches dropped per sample, the rate rising linearly to this at the last
+    # block (timm's drop_path_rate); ResNet family only.
+    drop_path: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
 
 
 @dataclasses.dataclass

@@ -147,3 +147,33 @@ class WorkerGather:
         rows = np.zeros([self.workers, len(local)], np.int64)
         rows[self.worker] = local
         return self._gather(tf.constant(rows)).numpy().tolist()
+
+
+def decorrelate_random_streams(model: keras.Model) -> int:
+    """Gives every replica its own random stream for the model's random layers (flip, dropout, drop path).
+
+    Keras seeds each random layer's generator once, so under a strategy every
+    replica starts from the same state and the i-th image of every replica's
+    batch is flipped (or dropped) alike. Here replica r's seed becomes
+    seed + r * 7919, all workers counting replicas globally. It must run when
+    all replicas hold the same state (after building or restoring a
+    checkpoint, which stores replica 0's), and then reproduces exactly the
+    state of a run never interrupted: counters advance alike on every replica.
+    Returns how many generators it moved.
+    """
+    strategy = model.distribute_strategy
+    states = [v.value for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
+    if not states or strategy.num_replicas_in_sync == 1:
+        return 0
+
+    @tf.function
+    def offset():
+        def on_replica():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            for state in states:
+                step = tf.cast(tf.stack([replica * 7919, 0]), state.dtype)
+                state.assign(state + step)   # aggregation NONE: this replica's own copy
+        strategy.run(on_replica)
+
+    offset()
+    return len(states)

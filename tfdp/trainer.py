@@ -32,7 +32,7 @@ from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.models import check_model_name
 from tfdp.places import writable_tree
 from tfdp.preemption import PreemptionWatch
-from tfdp.replica_state import ReplicaSnapshot, state_averager
+from tfdp.replica_state import ReplicaSnapshot, decorrelate_random_streams, state_averager
 from tfdp.strategy import Runtime
 from tfdp.task import Plan, TrainStream, compile_model, make_plan, validation_dataset
 from tfdp.keras_patches.train_step import use_xla
@@ -130,6 +130,7 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
     own = state.get("replica_state") if state else None
     if own is not None and own.shape == (runtime.num_replicas, snapshot.width):
         snapshot.put_back(own)  # each replica's statistics as they were, not just their saved average
+    decorrelate_random_streams(model)  # each replica flips and drops its own images, not replica 0's choices
     checkpointer = Checkpointer(
         store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None,
         steps_per_epoch=plan.steps_per_epoch, every_steps=cfg.train.checkpoint_every_steps, average=average,

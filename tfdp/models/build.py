@@ -10,7 +10,7 @@ import keras
 
 from tfdp.config import DataConfig, ModelConfig
 from tfdp.errors import UserError
-from tfdp.models.registry import MIN_INPUT_SIZE, MODELS, check_model_name
+from tfdp.models.registry import DROP_PATH, MIN_INPUT_SIZE, MODELS, check_model_name
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -44,8 +44,12 @@ def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
     if data_cfg.image_size < MIN_INPUT_SIZE[model_cfg.name]:
         raise UserError(f"model '{model_cfg.name}' needs data.image_size of at least "
                         f"{MIN_INPUT_SIZE[model_cfg.name]}, got {data_cfg.image_size}")
+    if model_cfg.drop_path and model_cfg.name not in DROP_PATH:
+        raise UserError(f"model.drop_path: model '{model_cfg.name}' has no residual blocks to drop "
+                        f"(models that do: {', '.join(sorted(DROP_PATH))})")
     shape = (data_cfg.image_size, data_cfg.image_size, 3)
-    backbone = MODELS[model_cfg.name](input_shape=shape, num_classes=model_cfg.num_classes, dropout=model_cfg.dropout)
+    backbone = MODELS[model_cfg.name](input_shape=shape, num_classes=model_cfg.num_classes, dropout=model_cfg.dropout,
+                                      drop_path_rate=model_cfg.drop_path)
     inputs = keras.Input(shape, dtype="uint8", name="image")
     x = keras.layers.RandomFlip("horizontal", name="hflip")(inputs) if data_cfg.hflip else inputs
     if model_cfg.sync_bn:

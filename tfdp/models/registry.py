@@ -22,20 +22,28 @@ MODELS: dict[str, Builder] = {}
 MIN_INPUT_SIZE: dict[str, int] = {}
 # name → the dropout rate before the classifier when `model.dropout` is not set.
 DEFAULT_DROPOUT: dict[str, float] = {}
+# names of the models whose builder takes `drop_path` (stochastic depth over residual blocks).
+DROP_PATH: set[str] = set()
 
 
-def register(name: str, min_size: int = 32, dropout: float = 0.0) -> Callable[[Builder], Builder]:
-    """Adds a builder under `name`, with its smallest input side and its default dropout."""
+def register(name: str, min_size: int = 32, dropout: float = 0.0, drop_path: bool = False
+             ) -> Callable[[Builder], Builder]:
+    """Adds a builder under `name`, with its smallest input side, its default dropout and whether it takes
+    a stochastic-depth rate."""
     def add(fn: Builder) -> Builder:
         if name in MODELS:
             raise ValueError(f"model '{name}' registered twice")
 
         @functools.wraps(fn)
-        def build(input_shape, num_classes: int, dropout: float | None = None) -> keras.Model:
-            return fn(input_shape, num_classes, DEFAULT_DROPOUT[name] if dropout is None else dropout)
+        def build(input_shape, num_classes: int, dropout: float | None = None, drop_path_rate: float = 0.0
+                  ) -> keras.Model:
+            kwargs = {"drop_path": drop_path_rate} if drop_path_rate else {}
+            return fn(input_shape, num_classes, DEFAULT_DROPOUT[name] if dropout is None else dropout, **kwargs)
         MODELS[name] = build
         MIN_INPUT_SIZE[name] = min_size
         DEFAULT_DROPOUT[name] = dropout
+        if drop_path:
+            DROP_PATH.add(name)
         return fn
     return add
 

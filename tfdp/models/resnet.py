@@ -1,11 +1,17 @@
-"""ResNet-18/34 and ResNeXt-50 (32x4d) following torchvision, and ResNet-18 for small images.
+"""ResNet-18/34/50 (v1.5) and ResNeXt-50 (32x4d) following torchvision, and ResNet-18 for small images.
 
 torchvision's layout: 7x7/2 stem and 3x3/2 max-pool, convolutions without
 bias, batch norm after every convolution, the stride on the 3x3 convolution of
 a bottleneck (ResNet v1.5), a 1x1 projection shortcut where the shape changes.
 Parameter counts equal torchvision's (ResNet-18 11,689,512; ResNet-34
-21,797,672; ResNeXt-50 32x4d 25,028,904 at 1,000 classes). ResNet-50/101/152
-come from keras.applications (see keras_apps.py).
+21,797,672; ResNet-50 25,557,032; ResNeXt-50 32x4d 25,028,904 at 1,000
+classes). `resnet50_v1_5` is the ResNet-50 of torchvision, timm and Model
+Garden, the one the published recipes train; `resnet50` (keras.applications,
+see keras_apps.py) is the original v1, with the stride on the first 1x1.
+
+`drop_path` (stochastic depth, Huang et al. 2016) drops each block's residual
+branch per sample during training, at a rate rising linearly from 0 at the
+first block to `drop_path` at the last, as timm does.
 
 `small_images=True` (CIFAR-style, `resnet18_small`): a 3x3 stride-1 stem and no
 max-pool. At 28-32 px the ImageNet stem would shrink the image to 8 px before
@@ -36,57 +42,96 @@ def shortcut(x, filters: int, stride: int, name: str):
     return conv_bn(x, filters, 1, stride, f"{name}_down", relu=False)
 
 
-def basic_block(x, filters: int, stride: int, name: str):
-    skip = shortcut(x, filters, stride, name)
-    x = conv_bn(x, filters, 3, stride, f"{name}_a")
-    x = conv_bn(x, filters, 3, 1, f"{name}_b", relu=False)
+@keras.saving.register_keras_serializable(package="tfdp")
+class DropPath(layers.Layer):
+    """Zeroes the whole input of a sample with probability `rate` in training, scaling the rest by 1/(1-rate)."""
+
+    def __init__(self, rate: float, seed: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.rate = float(rate)
+        self.seed_generator = keras.random.SeedGenerator(seed)
+
+    def call(self, x, training=False):
+        if not training or not self.rate:
+            return x
+        keep = 1.0 - self.rate
+        shape = (keras.ops.shape(x)[0],) + (1,) * (len(x.shape) - 1)
+        mask = keras.ops.floor(keep + keras.random.uniform(shape, seed=self.seed_generator, dtype=x.dtype))
+        return x / keep * mask
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate}
+
+
+def residual(x, skip, name: str, drop_path: float):
+    if drop_path:
+        x = DropPath(drop_path, name=f"{name}_drop_path")(x)
     return layers.ReLU(name=f"{name}_out")(layers.Add(name=f"{name}_add")([x, skip]))
 
 
-def bottleneck(x, filters: int, stride: int, name: str, groups: int = 1, width_per_group: int = 64):
+def basic_block(x, filters: int, stride: int, name: str, drop_path: float = 0.0):
+    skip = shortcut(x, filters, stride, name)
+    x = conv_bn(x, filters, 3, stride, f"{name}_a")
+    x = conv_bn(x, filters, 3, 1, f"{name}_b", relu=False)
+    return residual(x, skip, name, drop_path)
+
+
+def bottleneck(x, filters: int, stride: int, name: str, drop_path: float = 0.0, groups: int = 1,
+               width_per_group: int = 64):
     width = int(filters * width_per_group / 64) * groups
     skip = shortcut(x, filters * 4, stride, name)
     x = conv_bn(x, width, 1, 1, f"{name}_a")
     x = conv_bn(x, width, 3, stride, f"{name}_b", groups=groups)
     x = conv_bn(x, filters * 4, 1, 1, f"{name}_c", relu=False)
-    return layers.ReLU(name=f"{name}_out")(layers.Add(name=f"{name}_add")([x, skip]))
+    return residual(x, skip, name, drop_path)
 
 
 def resnet(input_shape, num_classes: int, dropout: float, block, depths, name: str, small_images: bool = False,
-           **block_kwargs) -> keras.Model:
+           drop_path: float = 0.0, **block_kwargs) -> keras.Model:
     inputs = keras.Input(input_shape)
     if small_images:
         x = conv_bn(inputs, 64, 3, 1, "stem")
     else:
         x = conv_bn(inputs, 64, 7, 2, "stem")
         x = layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
+    blocks, index = sum(depths), 0
     for stage, (filters, depth) in enumerate(zip((64, 128, 256, 512), depths), start=1):
         for i in range(depth):
             stride = 2 if stage > 1 and i == 0 else 1
-            x = block(x, filters, stride, f"stage{stage}_block{i + 1}", **block_kwargs)
+            rate = drop_path * index / max(blocks - 1, 1)
+            x = block(x, filters, stride, f"stage{stage}_block{i + 1}", drop_path=rate, **block_kwargs)
+            index += 1
     x = layers.GlobalAveragePooling2D(name="pool")(x)
     if dropout:
         x = layers.Dropout(dropout, name="dropout")(x)
     return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name=name)
 
 
-@register("resnet18")
-def resnet18(input_shape, num_classes: int, dropout: float) -> keras.Model:
-    return resnet(input_shape, num_classes, dropout, basic_block, (2, 2, 2, 2), "resnet18_backbone")
+@register("resnet18", drop_path=True)
+def resnet18(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
+    return resnet(input_shape, num_classes, dropout, basic_block, (2, 2, 2, 2), "resnet18_backbone",
+                  drop_path=drop_path)
 
 
-@register("resnet34")
-def resnet34(input_shape, num_classes: int, dropout: float) -> keras.Model:
-    return resnet(input_shape, num_classes, dropout, basic_block, (3, 4, 6, 3), "resnet34_backbone")
+@register("resnet34", drop_path=True)
+def resnet34(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
+    return resnet(input_shape, num_classes, dropout, basic_block, (3, 4, 6, 3), "resnet34_backbone",
+                  drop_path=drop_path)
 
 
-@register("resnext50_32x4d")
-def resnext50_32x4d(input_shape, num_classes: int, dropout: float) -> keras.Model:
+@register("resnet50_v1_5", drop_path=True)
+def resnet50_v1_5(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
+    return resnet(input_shape, num_classes, dropout, bottleneck, (3, 4, 6, 3), "resnet50_v1_5_backbone",
+                  drop_path=drop_path)
+
+
+@register("resnext50_32x4d", drop_path=True)
+def resnext50_32x4d(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
     return resnet(input_shape, num_classes, dropout, bottleneck, (3, 4, 6, 3), "resnext50_32x4d_backbone",
-                  groups=32, width_per_group=4)
+                  drop_path=drop_path, groups=32, width_per_group=4)
 
 
-@register("resnet18_small", min_size=8)
-def resnet18_small(input_shape, num_classes: int, dropout: float) -> keras.Model:
+@register("resnet18_small", min_size=8, drop_path=True)
+def resnet18_small(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
     return resnet(input_shape, num_classes, dropout, basic_block, (2, 2, 2, 2), "resnet18_small_backbone",
-                  small_images=True)
+                  small_images=True, drop_path=drop_path)
