@@ -43,6 +43,22 @@ def test_ints_are_accepted_for_float_fields():
     ({"data": 5}, "config section 'data' must be a mapping"),
     ({"data": {"min_crop_area": 0.9, "max_crop_area": 0.5}}, "data.min_crop_area must not exceed data.max_crop_area"),
     ({"schedule": {"warmup_epochs": 20}, "train": {"epochs": 10}}, "warmup_epochs must be smaller than train.epochs"),
+    ({"augment": {"mixup": 0.2}}, "unknown config key 'augment.mixup'; did you mean 'augment.mixup_alpha'?"),
+    ({"augment": {"mix_prob": 1.5}}, "config field 'augment.mix_prob': input should be less than or equal to 1"),
+    ({"augment": {"switch_prob": -0.5}}, "config field 'augment.switch_prob': input should be greater than or equal to 0"),
+    ({"augment": {"erasing_prob": 2}}, "config field 'augment.erasing_prob': input should be less than or equal to 1"),
+    ({"augment": {"mixup_alpha": -1}}, "config field 'augment.mixup_alpha': input should be greater than or equal to 0"),
+    ({"augment": {"erasing_mode": "noise"}}, "config field 'augment.erasing_mode': input should be 'pixel', 'rand' or 'const'"),
+    ({"augment": {"rand_augment": "augmix-m3"}}, "config field 'augment.rand_augment': must start with 'rand-'"),
+    ({"augment": {"rand_augment": "rand-m9-x3"}}, "config field 'augment.rand_augment': unknown RandAugment section 'x3'"),
+    ({"augment": {"rand_augment": "rand-n1.5"}}, "config field 'augment.rand_augment': RandAugment section 'n1.5' needs an integer"),
+    ({"augment": {"rand_augment": "rand-m9-p2"}}, "config field 'augment.rand_augment': RandAugment section 'p2': p must be in [0, 1]"),
+    ({"augment": {"rand_augment": "rand-m9", "rand_augment_ops": ["Rotat"]}},
+     "config field 'augment.rand_augment_ops': unknown op 'Rotat'; did you mean 'Rotate'?"),
+    ({"augment": {"rand_augment_ops": ["Rotate"]}}, "augment.rand_augment_ops needs augment.rand_augment"),
+    ({"augment": {"rand_augment": "rand-m9", "trivial_augment": True}},
+     "augment.rand_augment and augment.trivial_augment exclude each other"),
+    ({"augment": {"erasing_area": [0.4, 0.1]}}, "augment.erasing_area must be [min, max] with min <= max"),
 ])
 def test_bad_values_name_the_field(raw, message):
     with pytest.raises(UserError) as err:
@@ -93,3 +109,16 @@ def test_jit_compile_auto_is_on_for_accelerators_and_off_on_cpu():
     assert validate({"train": {"jit_compile": True}}).train.jit_compile is True
     with pytest.raises(UserError, match="train.jit_compile"):
         validate({"train": {"jit_compile": "sometimes"}})
+
+
+def test_augmentations_are_off_by_default_and_a_recipe_loads():
+    from tfdp.config import AugmentConfig
+    a = config_lib.validate({}).augment
+    assert a == AugmentConfig()
+    assert not a.rand_augment and not a.trivial_augment and a.erasing_prob == 0 and a.color_jitter == 0
+    assert a.mixup_alpha == 0 and a.cutmix_alpha == 0
+    timm = config_lib.validate({"augment": {"rand_augment": "rand-m9-mstd0.5-inc1", "mixup_alpha": 0.8,
+                                            "cutmix_alpha": 1.0, "erasing_prob": 0.25}}).augment
+    assert (timm.rand_augment, timm.mix_prob, timm.switch_prob, timm.erasing_mode) == (
+        "rand-m9-mstd0.5-inc1", 1.0, 0.5, "pixel")
+    assert config_lib.validate({"augment": {"erasing_area": [0.1, 0.2]}}).augment.erasing_area == (0.1, 0.2)

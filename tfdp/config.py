@@ -169,6 +169,109 @@ class LogConfig:
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
 
 
+# RandAugment ops by timm's names (timm/data/auto_augment.py); tfdp/augment.py implements each.
+RAND_AUGMENT_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
+                    "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
+# timm's "inc1" list: the same ops, those with a direction replaced by variants that grow with the magnitude.
+RAND_AUGMENT_INCREASING_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreasing",
+                               "SolarizeIncreasing", "SolarizeAdd", "ColorIncreasing", "ContrastIncreasing",
+                               "BrightnessIncreasing", "SharpnessIncreasing", "ShearX", "ShearY", "TranslateXRel",
+                               "TranslateYRel")
+RAND_AUGMENT_OP_NAMES = tuple(dict.fromkeys(RAND_AUGMENT_OPS + RAND_AUGMENT_INCREASING_OPS))
+
+
+@dataclasses.dataclass(frozen=True)
+class RandAugmentSpec:
+    """A parsed timm RandAugment string; the defaults are timm's for a section left out."""
+    num_ops: int = 2              # n: ops applied one after another to each image
+    magnitude: float = 10.0       # m: 0..10 (timm's _LEVEL_DENOM scale)
+    magnitude_std: float = 0.0    # mstd: per-application gaussian noise on m; inf (mstd > 100): uniform in [0, m]
+    magnitude_max: float = 10.0   # mmax: the noisy magnitude is clipped to [0, mmax]
+    increasing: bool = False      # inc1: RAND_AUGMENT_INCREASING_OPS instead of RAND_AUGMENT_OPS
+    prob: float = 0.5             # p: chance that each chosen op is applied (timm's AugmentOp prob)
+
+
+def parse_rand_augment(text: str) -> RandAugmentSpec:
+    """Reads timm's `rand-m9-n2-mstd0.5-mmax10-inc1-p0.5` syntax; raises ValueError naming the bad section.
+
+    Stricter than timm, which silently skips a section without digits and asserts on unknown keys.
+    """
+    sections = text.split("-")
+    if sections[0] != "rand":
+        raise ValueError(f"must start with 'rand-' (timm's RandAugment syntax, e.g. rand-m9-mstd0.5-inc1), "
+                         f"not {sections[0]!r}")
+    values: dict[str, Any] = {}
+    for section in sections[1:]:
+        key, value = _split_section(section)
+        values[key] = value
+    return RandAugmentSpec(**values)
+
+
+_RAND_AUGMENT_KEYS = {"m": ("magnitude", float), "n": ("num_ops", int), "mstd": ("magnitude_std", float),
+                      "mmax": ("magnitude_max", float), "inc": ("increasing", int), "p": ("prob", float)}
+
+
+def _split_section(section: str) -> tuple[str, Any]:
+    """One `key<number>` section of a RandAugment string as (RandAugmentSpec field, value)."""
+    key = section.rstrip("0123456789.")
+    raw = section[len(key):]
+    if key not in _RAND_AUGMENT_KEYS:
+        known = ", ".join(f"{k}<number>" for k in _RAND_AUGMENT_KEYS)
+        raise ValueError(f"unknown RandAugment section {section!r} (known: {known})")
+    field, kind = _RAND_AUGMENT_KEYS[key]
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"RandAugment section {section!r} needs a{'n integer' if kind is int else ' number'} "
+                         f"after {key!r}") from None
+    if key == "mstd" and value > 100:
+        value = float("inf")  # timm: uniform magnitude in [0, m]
+    if key == "n" and value < 1:
+        raise ValueError(f"RandAugment section {section!r}: n must be at least 1")
+    if key == "inc" and value not in (0, 1):
+        raise ValueError(f"RandAugment section {section!r}: inc must be 0 or 1")
+    if key == "p" and not 0 <= value <= 1:
+        raise ValueError(f"RandAugment section {section!r}: p must be in [0, 1]")
+    return field, bool(value) if key == "inc" else value
+
+
+@dataclasses.dataclass
+class AugmentConfig:
+    """Batch augmentations run on the device inside the training step (tfdp/augment.py); all off by default.
+
+    Each follows its reference implementation (timm or torchvision) and draws its randomness per image.
+    """
+    __pydantic_config__ = _FORBID
+    # timm RandAugment string, "" = off: "rand" and dash-separated sections m<magnitude 0-10> n<ops per image>
+    # mstd<magnitude noise> mmax<magnitude cap> inc<0|1> p<chance per op>; timm's ImageNet recipes use
+    # "rand-m9-mstd0.5-inc1" (n2, p0.5 by default).
+    rand_augment: Str = ""
+    # Restrict RandAugment to these ops (timm names, config.RAND_AUGMENT_OP_NAMES); empty: timm's 15 (inc1: its
+    # increasing variants).
+    rand_augment_ops: tuple[Str, ...] = ()
+    # torchvision TrivialAugmentWide: one op per image, its magnitude uniform over 31 bins. Excludes rand_augment.
+    trivial_augment: Bool = False
+    # timm Mixup/CutMix: on where alpha > 0; lambda ~ Beta(alpha, alpha), the partner is the batch reversed.
+    mixup_alpha: NonNegFloat = 0.0
+    cutmix_alpha: NonNegFloat = 0.0
+    mix_prob: Fraction = 1.0        # chance that an image (mix_mode batch: the batch) is mixed at all
+    switch_prob: Fraction = 0.5     # with both alphas > 0: chance of CutMix instead of Mixup
+    # elem: each image its own lambda, box and mixup/cutmix choice (timm mode='elem'); batch: one for the whole
+    # per-replica batch (timm's default mode='batch').
+    mix_mode: Literal["elem", "batch"] = "elem"
+    # timm RandomErasing: chance per image; pixel: per-pixel normal noise, rand: one normal colour per box,
+    # const: the mean colour (noise and colour in normalized units, i.e. data.mean + data.std * N(0, 1)).
+    erasing_prob: Fraction = 0.0
+    erasing_mode: Literal["pixel", "rand", "const"] = "pixel"
+    erasing_area: tuple[Fraction, Fraction] = (0.02, 1 / 3)   # erased fraction of the image, [min, max]
+    erasing_min_aspect: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.3   # log-uniform in [this, 1/this]
+    # torchvision ColorJitter: brightness, contrast and saturation factors drawn from [max(0, 1-x), 1+x]
+    # (timm's --color-jitter), hue shift from [-h, h]; 0 = off.
+    color_jitter: NonNegFloat = 0.0
+    color_jitter_hue: Annotated[float, Strict(), Field(ge=0, le=0.5)] = 0.0
+    color_jitter_random_order: Bool = True   # torchvision applies the four in a random order per call (here per image)
+
+
 @dataclasses.dataclass
 class Config:
     __pydantic_config__ = _FORBID
@@ -180,6 +283,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     distribute: DistributeConfig = dataclasses.field(default_factory=DistributeConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    augment: AugmentConfig = dataclasses.field(default_factory=AugmentConfig)
 
 
 _ADAPTER = pydantic.TypeAdapter(Config)
@@ -278,8 +382,29 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.model.sync_bn and cfg.train.jit_compile is True:
         raise UserError("model.sync_bn needs train.jit_compile: false (its all-reduce cannot run inside the "
                         "per-replica XLA step)")
+    _check_augment(cfg.augment)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run
+
+
+def _check_augment(a: AugmentConfig) -> None:
+    if a.rand_augment:
+        try:
+            parse_rand_augment(a.rand_augment)
+        except ValueError as e:
+            raise UserError(f"config field 'augment.rand_augment': {e} (got {a.rand_augment!r})") from None
+    elif a.rand_augment_ops:
+        raise UserError("augment.rand_augment_ops needs augment.rand_augment (e.g. rand-m9-mstd0.5)")
+    for name in a.rand_augment_ops:
+        if name not in RAND_AUGMENT_OP_NAMES:
+            close = difflib.get_close_matches(name, RAND_AUGMENT_OP_NAMES, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f" (known: {', '.join(RAND_AUGMENT_OP_NAMES)})"
+            raise UserError(f"config field 'augment.rand_augment_ops': unknown op '{name}'{hint}")
+    if a.rand_augment and a.trivial_augment:
+        raise UserError("augment.rand_augment and augment.trivial_augment exclude each other (each is a whole "
+                        "per-image op policy); keep one")
+    if a.erasing_area[0] > a.erasing_area[1]:
+        raise UserError("augment.erasing_area must be [min, max] with min <= max")
 
 
 def _section_at(loc: tuple[str, ...]) -> type | None:
