@@ -20,7 +20,8 @@ from tfdp.data import Source
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, train_dataset
 from tfdp.errors import UserError
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
-from tfdp.keras_patches.train_step import compile_train_step, use_xla
+from tfdp.augment import build_batch_augment
+from tfdp.keras_patches.train_step import augment_before_step, compile_train_step, use_xla
 from tfdp.losses import SparseSmoothedCrossentropy, Top1, TopK
 from tfdp.models import build_model
 from tfdp.optimizers import build_optimizer
@@ -63,8 +64,13 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs)
     optimizer = build_optimizer(cfg.optimizer, schedule)
     model = _compiled(cfg, optimizer)
-    if use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)[0]:
+    jit = use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)[0]
+    if jit:
         compile_train_step(model)  # whole-step XLA per replica; Keras' own jit fails with several replicas
+    # Label smoothing stays the loss's: smoothing the mixed targets equals mixing smoothed ones.
+    augment = build_batch_augment(cfg.augment, cfg.model.num_classes, mean=cfg.data.mean, std=cfg.data.std)
+    if augment is not None:
+        augment_before_step(model, augment, cfg.train.seed, jit)
     # Built now, not lazily in the first step, so a checkpoint can restore its state.
     optimizer.build(model.trainable_variables)
     return model

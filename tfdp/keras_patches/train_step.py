@@ -41,6 +41,8 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfdp.augment import step_seed
+
 
 def use_xla(setting, devices, sync_bn: bool = False) -> tuple[bool, str]:
     """Resolves `train.jit_compile` (`auto`, true, false) for the strategy's devices, with the reason."""
@@ -175,3 +177,25 @@ def stateless_update(optimizer: keras.optimizers.Optimizer, optimizer_values: li
     # stateless_apply hands back the very input for a value it did not change: None says so to `write_local`.
     unchanged = lambda new, old: [None if n is o else n for n, o in zip(new, old)]  # noqa: E731
     return unchanged(new_trainable, trainable_values), unchanged(new_optimizer, optimizer_values)
+
+
+def augment_before_step(model: keras.Model, augment, run_seed: int, jit_compile: bool) -> None:
+    """Runs `augment(images, labels, seed) -> (images, soft labels)` on each replica's batch before the step.
+
+    The batch augmentations (tfdp/augment.py) are per-pixel work, so they run
+    on the device, as the step's first program (compiled with XLA when the
+    step is). Their seed comes from (train.seed, the optimizer's step,
+    the global replica id): every replica and every step draws its own, and a
+    resumed run draws what the uninterrupted one would have.
+    """
+    inner = model.train_step
+    run = tf.function(augment, jit_compile=True, reduce_retracing=True) if jit_compile else augment
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        x, y = run(x, y, step_seed(run_seed, self.optimizer.iterations, replica))
+        return inner((x, y) if sample_weight is None else (x, y, sample_weight))
+
+    model.train_step = types.MethodType(train_step, model)
+
