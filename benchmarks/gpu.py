@@ -17,7 +17,8 @@ The JPEGs are cut from the real photos in the scikit-image/scikit-learn
 wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
 
   python benchmarks/gpu.py                      # ResNet-50, batch 256, bf16, 224 px: the GPU table
-  python benchmarks/gpu.py --model=resnet18_small --size=32 --batch=32 --images=512 --epochs=3   # a CPU smoke run
+  python benchmarks/gpu.py --model=resnet18_small --size=32 --batch=32 --images=512 --epochs=3 \
+      --precision=float32 --max_side=64 --steps=5 --skip_fp16       # a CPU smoke run
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="benchmark window, in steps")
     parser.add_argument("--max_side", type=int, default=256, help="downscaled shards: longer side")
+    parser.add_argument("--skip_fp16", action="store_true", help="leave out the mixed_float16 row (emulated on CPUs)")
     parser.add_argument("--plain_keras_probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_keras_probe:
@@ -144,8 +146,9 @@ def main() -> None:
         rows.append(("tfdp train, synthetic, XLA auto", run("syn", synthetic)))
         rows.append(("tfdp train, synthetic, train.jit_compile false", run("syn-nojit", synthetic,
                                                                            "--set=train.jit_compile=false")))
-        rows.append(("tfdp train, synthetic, XLA, mixed_float16", run("syn-fp16", synthetic,
-                                                                       "--set=train.precision=mixed_float16")))
+        if not args.skip_fp16:
+            rows.append(("tfdp train, synthetic, XLA, mixed_float16", run("syn-fp16", synthetic,
+                                                                           "--set=train.precision=mixed_float16")))
         rows.append((f"tfdp train, {len(files):,} JPEG files (first process after writing them)", run("files", tree)))
         rows.append(("tfdp train, TFRecord shards, full size", run("shards", shards)))
         rows.append((f"tfdp train, TFRecord shards, longer side {args.max_side}", run("small", small)))
