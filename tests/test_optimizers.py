@@ -93,3 +93,34 @@ def test_unknown_optimizer_and_bad_values_are_one_line_naming_the_field():
         validate({"optimizer": {"ema_decay": 1.5}})
     with pytest.raises(UserError, match="optimizer.clip_norm"):
         validate({"optimizer": {"clip_norm": -1.0}})
+
+
+def test_ema_weights_are_evaluated_each_epoch_and_can_pick_the_best_checkpoint(tmp_path, small_dir):
+    """`tfdp train` with an EMA: every epoch reports val_ema_* beside val_*, the best checkpoint is chosen by
+    val_ema_top1, and the run's own weights are put back after the EMA's evaluation (the raw validation of
+    the next epoch is not the EMA's)."""
+    import json
+    from conftest import read_jsonl, run_tfdp
+    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
+                      f"--data_dir={small_dir}", "--data_format=image_folder", f"--model_dir={tmp_path}", "--epochs=2",
+                      "--set=optimizer.ema_decay=0.9", "--set=train.best_metric=val_ema_top1",
+                      "--set=schedule.warmup_epochs=0", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all({"val_ema_top1", "val_ema_loss", "val_top1"} <= set(r) for r in rows)
+    assert any(r["val_ema_loss"] != r["val_loss"] for r in rows)
+    best = json.loads((tmp_path / "checkpoints" / "best.json").read_text())
+    assert best["metric"] == "val_ema_top1" and best["value"] == max(r["val_ema_top1"] for r in rows)
+    # The best checkpoint holds the moving average, not the trained weights of its epoch.
+    import h5py
+    def kernel(path):
+        with h5py.File(path) as f:
+            found = []
+            f.visititems(lambda name, obj: found.append(obj[()]) if "vars" in name and hasattr(obj, "shape")
+                         and len(obj.shape) == 4 else None)
+            return found[0]
+    epoch_dir = tmp_path / "checkpoints" / f"epoch-{best['epoch']:04d}"   # both epochs' checkpoints are kept
+    assert not np.allclose(kernel(tmp_path / "checkpoints" / "best.weights.h5"), kernel(epoch_dir / "model.weights.h5"))
+    bad = run_tfdp("train", "--config=configs/digits.yaml", f"--model_dir={tmp_path}/x",
+                   "--set=train.best_metric=val_ema_top1", timeout=60)
+    assert bad.returncode == 2 and "needs optimizer.ema_decay" in bad.stderr.strip().splitlines()[-1]

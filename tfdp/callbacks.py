@@ -6,6 +6,8 @@ learning rate and throughput first, so the metrics log and checkpoints see them.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import os
@@ -102,6 +104,40 @@ class AverageReplicaState(keras.callbacks.Callback):
         self.average()
 
 
+class EmaEvaluation(keras.callbacks.Callback):
+    """With `optimizer.ema_decay`: each epoch also evaluates the weights' moving average (`val_ema_*`).
+
+    The averages are swapped into the model for one more pass over the
+    validation split and swapped out again, as timm's `--model-ema` evaluates
+    both; `train.best_metric: val_ema_top1` then picks the best checkpoint by
+    them. Batch-norm statistics are the raw model's (replica-averaged): Keras
+    averages trainable weights only. Every worker runs it (a collective).
+    """
+
+    def __init__(self, validation):
+        super().__init__()
+        self.validation = validation
+
+    def on_epoch_end(self, epoch, logs=None):
+        with ema_weights(self.model):
+            result = self.model.evaluate(self.validation, verbose=0, return_dict=True)
+        if logs is not None:
+            logs.update({f"val_ema_{name}": float(value) for name, value in result.items()})
+
+
+@contextlib.contextmanager
+def ema_weights(model: keras.Model):
+    """The optimizer's moving averages in place of the trained weights, which are put back after."""
+    raw = [keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
+    for variable, average in zip(model.trainable_variables, model.optimizer._model_variables_moving_average):
+        variable.assign(average)
+    try:
+        yield
+    finally:
+        for variable, value in zip(model.trainable_variables, raw):
+            variable.assign(value)
+
+
 class Checkpointer(keras.callbacks.Callback):
     """Saves every epoch and every `every_steps` steps (atomically), keeps the best epoch by `monitor`,
     and stops at an agreed step on a preemption notice.
@@ -171,7 +207,9 @@ class Checkpointer(keras.callbacks.Callback):
         value = float(logs[self.monitor])
         if self._improved(value):
             self.best = {"epoch": epoch + 1, "metric": self.monitor, "value": value}
-            self.store.save_best(self.model, self.best)
+            # Chosen by the moving average's metrics, the best checkpoint holds the moving average.
+            with ema_weights(self.model) if self.monitor.startswith("val_ema_") else contextlib.nullcontext():
+                self.store.save_best(self.model, self.best)
         self.store.save(self.model, {"epoch": epoch + 1, "step": (epoch + 1) * self.steps_per_epoch,
                                      "step_in_epoch": 0, "best": self.best,
                                      "input": self.input_state(self._fit_steps)})

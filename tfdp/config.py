@@ -125,7 +125,7 @@ class TrainConfig:
     label_smoothing: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
     seed: NonNegInt = 0
     # Keep the best checkpoint by this validation metric.
-    best_metric: Literal["val_top1", "val_loss"] = "val_top1"
+    best_metric: Literal["val_top1", "val_loss", "val_ema_top1", "val_ema_loss"] = "val_top1"
     # Compute dtype policy; logits and loss stay float32, float16 gets dynamic loss scaling.
     precision: Literal["float32", "mixed_bfloat16", "mixed_float16"] = "float32"
     # Training steps per tf.function call (fewer host round trips for small models).
@@ -382,6 +382,8 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.model.sync_bn and cfg.train.jit_compile is True:
         raise UserError("model.sync_bn needs train.jit_compile: false (its all-reduce cannot run inside the "
                         "per-replica XLA step)")
+    if cfg.train.best_metric.startswith("val_ema_") and not cfg.optimizer.ema_decay:
+        raise UserError(f"train.best_metric {cfg.train.best_metric} needs optimizer.ema_decay above 0")
     _check_augment(cfg.augment)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run

@@ -21,7 +21,8 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import config as config_lib
-from tfdp.callbacks import AverageReplicaState, Checkpointer, EpochStats, MetricsLog, WandbLog, tensorboard
+from tfdp.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluation, EpochStats, MetricsLog, WandbLog,
+                            tensorboard)
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config
 from tfdp.data import Source, build_source
@@ -132,16 +133,17 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
         snapshot.put_back(own)  # each replica's statistics as they were, not just their saved average
     decorrelate_random_streams(model)  # each replica flips and drops its own images, not replica 0's choices
     checkpointer = Checkpointer(
-        store, f"val_{cfg.train.best_metric.removeprefix('val_')}", state["best"] if state else None,
+        store, cfg.train.best_metric, state["best"] if state else None,
         steps_per_epoch=plan.steps_per_epoch, every_steps=cfg.train.checkpoint_every_steps, average=average,
         input_state=stream.state, snapshot=snapshot, watch=watch,
         resume=(state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0),
         resume_metrics=state.get("metrics") if state else None)
     # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
     # drops the killed run's copy of it (see `callbacks.tensorboard`).
-    callbacks = [EpochStats(plan.global_batch, corrupt, live=sys.stdout.isatty()), AverageReplicaState(average), metrics_log,
-                 *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
     val_ds = validation_dataset(cfg, source, runtime)
+    ema = [EmaEvaluation(val_ds)] if cfg.optimizer.ema_decay else []
+    callbacks = [EpochStats(plan.global_batch, corrupt, live=sys.stdout.isatty()), AverageReplicaState(average), *ema,
+                 metrics_log, *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
     start = resume_input(state, runtime, plan)
     watch.install()
     try:
