@@ -15,13 +15,10 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 
-from tfdp.cluster import free_ports
+from support.servers import server_process
 
 REGION = "us-east-1"
 # Whatever botocore would otherwise read instead of (or on top of) what the server sets.
@@ -47,13 +44,9 @@ class S3Server:
 @contextlib.contextmanager
 def s3_server(bucket: str = "tfdp-test", startup_seconds: float = 60):
     """Starts moto_server on a free loopback port with `bucket`; sets the environment; yields an `S3Server`."""
-    port = free_ports(1)[0]
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = {k: os.environ.get(k) for k in MASKED}
-    try:
-        _wait_for_port(server, port, startup_seconds)
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"]
+    with server_process(command, "the S3 server (moto)", startup_seconds, MASKED) as port:
+        endpoint = f"http://127.0.0.1:{port}"
         for key in MASKED:
             os.environ.pop(key, None)
         base = {"AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": REGION, "AWS_CONFIG_FILE": os.devnull,
@@ -61,14 +54,6 @@ def s3_server(bucket: str = "tfdp-test", startup_seconds: float = 60):
         member, outsider = _set_up(endpoint, bucket)
         os.environ.update(base, **member)
         yield S3Server(endpoint, f"s3://{bucket}", {**base, **member}, outsider)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _set_up(endpoint: str, bucket: str) -> tuple[dict, dict]:
@@ -91,15 +76,3 @@ def _set_up(endpoint: str, bucket: str) -> tuple[dict, dict]:
                                      headers={"Content-Type": "text/plain"})
     urllib.request.urlopen(request, timeout=10).close()
     return keys[0], keys[1]
-
-
-def _wait_for_port(server: subprocess.Popen, port: int, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the S3 server (moto) did not start") from None
-            time.sleep(0.2)
