@@ -124,3 +124,20 @@ def test_ema_weights_are_evaluated_each_epoch_and_can_pick_the_best_checkpoint(t
     bad = run_tfdp("train", "--config=configs/digits.yaml", f"--model_dir={tmp_path}/x",
                    "--set=train.best_metric=val_ema_top1", timeout=60)
     assert bad.returncode == 2 and "needs optimizer.ema_decay" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_sgd_weight_decay_is_l2_through_the_momentum_as_in_torch():
+    """Two steps with momentum 0.9, lr 0.1, weight decay 0.01 and a zero gradient: torch.optim.SGD's maths
+    (v = 0.9 v + (g + wd w); w -= lr v), and none for an excluded variable."""
+    import keras
+    w0 = np.array([1.0, -2.0], "float32")
+    kernel, bias = keras.Variable(w0, name="kernel"), keras.Variable(w0, name="bias")
+    opt = build_optimizer(OptimizerConfig(name="sgd", momentum=0.9, weight_decay=0.01, decay_norm_and_bias=False), 0.1)
+    opt.build([kernel, bias])
+    w, v = w0.copy(), np.zeros(2, "float32")
+    for _ in range(2):
+        opt.apply([tf.zeros(2), tf.zeros(2)], [kernel, bias])
+        v = 0.9 * v + 0.01 * w
+        w = w - 0.1 * v
+    np.testing.assert_allclose(kernel.numpy(), w, rtol=1e-6)
+    np.testing.assert_array_equal(bias.numpy(), w0)
