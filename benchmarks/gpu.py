@@ -47,8 +47,8 @@ def train_rate(args, model_dir: str, data: list[str], *extra: str) -> str:
     """Median images/s of epochs 2.. of a `tfdp train` run (the first epoch compiles)."""
     run = tfdp("train", f"--model={args.model}", f"--model_dir={model_dir}", f"--epochs={args.epochs}",
                f"--batch_size_per_replica={args.batch}", f"--set=data.image_size={args.size}",
-               f"--set=train.precision={args.precision}", "--set=model.num_classes=1000",
-               "--set=train.checkpoint_every_steps=0", "--strategy=mirrored", *data, *extra)
+               f"--set=train.precision={args.precision}", "--set=train.checkpoint_every_steps=0",
+               "--strategy=mirrored", *data, *extra)
     if run.returncode != 0:
         return "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:120]
     with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -87,8 +87,7 @@ def plain_keras_probe(args) -> None:
 def benchmark_rows(args, model_dir: str, data: list[str]) -> list[tuple[str, str]]:
     out = os.path.join(model_dir, "bench")
     run = tfdp("benchmark", f"--model={args.model}", f"--model_dir={model_dir}", f"--batch_size_per_replica={args.batch}",
-               f"--set=data.image_size={args.size}", f"--set=train.precision={args.precision}",
-               "--set=model.num_classes=1000", "--max_replicas=1", f"--steps={args.steps}", "--warmup_steps=5",
+               f"--set=data.image_size={args.size}", f"--set=train.precision={args.precision}", "--max_replicas=1", f"--steps={args.steps}", "--warmup_steps=5",
                f"--benchmark_dir={out}", *data)
     if run.returncode != 0:
         return [("tfdp benchmark", "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:120])]
@@ -137,10 +136,12 @@ def main() -> None:
         start = time.perf_counter()
         data = make_data(work, args.images, args.max_side)
         files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(data["tree"], "train")) for f in fs]
-        synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={args.batch * 60}"]
-        tree = [f"--data_dir={data['tree']}", "--data_format=imagenet"]
-        shards = [f"--data_dir={data['shards']}", "--data_format=tfrecord"]
-        small = [f"--data_dir={data['small']}", "--data_format=tfrecord"]
+        classes = f"--set=model.num_classes={len(os.listdir(os.path.join(data['tree'], 'train')))}"
+        synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={args.batch * 60}",
+                     "--set=model.num_classes=1000"]
+        tree = [f"--data_dir={data['tree']}", "--data_format=imagenet", classes]
+        shards = [f"--data_dir={data['shards']}", "--data_format=tfrecord", classes]
+        small = [f"--data_dir={data['small']}", "--data_format=tfrecord", classes]
         rows.append(("plain Keras fit, jit_compile=True, one device, synthetic", plain_keras_rate(args)))
         run = lambda name, *extra: train_rate(args, os.path.join(work, name), *extra)  # noqa: E731
         rows.append(("tfdp train, synthetic, XLA auto", run("syn", synthetic)))

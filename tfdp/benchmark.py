@@ -170,13 +170,12 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
         lambda ctx: synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch, ctx))
     split = build_source(cfg.data).split(cfg.data.train_split)
     local_pipeline = lambda: train_dataset(split, cfg.data, global_batch, cfg.train.seed)  # noqa: E731
+    result["synthetic_images_per_sec"], _ = fit_rate(model, synthetic, global_batch, steps, warmup)
     if measure_input:
-        with Drain(local_pipeline()) as beside:  # the pipeline decoding while the model trains
-            result["synthetic_images_per_sec"], windows = fit_rate(model, synthetic, global_batch, steps, warmup)
+        with Drain(local_pipeline()) as beside:  # the pipeline decoding while the model trains (a second run:
+            _, windows = fit_rate(model, synthetic, global_batch, steps, warmup)  # it slows the training down)
         result["input_beside_training_images_per_sec"] = beside.rate(global_batch, *windows)
         result["input_images_per_sec"] = pipeline_rate(local_pipeline(), global_batch, steps, warmup)
-    else:
-        result["synthetic_images_per_sec"], _ = fit_rate(model, synthetic, global_batch, steps, warmup)
     if cfg.data.format != "synthetic":
         real = runtime.strategy.distribute_datasets_from_function(
             lambda ctx: train_dataset(split, cfg.data, global_batch, cfg.train.seed, ctx))
