@@ -150,14 +150,17 @@ def from_slurm(port_base: int = 8888) -> Cluster:
 
 
 def to_tf_config(cluster: Cluster) -> str:
-    return workers_tf_config(list(cluster.tasks.get("worker", ())), cluster.task_index, cluster.task_type,
-                             {t: list(a) for t, a in cluster.tasks.items()})
+    return tf_config_json({t: list(a) for t, a in cluster.tasks.items()}, cluster.task_type, cluster.task_index)
 
 
-def workers_tf_config(addresses: list[str], index: int, task_type: str = "worker",
-                      tasks: dict[str, list[str]] | None = None) -> str:
-    """The TF_CONFIG JSON for task `index` of `task_type` (default: a cluster of only workers at `addresses`)."""
-    return json.dumps({"cluster": tasks or {"worker": list(addresses)}, "task": {"type": task_type, "index": int(index)}})
+def workers_tf_config(addresses: list[str], index: int) -> str:
+    """The TF_CONFIG JSON for worker `index` of a cluster of only workers at `addresses`."""
+    return tf_config_json({"worker": list(addresses)}, "worker", index)
+
+
+def tf_config_json(tasks: dict[str, list[str]], task_type: str, index: int) -> str:
+    """The TF_CONFIG JSON for task `index` of `task_type` in the cluster `tasks` (type → addresses)."""
+    return json.dumps({"cluster": tasks, "task": {"type": task_type, "index": int(index)}})
 
 
 def check_port_free(cluster: Cluster) -> None:
