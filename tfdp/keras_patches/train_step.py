@@ -97,8 +97,8 @@ def compile_train_step(model: keras.Model) -> None:
             loss, gradients, y_pred, new_non_trainable = forward_backward_c(
                 values(trainable), values(non_trainable), x, y, sample_weight)
             if not compiled_update:
-                optimizer.apply_gradients(zip(gradients, trainable))
-                new_trainable, new_optimizer = values(trainable), values(optimizer.variables)
+                optimizer.apply_gradients(zip(gradients, trainable))  # writes the variables itself
+                new_trainable = new_optimizer = None
             else:
                 gradients = all_reduce_sum(gradients)
                 new_trainable, new_optimizer = update_c(values(trainable), values(optimizer.variables), gradients)
@@ -132,6 +132,8 @@ def write_local(variables, new_values) -> None:
     optimizer's iteration counter, which tf.distribute would otherwise
     synchronise through a merge_call: every replica computes the same value.
     """
+    if new_values is None:
+        return
     for variable, value in zip(variables, new_values):
         target = variable.value
         if value is target or value is None:
