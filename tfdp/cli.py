@@ -36,6 +36,16 @@ flags.DEFINE_integer("warmup_steps", 5, "benchmark: untimed steps first (tracing
 flags.DEFINE_string("benchmark_dir", None, "benchmark: output directory (default: model_dir/benchmark).")
 flags.DEFINE_string("checkpoint", None, "evaluate/export: weights file to load (default: the best checkpoint in model_dir).")
 flags.DEFINE_string("export_dir", None, "export: output directory (default: model_dir/export).")
+flags.DEFINE_string("data_service", None, "Override data.service_address: train through this tf.data service "
+                    "dispatcher (grpc://host:port); empty: the local pipeline.")
+flags.DEFINE_integer("data_workers", 0, "launch: also start a local tf.data service dispatcher and this many workers, "
+                     "and train through them.")
+flags.DEFINE_integer("port", None, "data-service: port to listen on (dispatcher default 5050, worker any free one).")
+flags.DEFINE_string("dispatcher_address", None, "data-service worker: the dispatcher's host:port.")
+flags.DEFINE_string("worker_address", None, "data-service worker: host name or IP trainers reach this worker at "
+                    "(default localhost: one host only; auto: the IP this host's name resolves to).")
+flags.DEFINE_string("work_dir", None, "data-service dispatcher: directory for its journal, so a restarted dispatcher "
+                    "recovers its datasets and jobs (fault-tolerant mode).")
 
 # Dedicated flag → the config field it overrides.
 FLAG_FIELDS = {
@@ -47,6 +57,7 @@ FLAG_FIELDS = {
     "model": "model.name",
     "data_dir": "data.dir",
     "data_format": "data.format",
+    "data_service": "data.service_address",
 }
 
 
@@ -63,21 +74,24 @@ def resolved_config() -> config_lib.Config:
     return config_lib.load_config(FLAGS.config, overrides_from_flags())
 
 
-def config_and_runtime(args: list[str]):
-    """Validated config, a bucket in data.dir known to answer, then the strategy:
-    built before Keras is imported, because importing Keras initialises
+def config_and_runtime(args: list[str], training: bool = False):
+    """Validated config, a bucket in data.dir known to answer (and, for training, the tf.data service's
+    dispatcher), then the strategy: built before Keras is imported, because importing Keras initialises
     TensorFlow's devices and the CPU could no longer be split into replicas."""
     _no_positional(args)
     cfg = resolved_config()
     from tfdp.data import check_reachable
     check_reachable(cfg.data)
+    if training and cfg.data.service_address:
+        from tfdp.dataservice import check_dispatcher
+        check_dispatcher(cfg.data.service_address, cfg.data.service_timeout)
     console.import_tensorflow()
     from tfdp.strategy import make_runtime
     return cfg, make_runtime(cfg.distribute)
 
 
 def cmd_train(args: list[str]) -> None:
-    cfg, runtime = config_and_runtime(args)
+    cfg, runtime = config_and_runtime(args, training=True)
     from tfdp.trainer import train
     train(cfg, runtime)
 
@@ -115,7 +129,17 @@ def cmd_benchmark(args: list[str]) -> None:
 
 def cmd_launch(args: list[str]) -> None:
     from tfdp.launch import launch
-    sys.exit(launch(FLAGS.workers, args, FLAGS.launch_logs))
+    sys.exit(launch(FLAGS.workers, args, FLAGS.launch_logs, FLAGS.data_workers))
+
+
+def cmd_data_service(args: list[str]) -> None:
+    from tfdp import dataservice
+    if len(args) != 1 or args[0] not in dataservice.ROLES:
+        raise UserError(f"usage: tfdp data-service {'|'.join(dataservice.ROLES)} [--port=N] ...")
+    if args[0] == "dispatcher":
+        dataservice.dispatcher(5050 if FLAGS.port is None else FLAGS.port, FLAGS.work_dir)
+    else:
+        dataservice.worker(FLAGS.dispatcher_address, FLAGS.port or 0, FLAGS.worker_address)
 
 
 COMMANDS = {
@@ -125,6 +149,7 @@ COMMANDS = {
     "export": cmd_export,
     "report": cmd_report,
     "benchmark": cmd_benchmark,
+    "data-service": cmd_data_service,
 }
 
 
@@ -167,6 +192,10 @@ Commands:
   report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR
   benchmark  scaling analysis over 1..N replicas: images/s, efficiency, input- or compute-bound
   launch     start an N-worker cluster on this host: tfdp launch --workers=2 -- train --config=...
+             (--data_workers=N: and a local tf.data service with N workers to feed it)
+  data-service dispatcher|worker
+             a tf.data service process: tfdp data-service dispatcher --port=5050 --work_dir=DIR,
+             tfdp data-service worker --dispatcher_address=HOST:5050; train with --data_service=grpc://HOST:5050
 
 Example:
   tfdp train --config=configs/digits.yaml --epochs=4 --set=optimizer.lr=0.4

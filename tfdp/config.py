@@ -62,6 +62,15 @@ class DataConfig:
     # Per-channel statistics in 0..255 pixel units, applied on the device.
     mean: tuple[Annotated[float, Strict()], ...] = (123.675, 116.28, 103.53)
     std: tuple[PosFloat, ...] = (58.395, 57.12, 57.375)
+    # A tf.data service dispatcher (grpc://host:port, see `tfdp data-service`) that runs the training
+    # pipeline on its workers, so input scales past this host's CPUs; "" = the local pipeline.
+    # Evaluation always reads locally.
+    service_address: Str = ""
+    # distributed_epoch: all trainers share one job over the whole split, every example once per data
+    # epoch; parallel_epochs: every service worker streams this trainer's share in its own order.
+    service_mode: Literal["distributed_epoch", "parallel_epochs"] = "distributed_epoch"
+    # Seconds the dispatcher may take to answer at start before the run stops with an error.
+    service_timeout: PosFloat = 60.0
 
 
 @dataclasses.dataclass
@@ -385,6 +394,8 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.train.best_metric.startswith("val_ema_") and not cfg.optimizer.ema_decay:
         raise UserError(f"train.best_metric {cfg.train.best_metric} needs optimizer.ema_decay above 0")
     _check_augment(cfg.augment)
+    if d.service_address:
+        _check_service(cfg)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run
 
@@ -407,6 +418,20 @@ def _check_augment(a: AugmentConfig) -> None:
                         "per-image op policy); keep one")
     if a.erasing_area[0] > a.erasing_area[1]:
         raise UserError("augment.erasing_area must be [min, max] with min <= max")
+
+
+def _check_service(cfg: Config) -> None:
+    """A dispatcher address TensorFlow can parse (its own error comes late, as a traceback), and no
+    promise of a replayable input, which the service cannot keep (see tfdp/data/service.py)."""
+    address = cfg.data.service_address
+    protocol, _, rest = address.rpartition("://")
+    host, _, port = rest.rpartition(":")
+    if protocol not in ("", "grpc") or not host or not port.isdigit():
+        raise UserError(f"data.service_address must be grpc://HOST:PORT (a tf.data service dispatcher), "
+                        f"got {address!r}")
+    if cfg.train.deterministic:
+        raise UserError("train.deterministic cannot train through the tf.data service (data.service_address): "
+                        "the service decides which worker reads what, so the input cannot be replayed")
 
 
 def _section_at(loc: tuple[str, ...]) -> type | None:

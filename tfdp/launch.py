@@ -6,6 +6,14 @@ to the console with a `[worker i]` prefix, forwards SIGINT/SIGTERM, and if any
 worker fails, stops the others and exits with a status that says why. Running
 the same command again resumes from the last checkpoint in model_dir.
 
+With `--data_workers=N` it also starts a tf.data service on this host: a
+dispatcher (its journal in the scratch folder) and N service workers, as
+`tfdp data-service` processes with their own logs and `[dispatcher]` /
+`[data worker i]` prefixes; every trainer gets `--data_service` pointing at
+the dispatcher, and the service is stopped (SIGTERM) once the trainers are
+done, whatever ended them. A service process that dies does not end the
+launch: the trainers go on with the workers that are left.
+
 Every worker's temporary files (TMPDIR) go to one scratch folder per launch,
 `tfdp-launch-PID-*` in the system temp dir, removed once the workers are gone,
 whatever ended them; one left by a launcher that was itself killed is removed
@@ -70,27 +78,59 @@ def _pump(proc: subprocess.Popen, prefix: str, log_path: str, console_lock: thre
                 sys.stdout.flush()
 
 
-def launch(num_workers: int, child_args: list[str], log_dir: str) -> int:
+def launch(num_workers: int, child_args: list[str], log_dir: str, data_workers: int = 0) -> int:
     if num_workers < 1:
         raise UserError(f"--workers must be at least 1, got {num_workers}")
+    if data_workers < 0:
+        raise UserError(f"--data_workers must be 0 or more, got {data_workers}")
     if not child_args or child_args[0] != "train":
         raise UserError("launch runs a training command: tfdp launch --workers=N -- train --config=...")
     os.makedirs(log_dir, exist_ok=True)
     _remove_stale_scratch()
     scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     procs: list[subprocess.Popen] = []
+    services: list[subprocess.Popen] = []
+    lock = threading.Lock()
+    ports = free_ports(num_workers + 1)  # one call, so the dispatcher's port differs from the workers'
+    addresses = [f"127.0.0.1:{p}" for p in ports[:num_workers]]
     try:
-        return _run(num_workers, child_args, log_dir, scratch, procs)
+        if data_workers:
+            dispatcher = _start_service(data_workers, ports[-1], log_dir, scratch, services, lock)
+            child_args = [*child_args, f"--data_service={dispatcher}"]
+        return _run(addresses, child_args, log_dir, scratch, procs, lock)
     finally:
         _stop(procs)  # nothing to do unless the launcher itself failed
+        _stop(services)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run(num_workers: int, child_args: list[str], log_dir: str, scratch: str, procs: list) -> int:
+def _start_service(data_workers: int, port: int, log_dir: str, scratch: str, procs: list,
+                   lock: threading.Lock) -> str:
+    """Starts a dispatcher and `data_workers` service workers on loopback; returns the dispatcher's address.
+
+    The trainers wait for the dispatcher (data.service_timeout) and the
+    service waits for its workers, so nothing here waits for either.
+    """
+    address = f"127.0.0.1:{port}"
+    roles = [("dispatcher", "dispatcher", [f"--port={port}", f"--work_dir={os.path.join(scratch, 'dispatcher')}"])]
+    roles += [(f"data worker {i}", "worker", ["--port=0", f"--dispatcher_address={address}"])
+              for i in range(data_workers)]
+    for name, role, flags in roles:
+        command = [sys.executable, "-m", "tfdp", "data-service", role, *flags]
+        log = os.path.join(log_dir, f"{name.replace(' ', '-')}.log")
+        proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        procs.append(proc)
+        print(f"tfdp: launch: {name} pid {proc.pid}, log {log}", flush=True)
+        threading.Thread(target=_pump, args=(proc, f"[{name}] ", log, lock), daemon=True).start()
+    return f"grpc://{address}"
+
+
+def _run(addresses: list[str], child_args: list[str], log_dir: str, scratch: str, procs: list,
+         lock: threading.Lock) -> int:
     """Starts the workers (appending each to `procs` at once, for the caller's cleanup) and waits for them."""
-    addresses = [f"127.0.0.1:{p}" for p in free_ports(num_workers)]
+    num_workers = len(addresses)
     command = [sys.executable, "-m", "tfdp", *child_args, "--strategy=multi_worker"]
-    lock = threading.Lock()
     pumps = []
     for i in range(num_workers):
         proc = subprocess.Popen(command, env=worker_env(addresses, i, scratch), stdout=subprocess.PIPE,

@@ -11,12 +11,14 @@ strategy scope the caller holds; nothing here branches on the strategy.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import keras
 import tensorflow as tf
 
 from tfdp.config import Config
 from tfdp.data import Source
+from tfdp.data import service
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, train_dataset
 from tfdp.errors import UserError
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
@@ -137,7 +139,9 @@ class TrainStream:
 
     It remembers where each batch ended (`StreamPosition`), so a checkpoint
     can record the exact position after the last trained step and a resumed
-    run can start there, skipping records rather than decoding them.
+    run can start there, skipping records rather than decoding them. With
+    `data.service_address` the pipeline runs on the tf.data service's workers
+    (`tfdp.data.service`) and only the counting runs here.
     """
 
     def __init__(self, cfg: Config, source: Source, runtime: Runtime, plan: Plan, corrupt: CorruptCounter | None):
@@ -147,15 +151,38 @@ class TrainStream:
         # Each step takes one batch per local replica from this worker's pipeline.
         self.batches_per_step = runtime.num_replicas // runtime.num_workers
         self.gather = WorkerGather(runtime.strategy, runtime.worker_index, runtime.num_workers)
+        self._run_id: int | None = None
+        self._jobs = 0
+        if cfg.data.service_address:
+            print(service_line(cfg, runtime.num_workers), flush=True)
 
     def dataset(self, start: tuple[int, int]):
         self.start, self.position = tuple(start), StreamPosition()
         train, cfg, plan = self.source.split(self.cfg.data.train_split), self.cfg, self.plan
         start, position = self.start, self.position
+        build, extra = train_dataset, {}
+        if cfg.data.service_address:
+            build, extra = service.train_dataset, {"job_name": self._job_name()}
+            if any(start):
+                print(service.resume_note(train, cfg.data, start[0], self.runtime.num_workers), flush=True)
         return self.runtime.strategy.distribute_datasets_from_function(
-            lambda ctx: train_dataset(train, cfg.data, plan.global_batch, cfg.train.seed, ctx,
-                                      num_classes=plan.num_classes, corrupt=self.corrupt,
-                                      start=start, position=position))
+            lambda ctx: build(train, cfg.data, plan.global_batch, cfg.train.seed, ctx,
+                              num_classes=plan.num_classes, corrupt=self.corrupt,
+                              start=start, position=position, **extra))
+
+    def _job_name(self) -> str:
+        """The tf.data service job of the next dataset: new for every dataset (a restarted stream is a new
+        job) and every run (a job name must not be reused while the service lives), and the same on every
+        trainer, so that with `distributed_epoch` they all read one job. A collective on first use."""
+        if self._run_id is None:
+            self._run_id = secrets.randbits(48)  # not `random`: the trainer seeds it, every run alike
+            if self.runtime.num_workers > 1:
+                self._run_id = self.gather([self._run_id])[0][0]  # the chief's
+        self._jobs += 1
+        name = f"tfdp-{self._run_id:012x}-{self._jobs}"
+        if self.cfg.data.service_mode != service.DISTRIBUTED:
+            name += f"-trainer{self.runtime.worker_index}"  # its own share, its own job
+        return name
 
     def local_state(self, steps: int) -> tuple[int, int]:
         """(records consumed, corrupt so far) of this worker's stream after `steps` steps of the current dataset."""
@@ -166,3 +193,12 @@ class TrainStream:
     def state(self, steps: int) -> list[list[int]]:
         """Every worker's `local_state`, indexed by worker (a collective: all workers call it)."""
         return self.gather(list(self.local_state(steps)))
+
+
+def service_line(cfg: Config, trainers: int) -> str:
+    """What the trainer prints once about the tf.data service it reads from."""
+    what = ("this trainer's share, every service worker a pass of it" if cfg.data.service_mode != service.DISTRIBUTED
+            else f"the whole training split, one job shared by {trainers} trainer(s)")
+    unused = "; data.cache is not used through the service" if cfg.data.cache else ""
+    return (f"tfdp: data: training input from the tf.data service at {cfg.data.service_address} "
+            f"({cfg.data.service_mode}: {what}); evaluation reads locally{unused}")

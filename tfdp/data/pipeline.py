@@ -116,7 +116,7 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     return _counted(ds, tally, start=(consumed, bad)).prefetch(AUTOTUNE)
 
 
-def _epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool, seed: int,
+def _epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool, seed: int | None,
             first_epoch: int, share_size: int) -> tf.data.Dataset:
     """Data epochs `first_epoch`, `first_epoch + 1`, ... of the share's payloads, each in an order of its own.
 
@@ -127,7 +127,8 @@ def _epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data
     at. (tf.data's own reshuffling draws each epoch's seed from the last,
     which could only be replayed by iterating every earlier epoch.) With
     `data.cache` the cached payloads are reshuffled by tf.data per epoch and
-    a resumed stream skips through them: in memory that is cheap.
+    a resumed stream skips through them: in memory that is cheap. A `seed`
+    of None draws every epoch's file order at random where the stream runs.
     """
     buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))
     if cfg.cache:
@@ -137,13 +138,26 @@ def _epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data
 
     @tf.autograph.experimental.do_not_convert  # plain Python branches on Python values
     def epoch(e):
-        order = tf.stack([tf.constant(seed, tf.int64), e])
+        order = tf.stack([_seed_or_random(seed), e])
         return readers.payloads(share, cfg, ctx, data_shard, order_seed=order).shuffle(
             buffer, seed=seed, reshuffle_each_iteration=False)
     return tf.data.Dataset.range(first_epoch, MAX_EPOCHS).flat_map(epoch)
 
 
 MAX_EPOCHS = 1 << 40
+
+
+def _seed_or_random(seed: int | None) -> tf.Tensor:
+    """`seed`, or (None) a fresh random one each time the op runs, wherever it runs.
+
+    The raw op with both seeds 0 draws from the OS: the public random ops
+    take their seeds from the global seed the trainer sets, so every tf.data
+    service worker would draw the same "random" order (see `tfdp.data.service`).
+    """
+    if seed is not None:
+        return tf.constant(seed, tf.int64)
+    return tf.raw_ops.RandomUniformInt(shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
+                                       maxval=tf.constant(1 << 62, tf.int64), seed=0, seed2=0)
 
 
 def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
@@ -245,24 +259,55 @@ class Tally:
 def _counted(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0)) -> tf.data.Dataset:
     """Batches of (image, label), with corrupt images counted, logged and bounded, and labels checked.
 
+    The two halves are separate so the tf.data service can run the first
+    (`tallied`, no variables) and the trainer the second (`checked`); locally
+    they simply follow each other. `start` = (stream position of the first
+    element, corrupt images before it) continues a resumed stream.
+    """
+    return checked(tallied(ds, first=start[0]), tally, start)
+
+
+def tallied(ds: tf.data.Dataset, first: int = 0) -> tf.data.Dataset:
+    """(index, images, labels) batches → (images, labels, [records, corrupt]): what each batch accounts for.
+
     Decoding keeps element order, so a skipped image shows as a gap in the
-    running index; counting once per batch rather than per image keeps the
-    bookkeeping off the per-image path. Training stops with a clear message
-    once more than `data.max_bad_fraction` of the records read so far (or of
-    this pipeline's share, whichever is larger) were corrupt. A label outside
-    the model's classes is an error, never a silent NaN or a wrong class.
-    `start` = (stream position of the first element, corrupt images before
-    it) continues a resumed stream.
+    running index: `records` is how far the stream advanced with this batch,
+    corrupt ones included, and `corrupt` the gap. Counting once per batch
+    rather than per image keeps the bookkeeping off the per-image path. The
+    counts are per batch, not running totals, so batches from several
+    producers (the tf.data service's workers) add up. No variable is touched
+    here: a dataset that writes variables cannot run in another process (the
+    tf.data service serializes it with a warning, and the writes then land
+    in the service worker's own copies, silently). `first` is the index of
+    the stream's first element.
+    """
+    def count(last, element):
+        index, images, labels = element
+        records = index[-1] - last
+        gap = records - tf.cast(tf.shape(index)[0], tf.int64)
+        return index[-1], (images, labels, tf.stack([records, gap]))
+    return ds.scan(tf.constant(first - 1, tf.int64), count)
+
+
+def checked(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0)) -> tf.data.Dataset:
+    """`tallied` batches → (image, label): corrupt images counted, logged and bounded, labels checked.
+
+    Runs where the trainer's variables live (after the tf.data service, when
+    there is one): the running totals are kept here, written into the
+    `CorruptCounter` and `StreamPosition`, and checked. Training stops with a
+    clear message once more than `data.max_bad_fraction` of the records read
+    so far (or of this pipeline's share, whichever is larger) were corrupt. A
+    label outside the model's classes is an error, never a silent NaN or a
+    wrong class.
     """
     fraction = tally.max_bad_fraction
     floor = max(tally.share_examples, math.ceil(1 / fraction) if fraction else 0)
 
     def count(state, element):
-        last, bad, number = state
-        index, images, labels = element
-        gap = index[-1] - last - tf.cast(tf.shape(index)[0], tf.int64)
-        bad += gap
-        seen = index[-1] + 1
+        seen, bad, number = state
+        images, labels, batch = element
+        gap = batch[1]
+        seen, bad = seen + batch[0], bad + gap
         checks = [
             tf.debugging.Assert(
                 tf.cast(bad, tf.float64) <= fraction * tf.cast(tf.maximum(seen, floor), tf.float64),
@@ -281,11 +326,10 @@ def _counted(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0))
         if tally.position is not None:
             checks.append(tally.position.record(number, seen, bad))
         with tf.control_dependencies(checks):
-            return (index[-1], bad, number + 1), (tf.identity(images), tf.identity(labels))
+            return (seen, bad, number + 1), (tf.identity(images), tf.identity(labels))
 
     first, bad_before = start
-    return ds.scan((tf.constant(first - 1, tf.int64), tf.constant(bad_before, tf.int64), tf.constant(0, tf.int64)),
-                   count)
+    return ds.scan((tf.constant(first, tf.int64), tf.constant(bad_before, tf.int64), tf.constant(0, tf.int64)), count)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,9 @@ class Reader:
     payloads: Callable[..., tf.data.Dataset]
     # (share, data config, number of classes) → (element, record index, transform) → (image, label)
     example: Callable[..., Callable]
+    # (split, data config, dataset of file numbers) → payload dataset: the same payloads, file by file in
+    # the order given (the tf.data service's distributed_epoch source, see `slot_payloads`)
+    of_files: Callable[..., tf.data.Dataset] | None = None
     # whether `data.cache` can keep the payloads in memory (a synthetic stream has nothing to read)
     cacheable: bool = True
 
@@ -44,6 +47,28 @@ def payloads(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, dat
 
 def example_fn(share: Split, cfg: DataConfig, num_classes: int) -> Callable:
     return READERS[share.kind].example(share, cfg, num_classes)
+
+
+def slot_payloads(split: Split, cfg: DataConfig, seed: int, first_slot: int, end_slot: int) -> tf.data.Dataset:
+    """Payloads of the whole split for the tf.data service's `distributed_epoch` mode, from file slot
+    `first_slot` (inclusive) to `end_slot` (exclusive).
+
+    Slot `g` is place `g mod n` of data epoch `g div n` in that epoch's
+    stateless file order, the order `payloads` draws locally for (`seed`,
+    epoch). The source is a plain `Dataset.range` of slots, which the
+    dispatcher can split: it hands slots (files) to whichever worker asks
+    next, so each file is read once per data epoch by exactly one worker. (A
+    range of epochs, as the local stream uses, would hand out whole epochs.)
+    """
+    n = len(split.files)
+
+    def file_number(slot):
+        epoch, place = slot // n, tf.math.floormod(slot, n)
+        if n < 2:
+            return place
+        return tf.random.experimental.index_shuffle(place, tf.stack([tf.constant(seed, tf.int64), epoch]), n - 1)
+    slots = tf.data.Dataset.range(first_slot, end_slot)
+    return READERS[split.kind].of_files(split, cfg, slots.map(file_number))
 
 
 def cached(ds: tf.data.Dataset, share: Split) -> tf.data.Dataset:
@@ -74,6 +99,12 @@ def _record_payloads(share, cfg, ctx, data_shard, order_seed):
     return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) if data_shard else ds
 
 
+def _record_files(split, cfg, numbers):
+    files = tf.constant(localize(split.files, cfg.cache_dir))
+    return numbers.map(lambda i: tf.gather(files, i)).interleave(
+        tf.data.TFRecordDataset, cycle_length=min(len(split.files), INTERLEAVE_CYCLE))
+
+
 def _record_example(share, cfg, num_classes):
     def example(element, index, transform):
         encoded, label = parse_record(element, share.records)
@@ -94,6 +125,11 @@ def _image_payloads(share, cfg, ctx, data_shard, order_seed):
         (_permuted(tf.constant(files), order_seed), _permuted(tf.constant(labels, tf.int32), order_seed)))
 
 
+def _image_files(split, cfg, numbers):
+    files, labels = tf.constant(localize(split.files, cfg.cache_dir)), tf.constant(split.labels, tf.int32)
+    return numbers.map(lambda i: (tf.gather(files, i), tf.gather(labels, i)))
+
+
 def _image_example(share, cfg, num_classes):
     def example(element, index, transform):
         payload, label = element
@@ -109,6 +145,13 @@ def _synthetic_payloads(share, cfg, ctx, data_shard, order_seed):
     """Example numbers: a synthetic split's "files" are only its sizes (see `tfdp.data.synthetic_split`)."""
     ds = tf.data.Dataset.range(sum(share.counts))
     return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) if data_shard else ds
+
+
+def _synthetic_files(split, cfg, numbers):
+    """Part i's examples, numbered as `_synthetic_payloads` numbers the whole split's."""
+    counts = tf.constant(split.counts, tf.int64)
+    starts = tf.cumsum(counts, exclusive=True)
+    return numbers.flat_map(lambda i: tf.data.Dataset.range(starts[i], starts[i] + counts[i]))
 
 
 def _synthetic_example(share, cfg, num_classes):
@@ -134,7 +177,7 @@ def _permuted(values: tf.Tensor, seed: tf.Tensor | None) -> tf.Tensor:
 
 
 READERS: dict[str, Reader] = {
-    "records": Reader(_record_payloads, _record_example),
-    "images": Reader(_image_payloads, _image_example),
-    "synthetic": Reader(_synthetic_payloads, _synthetic_example, cacheable=False),
+    "records": Reader(_record_payloads, _record_example, _record_files),
+    "images": Reader(_image_payloads, _image_example, _image_files),
+    "synthetic": Reader(_synthetic_payloads, _synthetic_example, _synthetic_files, cacheable=False),
 }

@@ -1,0 +1,323 @@
+"""Training input through a real tf.data service: a dispatcher and 2 workers, `python -m tfdp data-service`
+processes on loopback, and the digits demo's JPEGs.
+
+The module's service lives for the whole file (TensorFlow takes seconds to start in each process); every
+test reads its own job. The last test stops it and checks that both kinds of process exit 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import tensorflow as tf
+import yaml
+
+from conftest import REPO, assert_one_line_error, last_line, read_jsonl, run_tfdp
+from tfdp.config import DataConfig, load_config
+from tfdp.data import build_source
+from tfdp.data import service as service_lib
+from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors
+from tfdp.errors import UserError
+
+# The demo's recipe (its learning rate and warmup: a higher rate makes single runs diverge now and then)
+# with the small model.
+FAST = ["--config=configs/digits.yaml", "--data_format=image_folder", "--model=simple_cnn", "--set=data.image_size=16"]
+
+
+class Service:
+    """A dispatcher and its workers as real processes; their stderr goes to files beside the test's tmp dir."""
+
+    def __init__(self, root):
+        self.root, self.workers = root, []
+        self.dispatcher, line = self._start("dispatcher", "--port=0", f"--work_dir={root / 'journal'}")
+        self.port = int(re.search(r":(\d+) \(", line).group(1))
+        self.address = f"grpc://127.0.0.1:{self.port}"
+
+    def add_worker(self) -> subprocess.Popen:
+        proc, line = self._start("worker", "--port=0", f"--dispatcher_address=127.0.0.1:{self.port}")
+        assert re.fullmatch(r"tfdp: data-service: worker at localhost:\d+, dispatcher 127\.0\.0\.1:\d+", line), line
+        self.workers.append(proc)
+        return proc
+
+    def _start(self, role: str, *flags: str) -> tuple[subprocess.Popen, str]:
+        """Starts one process and returns it with the one line it prints once it serves."""
+        log = open(self.root / f"{role}-{len(self.workers)}.stderr", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "tfdp", "data-service", role, *flags], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+        line = proc.stdout.readline().strip()
+        assert line.startswith(f"tfdp: data-service: {role} at "), (line, open(log.name).read()[-2000:])
+        return proc, line
+
+    def stop(self):
+        for proc in [*self.workers, self.dispatcher]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    svc = Service(tmp_path_factory.mktemp("service"))
+    try:
+        for _ in range(2):
+            svc.add_worker()
+        yield svc
+    finally:
+        svc.stop()
+
+
+def job() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def file_labelled(split):
+    """The split with each file's label replaced by its own number, so a batch says which files it holds."""
+    return dataclasses.replace(split, labels=tuple(range(len(split.files))))
+
+
+def trainer(i: int, trainers: int = 2) -> tf.distribute.InputContext:
+    """Trainer i's input context: one replica each, so a global batch of `trainers` is one image per batch
+    (no batch is dropped short at the end of a finite stream, and every image can be counted)."""
+    return tf.distribute.InputContext(num_input_pipelines=trainers, input_pipeline_id=i, num_replicas_in_sync=trainers)
+
+
+def read_all(datasets) -> list[collections.Counter]:
+    """Every element of each dataset, taking from them in turn as trainers sharing a job would."""
+    iterators, seen = [iter(ds) for ds in datasets], [collections.Counter() for _ in datasets]
+    live = list(range(len(iterators)))
+    while live:
+        for i in list(live):
+            try:
+                seen[i].update(next(iterators[i])[1].numpy().tolist())
+            except StopIteration:
+                live.remove(i)
+    return seen
+
+
+def test_distributed_epoch_reads_every_example_once_per_epoch_across_trainers(service, small_dir):
+    """Two trainers on one job get disjoint parts of every epoch, and together each file exactly once per epoch."""
+    cfg = DataConfig(format="image_folder", dir=small_dir, image_size=16, service_address=service.address)
+    split = file_labelled(build_source(cfg).split("train"))
+    name = job()
+    seen = read_all([service_lib.train_dataset(split, cfg, 2, seed=0, input_context=trainer(i), job_name=name, epochs=2)
+                     for i in range(2)])
+    total = seen[0] + seen[1]
+    assert sorted(total) == list(range(320)) and set(total.values()) == {2}, collections.Counter(total.values())
+    assert min(sum(s.values()) for s in seen) > 100   # both trainers were fed, first come, first served
+
+
+def test_parallel_epochs_streams_each_trainers_own_share_from_every_worker(service, small_dir):
+    """parallel_epochs: each trainer sends its own share, and each of the 2 service workers streams all of it."""
+    cfg = DataConfig(format="image_folder", dir=small_dir, image_size=16, service_address=service.address,
+                     service_mode="parallel_epochs")
+    split = file_labelled(build_source(cfg).split("train"))
+    seen = [read_all([service_lib.train_dataset(split, cfg, 2, seed=0, input_context=trainer(i), job_name=job(),
+                                                epochs=1)])[0] for i in range(2)]
+    assert set(seen[0]) | set(seen[1]) == set(range(320)) and not set(seen[0]) & set(seen[1])
+    assert {n for s in seen for n in s.values()} == {2}   # once per worker
+
+
+def corrupt_tree(small_dir, root, corrupt_places: tuple[int, ...], keep: int = 4):
+    """`keep` training digits per class, the files at `corrupt_places` of data epoch 0's order (seed 0)
+    overwritten with bytes that are no image; returns the directory."""
+    for split in ("train", "val"):
+        for cls in sorted(os.listdir(os.path.join(small_dir, split))):
+            os.makedirs(root / split / cls)
+            for f in sorted(os.listdir(os.path.join(small_dir, split, cls)))[:keep]:
+                shutil.copy(os.path.join(small_dir, split, cls, f), root / split / cls / f)
+    files = build_source(DataConfig(format="image_folder", dir=str(root))).split("train").files
+    order = tf.random.experimental.index_shuffle(tf.range(len(files), dtype=tf.int64), [0, 0], len(files) - 1)
+    for place in corrupt_places:
+        with open(files[int(order[place])], "wb") as f:
+            f.write(b"not an image")
+    return str(root)
+
+
+def test_corrupt_images_are_counted_through_the_service(service, small_dir, tmp_path, capfd):
+    """Decoding fails on the service's workers; the count reaches this process's CorruptCounter and
+    StreamPosition, and the bound on corrupt images still stops training with one clear message."""
+    # Early in the epoch's file order: each service worker's stream ends with a good image, and a
+    # corrupt image is counted at the next good one (unshuffled, so streams follow the file order).
+    data = corrupt_tree(small_dir, tmp_path, corrupt_places=(1, 5, 9))
+    cfg = DataConfig(format="image_folder", dir=data, image_size=16, service_address=service.address,
+                     shuffle_buffer=1, max_bad_fraction=0.1)
+    split = file_labelled(build_source(cfg).split("train"))
+    corrupt, position = CorruptCounter(), StreamPosition()
+    ds = service_lib.train_dataset(split, cfg, 1, seed=0, input_context=trainer(0, 1), job_name=job(), epochs=1,
+                                   corrupt=corrupt, position=position)
+    seen = read_all([ds])[0]
+    assert len(seen) == 37 and set(seen.values()) == {1}
+    assert corrupt.value() == 3
+    assert position.after(37) == (40, 3)   # records consumed (the corrupt ones too) and corrupt, after the last batch
+    assert re.search(r"tfdp: warning: skipped [123] corrupt image\(s\); [123] so far", capfd.readouterr().err)
+
+    strict = dataclasses.replace(cfg, max_bad_fraction=0.01)
+    with pytest.raises(UserError, match=r"too many corrupt images: \d of the first \d+ records could not be decoded"):
+        with data_errors():
+            read_all([service_lib.train_dataset(split, strict, 1, seed=0, input_context=trainer(0, 1),
+                                                job_name=job(), epochs=1)])
+
+
+def test_unreachable_dispatcher_is_one_line_within_the_timeout(tmp_path):
+    started = time.monotonic()
+    result = run_tfdp("train", *FAST, "--data_service=grpc://127.0.0.1:9", "--set=data.service_timeout=2",
+                      f"--model_dir={tmp_path}/run", timeout=60)
+    assert time.monotonic() - started < 15   # 2 s of retries, and no TensorFlow start-up at all
+    assert_one_line_error(result, 2, "no tf.data service dispatcher answered at grpc://127.0.0.1:9 within 2 s")
+
+
+@pytest.mark.slow
+def test_training_through_the_service_matches_the_local_pipeline(service, small_dir, tmp_path):
+    """The same run, local and through the service: the service's run learns as well (its order differs,
+    so its numbers are not identical); evaluation still reads locally."""
+    args = [*FAST, f"--data_dir={small_dir}", "--epochs=8"]
+    local = run_tfdp("train", *args, f"--model_dir={tmp_path}/local", timeout=300)
+    assert local.returncode == 0, local.stderr[-3000:]
+    served = run_tfdp("train", *args, f"--model_dir={tmp_path}/served", f"--data_service={service.address}",
+                      timeout=300)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert (f"tfdp: data: training input from the tf.data service at {service.address} (distributed_epoch: the whole "
+            f"training split, one job shared by 1 trainer(s)); evaluation reads locally") in served.stdout
+    ours, theirs = (read_jsonl(tmp_path / run / "metrics.jsonl")[-1] for run in ("served", "local"))
+    assert theirs["val_top1"] > 0.75, theirs
+    assert ours["val_top1"] >= theirs["val_top1"] - 0.125, (ours, theirs)   # 5 of the 40 validation images
+    assert ours["top1"] >= theirs["top1"] - 0.1, (ours, theirs)
+
+
+@pytest.mark.slow
+def test_a_service_worker_killed_mid_epoch_does_not_stop_training(small_dir, tmp_path):
+    """One of 2 workers is killed (SIGKILL) in the middle of an epoch: the run goes on with the other and
+    finishes, and the corrupt images it met on the service's workers are in its summary. A service of its
+    own: the dispatcher keeps the dead worker's address for good (see tfdp/dataservice.py)."""
+    data = corrupt_tree(small_dir, tmp_path / "data", corrupt_places=(2, 7), keep=32)
+    (tmp_path / "svc").mkdir()
+    svc = Service(tmp_path / "svc")
+    try:
+        doomed = [svc.add_worker() for _ in range(2)][1]
+        proc = subprocess.Popen([sys.executable, "-m", "tfdp", "train", *FAST, f"--data_dir={data}", "--epochs=12",
+                                 "--set=data.max_bad_fraction=0.1", f"--model_dir={tmp_path}/run",
+                                 f"--data_service={svc.address}"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("Epoch 4/"):
+                time.sleep(0.3)   # into the epoch's steps
+                doomed.kill()
+                break
+        output.extend(proc.stdout)
+        assert proc.wait(timeout=300) == 0, "".join(output)[-3000:]
+        assert doomed.wait() == -signal.SIGKILL
+    finally:
+        svc.stop()
+    text = "".join(output)
+    assert "tfdp: done: 12 epochs" in text and "Traceback" not in text
+    assert re.search(r"skipped \d+ corrupt training image\(s\)", last_line(text)), last_line(text)
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["corrupt_images"] >= 2
+
+
+@pytest.mark.slow
+def test_launch_starts_a_service_for_two_trainers_and_stops_it(small_dir, tmp_path):
+    """`tfdp launch --data_workers=2`: a dispatcher and 2 service workers beside 2 trainers that share one
+    job; all of it stopped once training is done."""
+    result = run_tfdp("launch", "--workers=2", "--data_workers=2", f"--launch_logs={tmp_path}/logs", "--", "train",
+                      *FAST, f"--data_dir={small_dir}", "--epochs=2", "--batch_size_per_replica=32",
+                      f"--model_dir={tmp_path}/run", timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    out = result.stdout
+    assert re.search(r"^\[dispatcher\] tfdp: data-service: dispatcher at grpc://\S+:\d+ \(journal in ", out, re.M)
+    for i in (0, 1):
+        assert f"[data worker {i}] tfdp: data-service: worker at localhost:" in out
+        assert f"[data worker {i}] tfdp: data-service: stopped" in out
+        assert "one job shared by 2 trainer(s)" in (tmp_path / "logs" / f"worker-{i}.log").read_text()
+        assert "tfdp: done: 2 epochs" in (tmp_path / "logs" / f"worker-{i}.log").read_text()
+    assert "[dispatcher] tfdp: data-service: stopped" in out
+    assert (tmp_path / "logs" / "data-worker-1.log").exists()
+
+
+# --- deployment templates (read, not run: no Docker engine or cluster here) ----------------------------------
+
+def flag(args: list[str], name: str) -> str:
+    return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{name}="))
+
+
+def mounted_at(mounts: list[tuple[str, str, bool]], path: str) -> tuple[str, str, bool]:
+    """(volume, mount path, read-only) of the mount that holds `path`."""
+    return next(m for m in mounts if path == m[1] or path.startswith(m[1].rstrip("/") + "/"))
+
+
+def check_deployment(dispatcher: list[str], dispatcher_mounts, worker: list[str], worker_mounts,
+                     trainers: list[list[str]], trainer_mounts, dispatcher_host: str, persistent: set[str]):
+    """One service the trainers find: the journal on a persistent volume, the workers pointed at the
+    dispatcher and reading the trainers' data at the same path (read-only), the trainers' config valid."""
+    assert dispatcher[:2] == ["data-service", "dispatcher"] and worker[:2] == ["data-service", "worker"]
+    port = flag(dispatcher, "port")
+    assert mounted_at(dispatcher_mounts, flag(dispatcher, "work_dir"))[0] in persistent
+    assert flag(worker, "dispatcher_address") == f"{dispatcher_host}:{port}"
+    assert flag(worker, "worker_address") != "localhost"   # trainers on other hosts must reach it
+    assert len(trainers) == 2
+    for args in trainers:
+        assert flag(args, "data_service") == f"grpc://{dispatcher_host}:{port}"
+        volume, path, _ = mounted_at(trainer_mounts, flag(args, "data_dir"))
+        assert (volume, path, True) in worker_mounts
+        load_config(None, {"data.service_address": flag(args, "data_service"), "distribute.strategy": "multi_worker"})
+
+
+def test_compose_template_runs_one_service_for_its_trainers():
+    with open(os.path.join(REPO, "docker", "compose-data-service.yml")) as f:
+        services = yaml.safe_load(f)["services"]
+
+    def mounts(name):
+        return [(v.split(":")[0], v.split(":")[1], v.endswith(":ro")) for v in services[name]["volumes"]]
+    trainers = [name for name, svc in services.items() if svc["command"][0] == "train"]
+    check_deployment(services["dispatcher"]["command"], mounts("dispatcher"), services["data-worker"]["command"],
+                     mounts("data-worker"), [services[t]["command"] for t in trainers], mounts(trainers[0]),
+                     "dispatcher", {"journal"})
+    for name, svc in services.items():
+        assert svc["image"] == "tfdp:cpu" and svc["user"] == "1000:1000" and svc["read_only"] is True, name
+        assert svc["cap_drop"] == ["ALL"] and svc["restart"] == "on-failure", name
+
+
+def test_kubernetes_template_runs_one_service_for_its_trainers():
+    with open(os.path.join(REPO, "docker", "k8s-data-service.yaml")) as f:
+        docs = list(yaml.safe_load_all(f))
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+    def pod(kind, name):
+        spec = named[(kind, name)]["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in spec["volumes"]}
+        mounts = [(claims[m["name"]], m["mountPath"], m.get("readOnly", False)) for m in container["volumeMounts"]]
+        assert spec["securityContext"]["runAsNonRoot"] and container["securityContext"]["readOnlyRootFilesystem"]
+        return container["args"], mounts
+    dispatcher, dispatcher_mounts = pod("Deployment", "tfdp-data-dispatcher")
+    worker, worker_mounts = pod("StatefulSet", "tfdp-data-worker")
+    trainer, trainer_mounts = pod("Job", "tfdp-train")
+    service = named[("Service", "tfdp-data-dispatcher")]
+    assert service["spec"]["ports"][0]["port"] == int(flag(dispatcher, "port"))
+    assert named[("Deployment", "tfdp-data-dispatcher")]["spec"]["strategy"]["type"] == "Recreate"  # one journal writer
+    assert named[("Job", "tfdp-train")]["spec"]["completions"] == 2
+    workers = named[("StatefulSet", "tfdp-data-worker")]["spec"]
+    assert flag(worker, "worker_address") == f"$(POD_NAME).{workers['serviceName']}"   # stable: see the template
+    assert named[("Service", workers["serviceName"])]["spec"]["clusterIP"] == "None"
+    check_deployment(dispatcher, dispatcher_mounts, worker, worker_mounts, [trainer, trainer], trainer_mounts,
+                     "tfdp-data-dispatcher", {name for kind, name in named if kind == "PersistentVolumeClaim"})
+
+
+def test_service_processes_exit_0_on_sigterm(service):
+    """Last in the file: it ends the module's service."""
+    for proc in [*service.workers, service.dispatcher]:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert proc.stdout.read().strip() == "tfdp: data-service: stopped"

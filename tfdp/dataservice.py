@@ -1,0 +1,171 @@
+"""`tfdp data-service dispatcher|worker`: the processes of a tf.data service.
+
+A training run with `data.service_address` set sends its training pipeline
+to a dispatcher, which hands it to every registered worker; the workers read,
+decode and crop, and stream finished batches to the trainers
+(`tfdp.data.service`). Input then scales with the number of worker processes
+(or hosts), not with the trainer's own CPUs.
+
+Both processes run until SIGTERM or SIGINT and then exit 0, so a scheduler's
+ordinary stop is a clean end. They hide every GPU from TensorFlow: the
+pipeline is CPU work, and a worker on a GPU host must not take the trainer's
+device memory. The dispatcher keeps a journal in `--work_dir` (TensorFlow's
+fault-tolerant mode), so one restarted on the same directory knows the
+registered datasets and running jobs again and the trainers carry on.
+
+A worker can be lost at any time: the trainers read from the others
+meanwhile. But TensorFlow 2.21's dispatcher never forgets a worker address
+it has seen (its journal neither), and gives every job made later a task on
+it, which the trainers keep retrying in the background. That costs training
+nothing, since its streams are endless, but a finite read through the service
+would wait for that task forever. So give workers stable addresses (a
+StatefulSet's DNS names, a Compose container's IP): a replaced worker then
+registers as the same worker and takes its tasks up again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+
+from tfdp.errors import UserError
+
+# Workers heartbeat this often; a heartbeat is how a worker, new or restarted, gets its tasks of the
+# running jobs, so with TensorFlow's default (30 s) a replaced worker would idle half a minute.
+HEARTBEAT_MS = 1_000
+# A job no trainer has read for JOB_GC_TIMEOUT_MS is deleted (checked every JOB_GC_CHECK_MS), its tasks
+# with it. TensorFlow keeps `distributed_epoch` jobs forever by default, since one recreated under
+# the same name would break its visit-once guarantee; tfdp never reuses a job name (`tfdp.task`), and
+# its jobs are endless, so without this every finished run would leave its tasks on every worker.
+JOB_GC_TIMEOUT_MS = 300_000
+JOB_GC_CHECK_MS = 60_000
+ROLES = ("dispatcher", "worker")
+
+
+def dispatcher(port: int, work_dir: str | None) -> None:
+    """Runs a dispatcher until SIGTERM/SIGINT; with `work_dir`, one that a restart recovers (its journal)."""
+    _check_port_free(port, "dispatcher")
+    tf = _cpu_only_tensorflow()
+    service = tf.data.experimental.service
+    if work_dir:
+        work_dir = os.path.abspath(os.path.expanduser(work_dir))
+        os.makedirs(work_dir, exist_ok=True)
+    from tensorflow.core.protobuf import service_config_pb2  # the full config: the Python one lacks the GC switch
+    config = service_config_pb2.DispatcherConfig(
+        port=port, protocol="grpc", work_dir=work_dir or "", fault_tolerant_mode=bool(work_dir),
+        gc_dynamic_sharding_jobs=True, job_gc_timeout_ms=JOB_GC_TIMEOUT_MS,
+        job_gc_check_interval_ms=JOB_GC_CHECK_MS)
+    server = _started(lambda: service.DispatchServer(config), f"dispatcher on port {port}")
+    journal = f"journal in {work_dir}" if work_dir else "no --work_dir: a restart forgets every job"
+    _serve(server, f"dispatcher at grpc://{socket.gethostname()}:{_port(server)} ({journal})")
+
+
+def worker(dispatcher_address: str, port: int, worker_address: str | None) -> None:
+    """Runs a worker of the dispatcher at `dispatcher_address` until SIGTERM/SIGINT.
+
+    `worker_address` is the host name (or host:port) the dispatcher hands to
+    trainers to reach this worker: `localhost` only works when all run on one
+    host, so a cluster passes the pod's or container's own name or IP, or
+    `auto`: the IP address this host's own name resolves to (a container's).
+    """
+    if not dispatcher_address:
+        raise UserError("tfdp data-service worker needs --dispatcher_address=HOST:PORT (the dispatcher's)")
+    _check_port_free(port, "worker")
+    tf = _cpu_only_tensorflow()
+    service = tf.data.experimental.service
+    address = worker_address or "localhost"
+    if address == "auto":
+        address = socket.gethostbyname(socket.gethostname())
+    if ":" not in address:
+        address += ":%port%"  # TensorFlow fills in the port it bound
+    config = service.WorkerConfig(dispatcher_address=strip_protocol(dispatcher_address), worker_address=address,
+                                  port=port, heartbeat_interval_ms=HEARTBEAT_MS)
+    server = _started(lambda: service.WorkerServer(config), f"worker on port {port}")
+    shown = address.replace("%port%", str(_port(server)))
+    _serve(server, f"worker at {shown}, dispatcher {dispatcher_address}")
+
+
+def strip_protocol(address: str) -> str:
+    """host:port of `grpc://host:port` (workers take the dispatcher's address without the protocol)."""
+    return address.split("://", 1)[-1]
+
+
+def check_dispatcher(address: str, timeout: float) -> None:
+    """Waits up to `timeout` s for a gRPC server to answer at the dispatcher's address, else one-line error.
+
+    TensorFlow's own client retries an absent dispatcher for an hour, and a
+    trainer would hang in its first step; this check runs before TensorFlow
+    even loads. It retries (the dispatcher may be starting beside the
+    trainer), so only a dispatcher absent for the whole timeout fails it.
+    """
+    import grpc
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+    channel = grpc.insecure_channel(strip_protocol(address), options=options)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        raise UserError(f"no tf.data service dispatcher answered at {address} within {timeout:g} s "
+                        f"(data.service_address); start one with `tfdp data-service dispatcher`, "
+                        f"or leave data.service_address empty for the local pipeline") from None
+    finally:
+        channel.close()
+
+
+def _cpu_only_tensorflow():
+    """TensorFlow with no GPU visible: service processes do CPU work only."""
+    from tfdp import console
+    console.import_tensorflow()
+    import tensorflow as tf
+    tf.config.set_visible_devices([], "GPU")
+    return tf
+
+
+def _check_port_free(port: int, role: str) -> None:
+    """A taken port is an error here: gRPC binds with SO_REUSEPORT, so a second dispatcher on the same port
+    would start without complaint and take half of the first one's requests."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's old connections in TIME_WAIT are fine
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise UserError(f"port {port} for the tf.data service {role} is already in use") from None
+
+
+def _started(make, what: str):
+    """The server `make()` builds and starts, or a one-line error (a port in use, an unreadable journal)."""
+    import tensorflow as tf
+    try:
+        return make()
+    except (tf.errors.OpError, ValueError) as e:
+        first = (getattr(e, "message", None) or str(e)).strip().splitlines()[0][:200]
+        raise UserError(f"could not start the tf.data service {what}: {first}") from None
+
+
+def _port(server) -> int:
+    return int(server._address.rsplit(":", 1)[1])  # the bound port (the config may say 0)
+
+
+def _serve(server, what: str) -> None:
+    """Prints one line naming the server, blocks until SIGTERM or SIGINT, then ends the process with status 0.
+
+    The wait is a Python event, not the server's `join()`: a signal handler
+    only runs between Python bytecodes, never during a blocking C++ call.
+    The server is not stopped first: a worker's `stop()` waits for its
+    tasks' input threads, which endless jobs whose trainers are gone never
+    end, and it holds the interpreter lock while it waits (measured: a
+    worker that served a few runs did not stop within 30 s). Ending the
+    process loses nothing: the dispatcher journals every change before it
+    answers, and a worker holds no state.
+    """
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"tfdp: data-service: {what}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    print("tfdp: data-service: stopped", flush=True)
+    os._exit(0)  # not sys.exit: the server's destructor (`server` is still referenced here) would call stop()
