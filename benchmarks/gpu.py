@@ -68,7 +68,7 @@ def plain_keras_rate(args) -> str:
 
 def plain_keras_probe(args) -> None:
     import keras
-    import tfdp as _  # noqa: F401  (TensorFlow environment defaults)
+    import tfdp  # noqa: F401  (TensorFlow environment defaults)
 
     from tfdp.benchmark import fit_rate
     from tfdp.config import validate
