@@ -133,15 +133,15 @@ def test_recipes_read_imagenet_shards(tmp_path):
 @pytest.mark.slow
 def test_modern_recipe_trains_and_evaluates_on_the_digits(tmp_path, small_dir):
     """torchvision's new ResNet-50 recipe, every switch as configured (TrivialAugment, Mixup/CutMix, erasing,
-    EMA chosen as the best metric, L2, bf16), on the digits with a small model for 2 epochs: it trains,
+    EMA chosen as the best metric, L2, bf16), on the digits with a small model for an epoch: it trains,
     reports val_ema_*, and `tfdp evaluate` reads its best checkpoint."""
     common = ["--config=configs/resnet50_torchvision_v2.yaml", f"--data_dir={small_dir}", "--data_format=image_folder",
               "--model=resnet18_small", "--set=model.num_classes=10", "--set=data.image_size=16",
               "--batch_size_per_replica=16", "--set=schedule.warmup_epochs=0", f"--model_dir={tmp_path}"]
-    result = run_tfdp("train", *common, "--epochs=2", timeout=600)
+    result = run_tfdp("train", *common, "--epochs=1", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["epoch"] for r in rows] == [1, 2] and all("val_ema_top1" in r for r in rows)
+    assert [r["epoch"] for r in rows] == [1] and "val_ema_top1" in rows[0]
     evaluated = run_tfdp("evaluate", *common, f"--checkpoint={tmp_path}/checkpoints/best.weights.h5", timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert "top1" in evaluated.stdout

@@ -75,13 +75,13 @@ def fingerprint(stdout):
 
 @pytest.mark.slow
 def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_path, small_dir):
-    """kill -9 three times at random moments (during steps or checkpoint writes), resume each time."""
+    """kill -9 twice at random moments (during steps or checkpoint writes), resume each time."""
     clean = run_tfdp(*demo_args(small_dir, tmp_path / "clean"), timeout=600)
     assert clean.returncode == 0, clean.stderr[-3000:]
     model_dir = tmp_path / "killed"
     rng = random.Random(7)
     resumed_steps = []
-    for kill in range(3):
+    for kill in range(2):
         proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir)], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         # Wait for this run's first new checkpoint, then kill after a random delay: mid-step or mid-write.
@@ -97,7 +97,7 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
     final = run_tfdp(*demo_args(small_dir, model_dir), timeout=600)
     assert final.returncode == 0, final.stderr[-3000:]
     assert "tfdp: resuming at epoch" in final.stdout
-    assert resumed_steps == sorted(resumed_steps) and len(resumed_steps) >= 2  # each run went on from the last
+    assert len(resumed_steps) == 1 and resumed_steps[0] > 0  # the second run went on from the first's checkpoint
     assert fingerprint(final.stdout) == fingerprint(clean.stdout) != []
     assert last_line(final.stdout).split(",")[:2] == last_line(clean.stdout).split(",")[:2]  # same epochs, top-1
     assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2, 3]

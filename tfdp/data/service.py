@@ -60,8 +60,10 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     """
     ctx = input_context or tf.distribute.InputContext()
     sent = sent_batches(split, cfg, global_batch, seed, ctx, num_classes, start, epochs)
+    compression = "AUTO" if cfg.service_compression == "auto" else None
     served = sent.apply(tf.data.experimental.service.distribute(
-        processing_mode=cfg.service_mode, service=cfg.service_address, job_name=job_name))
+        processing_mode=cfg.service_mode, service=cfg.service_address, job_name=job_name,
+        compression=compression))
     share = _share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
     tally = Tally(num_classes, cfg.max_bad_fraction, share, corrupt, position)
     return checked(served, tally, start).prefetch(AUTOTUNE)
