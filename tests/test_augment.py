@@ -394,7 +394,7 @@ def test_everything_on_runs_on_two_mirrored_replicas(photos, policy):
 
 
 def test_mixing_compiles_with_xla_inside_each_replica(photos):
-    """As the trainer compiles each replica's step (tfdp/xla.py): XLA inside strategy.run."""
+    """As the trainer compiles each replica's step (tfdp/keras_patches/train_step.py): XLA inside strategy.run."""
     strategy = tf.distribute.MirroredStrategy(CPU_DEVICES)
     augment = tf.function(build(num_classes=4, mixup_alpha=0.8, cutmix_alpha=1.0), jit_compile=True)
     images, labels = tf.constant(batch_of(photos, 8, size=32)), tf.constant(np.arange(8) % 4)

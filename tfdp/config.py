@@ -142,8 +142,8 @@ class TrainConfig:
     precision: Literal["float32", "mixed_bfloat16", "mixed_float16"] = "float32"
     # Training steps per tf.function call (fewer host round trips for small models).
     steps_per_execution: PosInt = 1
-    # Compile each replica's forward/backward pass with XLA (tfdp/xla.py); works with any number
-    # of replicas, where Keras' own jit_compile fails (it compiles the cross-replica step).
+    # Compile the whole training step with XLA, optimizer update included (tfdp/keras_patches/train_step.py);
+    # works with any number of replicas, where Keras' own jit_compile fails (it compiles the cross-replica step).
     # `auto`: on where the strategy's devices are GPUs or TPUs (5x faster for ResNet-50 on an H100),
     # off on CPUs, and off with model.sync_bn; true/false force it.
     jit_compile: Literal["auto"] | Bool = "auto"
