@@ -4,7 +4,7 @@ import os as _os
 
 # Both must be set before TensorFlow is first imported, so they live here, at
 # the top of the package. TensorFlow enables its oneDNN CPU kernels only on some
-# CPUs; on others (AMD EPYC measured here) convolution training runs ~4x slower
+# CPUs; on others (AMD EPYC, docs/benchmarks.md) convolution training runs several times slower
 # without them. The C++ log noise drowns tfdp's one-line errors. The user's own
 # environment wins in both cases.
 _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")

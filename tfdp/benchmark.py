@@ -151,7 +151,7 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
 
     Every rate is a steady-state rate: windows of `steps` steps are timed
     until two successive ones agree within 3%, so autotuning, page-cache
-    warm-up and compilation are not averaged in (a short probe read 0.77x of
+    warm-up and compilation are not averaged in (a short probe read well below
     what training then achieved on one H100).
     """
     from tfdp.strategy import local_replicas, make_runtime

@@ -43,8 +43,8 @@ class DataConfig:
     # digits | image_folder | imagenet (raw ILSVRC2012 or Kaggle tree) | tfrecord | tfds | synthetic
     format: Str = "digits"
     dir: Str = "~/.cache/tfdp/digits"   # a local path or a bucket: gs://bucket/prefix, s3://bucket/prefix
-    train_split: Str = "train"
-    val_split: Str = "val"
+    train_split: Str = "train"   # name of the training split (folder, shard prefix or TFDS split)
+    val_split: Str = "val"   # name of the validation split
     tfds_name: Str = ""                 # data.format tfds: the dataset's name, e.g. imagenet2012
     tfds_manual_dir: Str = ""           # ... and where its manually downloaded files are, to prepare it
     cache_dir: Str = DEFAULT_CACHE_DIR        # local copies of files read from a bucket
@@ -57,11 +57,11 @@ class DataConfig:
     synthetic_examples: PosInt = 1_281_167    # data.format synthetic: examples per "epoch"
     # Training stops once more than this fraction of the records read could not be decoded.
     max_bad_fraction: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.001
-    image_size: PosInt = 32
+    image_size: PosInt = 32   # training crop side in pixels (the last size with progressive resizing)
     # Random-resized-crop window for training (fraction of the image area).
     min_crop_area: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.08
-    max_crop_area: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
-    hflip: Bool = True
+    max_crop_area: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0   # ... its largest fraction
+    hflip: Bool = True   # random horizontal flip in training, on the device
     # Evaluation crops this fraction of the shorter side around the centre.
     eval_crop_fraction: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.875
     # Test-time crop side (FixRes: evaluate above the training size, e.g. train 176, test 224); 0 = image_size.
@@ -70,19 +70,19 @@ class DataConfig:
     # at sizes rising to image_size at progressive_end_epoch, rounded to multiples of progressive_step
     # (FFCV's get_resolution, tfdp/resolution.py); 0 = off, every epoch at image_size.
     progressive_min_size: NonNegInt = 0
-    progressive_start_epoch: NonNegInt = 0
-    progressive_end_epoch: NonNegInt = 0
-    progressive_step: PosInt = 32
-    shuffle_buffer: PosInt = 10_000
-    cache: Bool = False
-    deterministic: Bool = False
+    progressive_start_epoch: NonNegInt = 0   # last 0-based epoch at progressive_min_size
+    progressive_end_epoch: NonNegInt = 0   # first 0-based epoch at image_size
+    progressive_step: PosInt = 32   # ramp sizes rounded to multiples of this (FFCV: 32)
+    shuffle_buffer: PosInt = 10_000   # examples in the training shuffle buffer
+    cache: Bool = False   # keep the encoded training images in memory after the first epoch
+    deterministic: Bool = False   # crop windows from train.seed and the stream position: runs repeat them
     # Repeated augmentation (DeiT's RASampler, torchvision's --ra-reps): every data epoch shows 1/k of
     # the images k times each, each copy cropped and augmented on its own, the copies of one image dealt
     # to different replicas of a step; an epoch keeps its length. 1: off.
     repeated_augmentation: PosInt = 1
     # Per-channel statistics in 0..255 pixel units, applied on the device.
     mean: tuple[Annotated[float, Strict()], ...] = (123.675, 116.28, 103.53)
-    std: tuple[PosFloat, ...] = (58.395, 57.12, 57.375)
+    std: tuple[PosFloat, ...] = (58.395, 57.12, 57.375)   # ... and their standard deviations
     # A tf.data service dispatcher (grpc://host:port, see `tfdp data-service`) that runs the training
     # pipeline on its workers, so input scales past this host's CPUs; "" = the local pipeline.
     # Evaluation always reads locally.
@@ -94,16 +94,16 @@ class DataConfig:
     # with an error.
     service_timeout: PosFloat = 60.0
     # How the service sends batches: none (raw uint8, ~150 KB per 224 px image: the trainer only copies them;
-    # measured 11x less trainer CPU per image than decoding locally) or auto (TensorFlow compresses them with
-    # snappy and the trainer decompresses: 3x less; for a network slower than the images' bytes per second).
+    # far less trainer CPU than decoding locally, docs/benchmarks.md) or auto (TensorFlow compresses them with
+    # snappy and the trainer decompresses: less saved; for a network slower than the images' bytes per second).
     service_compression: Literal["auto", "none"] = "none"
 
 
 @dataclasses.dataclass
 class ModelConfig:
     __pydantic_config__ = _FORBID
-    name: Str = "resnet18_small"
-    num_classes: PosInt = 10
+    name: Str = "resnet18_small"   # a model registry name (tfdp/models/registry.py)
+    num_classes: PosInt = 10   # classifier outputs; must match the data's classes
     # Dropout rate before the classifier; None: the model's own default (0.5 for VGG and SqueezeNet as
     # their papers, 0.2 for EfficientNetV2 and MobileNetV3 as keras.applications, else 0); 0: none.
     dropout: Annotated[float, Strict(), Field(ge=0, lt=1)] | None = None
@@ -129,7 +129,7 @@ class OptimizerConfig:
     beta1: Fraction = 0.9                  # adamw, lamb
     beta2: Fraction = 0.999                # adamw, lamb
     epsilon: PosFloat = 1e-8               # adamw, lamb, rmsprop (EfficientNet: 1e-3)
-    weight_decay: NonNegFloat = 0.0
+    weight_decay: NonNegFloat = 0.0   # sgd/lars: L2 through the gradient; adamw/lamb: decoupled
     # Most ImageNet recipes decay only conv/dense kernels, not batch-norm scale/shift or biases.
     decay_norm_and_bias: Bool = True
     # Clip the global gradient norm to this (0: off).
@@ -143,7 +143,7 @@ class ScheduleConfig:
     __pydantic_config__ = _FORBID
     # linear: from the peak straight down to 0 at the last step (with warmup, FFCV's triangular "cyclic" schedule).
     name: Literal["cosine", "linear", "step", "exponential", "constant", "one_cycle"] = "cosine"
-    warmup_epochs: NonNegFloat = 0.0
+    warmup_epochs: NonNegFloat = 0.0   # linear warmup from 0 to the peak rate
     # For `step`: epochs at which the rate is multiplied by `decay_rate`.
     decay_epochs: tuple[PosInt, ...] = (30, 60, 80)
     # `step`: factor at each decay epoch; `exponential`: factor per epoch.
@@ -151,23 +151,23 @@ class ScheduleConfig:
     # `one_cycle` (Smith & Topin 2019, as torch's OneCycleLR): rise from peak/div_factor over
     # pct_start of the run, then cosine down to peak/(div_factor*final_div_factor).
     pct_start: Annotated[float, Strict(), Field(gt=0, lt=1)] = 0.3
-    div_factor: Annotated[float, Strict(), Field(ge=1)] = 25.0
-    final_div_factor: Annotated[float, Strict(), Field(ge=1)] = 1e4
+    div_factor: Annotated[float, Strict(), Field(ge=1)] = 25.0   # one_cycle: start at peak / this
+    final_div_factor: Annotated[float, Strict(), Field(ge=1)] = 1e4   # one_cycle: end at start / this
 
 
 @dataclasses.dataclass
 class TrainConfig:
     __pydantic_config__ = _FORBID
-    epochs: PosInt = 10
-    batch_size_per_replica: PosInt = 64
-    label_smoothing: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
+    epochs: PosInt = 10   # epochs to train
+    batch_size_per_replica: PosInt = 64   # global batch = this x replicas over all workers
+    label_smoothing: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0   # mass spread evenly over all classes
     # softmax: cross-entropy over the classes; bce: a sigmoid per class (one-vs-all binary cross-entropy, timm's
     # BinaryCrossEntropy, as ResNet strikes back trains), its targets smoothed by label_smoothing as timm does.
     loss: Literal["softmax", "bce"] = "softmax"
     # bce only: targets above this become 1, the rest 0 (timm's --bce-target-thresh; RSB uses 0.2, so both images
     # of a Mixup/CutMix pair count as present); null = the soft targets as they are.
     bce_target_threshold: Annotated[float, Strict(), Field(ge=0, lt=1)] | None = None
-    seed: NonNegInt = 0
+    seed: NonNegInt = 0   # seeds weights, shuffling, crops and augmentations
     # Keep the best checkpoint by this validation metric.
     best_metric: Literal["val_top1", "val_loss", "val_ema_top1", "val_ema_loss"] = "val_top1"
     # Compute dtype policy; logits and loss stay float32, float16 gets dynamic loss scaling.
@@ -176,12 +176,12 @@ class TrainConfig:
     steps_per_execution: PosInt = 1
     # Compile the whole training step with XLA, optimizer update included (tfdp/keras_patches/train_step.py);
     # works with any number of replicas, where Keras' own jit_compile fails (it compiles the cross-replica step).
-    # `auto`: on where the strategy's devices are GPUs or TPUs (5x faster for ResNet-50 on an H100),
+    # `auto`: on where the strategy's devices are GPUs or TPUs (their fast path; docs/benchmarks.md),
     # off on CPUs, and off with model.sync_bn; true/false force it.
     jit_compile: Literal["auto"] | Bool = "auto"
     # Mid-epoch checkpoints every this many global steps (0: epoch checkpoints only). A kill loses at
     # most this many steps; a preemption notice (SIGTERM) loses none. The default keeps a checkpoint
-    # under 2% of step time on the ImageNet recipes (benchmarks/checkpoint_cost.py).
+    # a small share of step time on the ImageNet recipes (docs/benchmarks.md, benchmarks/checkpoint_cost.py).
     checkpoint_every_steps: NonNegInt = 1000
     # Bit-identical runs: TensorFlow op determinism and seeded input (implies data.deterministic), so a
     # run killed and resumed any number of times ends with exactly the weights of an uninterrupted one.
@@ -191,7 +191,7 @@ class TrainConfig:
 @dataclasses.dataclass
 class DistributeConfig:
     __pydantic_config__ = _FORBID
-    strategy: Literal["one_device", "mirrored", "multi_worker"] = "mirrored"
+    strategy: Literal["one_device", "mirrored", "multi_worker"] = "mirrored"   # the tf.distribute strategy (tfdp/strategy.py)
     # On a host without GPUs, split the CPU into this many logical devices so
     # `mirrored` really runs that many replicas. 0 keeps one CPU device.
     cpu_replicas: NonNegInt = 0
@@ -205,12 +205,12 @@ class DistributeConfig:
 class LogConfig:
     """What the chief records besides metrics.jsonl (see tfdp/callbacks.py)."""
     __pydantic_config__ = _FORBID
-    tensorboard: Bool = True
+    tensorboard: Bool = True   # TensorBoard event files under model_dir/tensorboard
     # Profile training steps [first, last] (1-based, first epoch) into the TensorBoard logs; [0, 0] = off.
     profile_steps: tuple[NonNegInt, NonNegInt] = (0, 0)
     # Weights & Biases project; empty = off. `wandb_mode: offline` logs without a network.
     wandb_project: Str = ""
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"   # Weights & Biases' mode
 
 
 # RandAugment ops by timm's names (timm/data/auto_augment.py); tfdp/augment.py implements each.
@@ -297,7 +297,7 @@ class AugmentConfig:
     trivial_augment: Bool = False
     # timm Mixup/CutMix: on where alpha > 0; lambda ~ Beta(alpha, alpha), the partner is the batch reversed.
     mixup_alpha: NonNegFloat = 0.0
-    cutmix_alpha: NonNegFloat = 0.0
+    cutmix_alpha: NonNegFloat = 0.0   # CutMix's alpha (0: off)
     mix_prob: Fraction = 1.0        # chance that an image (mix_mode batch: the batch) is mixed at all
     switch_prob: Fraction = 0.5     # with both alphas > 0: chance of CutMix instead of Mixup
     # elem: each image its own lambda, box and mixup/cutmix choice (timm mode='elem'); batch: one for the whole
@@ -306,20 +306,20 @@ class AugmentConfig:
     # timm RandomErasing: chance per image; pixel: per-pixel normal noise, rand: one normal colour per box,
     # const: the mean colour (noise and colour in normalized units, i.e. data.mean + data.std * N(0, 1)).
     erasing_prob: Fraction = 0.0
-    erasing_mode: Literal["pixel", "rand", "const"] = "pixel"
+    erasing_mode: Literal["pixel", "rand", "const"] = "pixel"   # what fills an erased box (see erasing_prob)
     erasing_area: tuple[Fraction, Fraction] = (0.02, 1 / 3)   # erased fraction of the image, [min, max]
     erasing_min_aspect: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.3   # log-uniform in [this, 1/this]
     # torchvision ColorJitter: brightness, contrast and saturation factors drawn from [max(0, 1-x), 1+x]
     # (timm's --color-jitter), hue shift from [-h, h]; 0 = off.
     color_jitter: NonNegFloat = 0.0
-    color_jitter_hue: Annotated[float, Strict(), Field(ge=0, le=0.5)] = 0.0
+    color_jitter_hue: Annotated[float, Strict(), Field(ge=0, le=0.5)] = 0.0   # hue shift bound h (0 = off)
     color_jitter_random_order: Bool = True   # torchvision applies the four in a random order per call (here per image)
 
 
 @dataclasses.dataclass
 class Config:
     __pydantic_config__ = _FORBID
-    model_dir: Str = "runs/default"
+    model_dir: Str = "runs/default"   # checkpoints, metrics.jsonl and the resolved config.yaml go here
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)

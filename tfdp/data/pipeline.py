@@ -38,7 +38,7 @@ AUTOTUNE = tf.data.AUTOTUNE
 def _decode_calls() -> int:
     """Decodes in flight. The map keeps element order (corrupt images are counted from gaps in it), so
     one slow image holds back finished ones; with AUTOTUNE's limit of one call per core a core then
-    idles. Three per core keeps both busy: +2% on full-size JPEGs, +5% on small ones (measured)."""
+    idles. Three per core keeps both busy (the gain is in docs/benchmarks.md, input pipeline)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 3 * cores
 

@@ -71,7 +71,7 @@ def _decode_window(data: tf.Tensor, window) -> tf.Tensor:
     """The pixels inside `window(shape)` (offset_y, offset_x, height, width) of an encoded image.
 
     A JPEG's shape comes from its header and only the window is decoded, with
-    the exact IDCT (the inexact INTEGER_FAST measured at most 1% faster here);
+    the exact IDCT (the inexact INTEGER_FAST gains next to nothing: docs/benchmarks.md);
     other formats (PNG, GIF, BMP) are decoded whole and sliced.
     """
     def jpeg():
@@ -86,7 +86,7 @@ def _decode_window(data: tf.Tensor, window) -> tf.Tensor:
 
 
 def _resize(image: tf.Tensor, image_size: int) -> tf.Tensor:
-    # TensorFlow's bilinear kernel is ~1.5x faster on float input than on uint8 (measured), and
+    # TensorFlow's bilinear kernel is faster on float input than on uint8 (docs/benchmarks.md), and
     # bilinear weights keep values within 0..255: round half up and cast, no clipping pass.
     resized = tf.image.resize(tf.cast(image, tf.float32), [image_size, image_size], method="bilinear", antialias=False)
     out = tf.cast(resized + 0.5, tf.uint8)

@@ -87,8 +87,8 @@ def _record_payloads(share, cfg, ctx, data_shard, order_seed):
     """Serialized records, the shards in the permutation `order_seed` draws.
 
     Records are read sequentially, round robin over INTERLEAVE_CYCLE shards:
-    reading is ~25x faster than decoding, and a parallel interleave burned CPU
-    in synchronisation that decoding needs (measured: 2-6% of the whole
+    reading is far cheaper than decoding, and a parallel interleave burned CPU
+    in synchronisation that decoding needs (docs/benchmarks.md, the input
     pipeline). Shards are local files by now (`localize`). The order is
     deterministic, which sharding by example needs: all pipelines see the
     same sequence.
@@ -116,7 +116,7 @@ def _record_example(share, cfg, num_classes):
 
 def _image_payloads(share, cfg, ctx, data_shard, order_seed):
     """(image file path, label) pairs; the file is read inside the decoding map, not a map of its own,
-    which saves one function call per image (measured: 2% of the pipeline)."""
+    which saves one function call per image (docs/benchmarks.md, input pipeline)."""
     files, labels = localize(share.files, cfg.cache_dir), share.labels
     if data_shard:  # as Dataset.shard on the pairs
         files = files[ctx.input_pipeline_id::ctx.num_input_pipelines]

@@ -5,7 +5,7 @@ step ends in `optimizer.apply_gradients`, which all-reduces gradients across
 replicas (a cross-replica `merge_call`) and updates mirrored variables one by
 one: XLA cannot compile that inside a replica, so Keras turns its own jit off
 under MirroredStrategy, and compiling only the forward/backward pass leaves
-the optimizer update running op by op (0.86x plain Keras on one H100).
+the optimizer update running op by op (slower than plain Keras: docs/benchmarks.md, GPU).
 
 tfdp's step is written the way Keras' JAX trainer works, as stateless
 functions of the variables' values:

@@ -39,8 +39,8 @@ def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
     """uint8 images → [random flip] → Standardize → backbone → logits (float32 whatever the precision policy).
 
     The training flip is a layer, not an input-pipeline step, so it runs on
-    the accelerator: on the host it cost 4% of the pipeline's throughput
-    (measured). It is active only in training and draws per image.
+    the accelerator: on the host it cost a share of the pipeline's throughput
+    (docs/benchmarks.md). It is active only in training and draws per image.
     `model_cfg.dropout` None means the model's own default (see the registry).
     """
     check_model_name(model_cfg.name)
