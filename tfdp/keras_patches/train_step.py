@@ -3,8 +3,8 @@
 Keras 3 compiles `train_step` as a whole with `jit_compile=True`, but that
 step ends in `optimizer.apply_gradients`, which all-reduces gradients across
 replicas (a cross-replica `merge_call`) and updates mirrored variables one by
-one: XLA cannot compile that inside a replica, so Keras turns its own jit off
-under MirroredStrategy, and compiling only the forward/backward pass leaves
+one: Keras' `jit_compile="auto"` turns XLA off under any tf.distribute strategy,
+an explicit True fails there (keras-team/keras#19005), and compiling only the forward/backward pass leaves
 the optimizer update running op by op (slower than plain Keras: docs/benchmarks.md, GPU).
 
 tfdp's step is written the way Keras' JAX trainer works, as stateless
