@@ -1,0 +1,104 @@
+"""The documentation: the site builds with no broken link or anchor, every config field and flag is documented,
+the generated reference pages match the code, and the README stays a short front door."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from tfdp import docgen
+
+REGENERATE = f"run `{docgen.REGENERATE}` and commit docs/reference/"
+
+
+def test_site_builds_strict_with_no_broken_link_or_anchor(tmp_path):
+    """mkdocs.yml turns unknown links, missing anchors, absolute links and pages left out of the nav into
+    warnings, and --strict makes any warning fail the build."""
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    problems = [line for line in result.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
+    assert result.returncode == 0, "\n".join(problems) or result.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "config" / "index.html").exists()
+
+
+def test_the_strict_build_fails_on_a_broken_anchor(tmp_path):
+    """The check above can fail: a copy of the docs with one link to a missing anchor does not build."""
+    import shutil
+    shutil.copytree(os.path.join(REPO, "docs"), tmp_path / "docs")
+    shutil.copy(os.path.join(REPO, "mkdocs.yml"), tmp_path / "mkdocs.yml")
+    shutil.copytree(os.path.join(REPO, "configs"), tmp_path / "configs")  # pages include files from it
+    with open(tmp_path / "docs" / "faults.md", "a") as f:
+        f.write("\nSee [the demo](benchmarks.md#no-such-section).\n")
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode != 0
+    assert "no-such-section" in result.stderr
+
+
+def test_every_config_field_has_a_comment():
+    """The generator raises, naming the fields and the command, when a field has no comment above or beside it."""
+    try:
+        docgen.config_page()
+    except docgen.UndocumentedError as e:
+        pytest.fail(str(e))
+
+
+def test_every_flag_has_help():
+    try:
+        docgen.cli_page()
+    except docgen.UndocumentedError as e:
+        pytest.fail(str(e))
+
+
+def test_every_config_field_and_flag_is_in_the_committed_reference():
+    """Each leaf field of tfdp/config.py and each flag of tfdp's modules has a row in the committed pages."""
+    config_md = open(docgen.CONFIG_PAGE).read()
+    cli_md = open(docgen.CLI_PAGE).read()
+    fields = [f"{prefix}.{f.name}" if prefix else f.name
+              for prefix, _, leaves in docgen.config_sections() for f, _ in leaves]
+    assert len(fields) > 80
+    missing = [k for k in fields if f"| `{k}` |" not in config_md]
+    assert not missing, f"config fields missing from docs/reference/config.md: {missing}; {REGENERATE}"
+    flags = [flag.name for flag in docgen.tfdp_flags()]
+    assert {"config", "set", "model_dir", "data_service"} <= set(flags)
+    missing = [n for n in flags if f"| `--{n}` |" not in cli_md]
+    assert not missing, f"flags missing from docs/reference/cli.md: {missing}; {REGENERATE}"
+
+
+def test_the_committed_reference_pages_are_what_the_code_generates():
+    stale = [os.path.relpath(p, REPO) for p in docgen.stale_pages()]
+    assert not stale, f"{', '.join(stale)} out of date with the code: {REGENERATE}"
+
+
+def test_a_field_without_a_comment_is_caught():
+    """The comment finder returns nothing for a bare field, so the generator's check can fail."""
+    source = ("@dataclasses.dataclass\nclass C:\n    # what a does\n    a: int = 1\n"
+              "    b: int = 2   # what b does\n\n    c: int = 3\n")
+    lines, comments = source.splitlines(), docgen._comments_by_line(source)
+    body = {n.target.id: n for n in ast.parse(source).body[0].body}
+    found = {name: docgen._field_comment(node, lines, comments) for name, node in body.items()}
+    assert found == {"a": "what a does", "b": "what b does", "c": ""}
+
+
+def test_types_and_defaults_read_as_a_user_writes_them():
+    assert docgen._render_type(ast.parse('Literal["a", "b"]', mode="eval").body) == "`a` or `b`"
+    assert docgen._render_type(ast.parse("Annotated[float, Strict(), Field(ge=0, lt=1)] | None",
+                                         mode="eval").body) == "float (≥ 0, < 1) or null"
+    field = dataclasses.field(default_factory=lambda: (1, 2))
+    assert docgen._render_default(field) == "`(1, 2)`"
+
+
+def test_readme_is_a_short_front_door_with_the_ci_command():
+    """At most 250 lines, and the test command is exactly the one .ci/run runs (CI relies on it)."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert len(readme.splitlines()) <= 250
+    ci = [line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines() if line.startswith("python3")]
+    assert ci and all(line in readme.splitlines() for line in ci), ci
