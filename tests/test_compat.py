@@ -54,6 +54,18 @@ def test_mirrored_evaluate_when_replicas_get_unequal_first_batches():
     assert result["accuracy"] == pytest.approx(expected)
 
 
+def _built_ema_optimizer():
+    """An optimizer as tfdp builds one with optimizer.ema_decay: some names exist only on such an instance."""
+    import keras
+    optimizer = keras.optimizers.SGD(use_ema=True)
+    optimizer.build([keras.Variable(np.zeros(2, "float32"))])
+    return optimizer
+
+
+# Classes whose relied-on attributes are set on their instances: the instance to look them up on.
+_INSTANCES = {"keras.src.optimizers.base_optimizer.BaseOptimizer": _built_ema_optimizer}
+
+
 def _resolve(dotted: str):
     import importlib
     parts = dotted.split(".")
@@ -62,10 +74,17 @@ def _resolve(dotted: str):
             obj = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
             continue
-        for name in parts[cut:]:
+        for i, name in enumerate(parts[cut:], start=cut):
+            owner = ".".join(parts[:i])
+            if not hasattr(obj, name) and i == len(parts) - 1 and owner in _INSTANCES:
+                obj = _INSTANCES[owner]()
             obj = getattr(obj, name)
         return obj
     raise ImportError(dotted)
+
+
+def _module_of(patch: str) -> str:
+    return f"tfdp/keras_patches/{patch}.py" if patch in ("fit_fixes", "train_step", "eval_step") else f"tfdp/{patch}.py"
 
 
 @pytest.mark.parametrize("patch", sorted(RELIED_ON))
@@ -75,7 +94,15 @@ def test_every_keras_internal_a_patch_relies_on_is_still_there(patch):
         try:
             _resolve(name)
         except (ImportError, AttributeError):
-            pytest.fail(f"tfdp/keras_patches/{patch}.py relies on {name}, which is gone: re-check the patch")
+            pytest.fail(f"{_module_of(patch)} relies on {name}, which is gone: re-check the patch")
+
+
+def test_keras_still_calls_the_ema_hook_tfdp_overrides():
+    """tfdp/optimizers.py's EMA warm-up overrides `_update_model_variables_moving_average`: it works only while
+    Keras' apply calls that hook after each update. Fails, naming the module, when an upgrade stops calling it."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    assert "self._update_model_variables_moving_average(" in inspect.getsource(BaseOptimizer._backend_apply_gradients), \
+        "tfdp/optimizers.py's EmaWarmup is no longer called by Keras: re-check it"
 
 
 def test_the_reasons_for_the_replaced_steps_still_hold():

@@ -45,6 +45,17 @@ RELIED_ON = {
         "keras.src.losses.loss.unscale_loss_for_distribution",
         "keras.src.trainers.data_adapters.data_adapter_utils.unpack_x_y_sample_weight",
     ),
+    # Outside this package (keys that are not a patch name a module of tfdp/): the EMA warm-up overrides the
+    # hook Keras' apply calls after each update; LARS and RMSProp read an optimizer variable's slot and ask
+    # whether it is decayed; `ema_weights` in tfdp/callbacks.py reads the averages an EMA optimizer builds.
+    "optimizers": (
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._update_model_variables_moving_average",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._get_variable_index",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._use_weight_decay",
+    ),
+    "callbacks": (
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._model_variables_moving_average",  # set by build()
+    ),
 }
 # ... and attributes of a compiled model and of a Keras variable they use (set at construction, so checked on one).
 MODEL_ATTRIBUTES = ("_loss_tracker", "stateless_call", "compute_metrics")
