@@ -123,6 +123,7 @@ class LocalStore:
     @contextlib.contextmanager
     def _locked(self):
         import fcntl
+        os.makedirs(os.path.dirname(self._lock_path), exist_ok=True)
         fd = os.open(self._lock_path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
