@@ -83,6 +83,7 @@ def k8s_open_ports(docs: list[dict]) -> list[str]:
                         and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
             if not guarding:
                 problems += [f"{name}: port {port} has no NetworkPolicy" for port in sorted(ports)]
+            admitted = set()
             for policy in guarding:  # policies add up: any one of them admitting outsiders opens the pod
                 own = policy["spec"]["podSelector"].get("matchLabels", {})
                 for rule in policy["spec"].get("ingress", []):
@@ -94,6 +95,9 @@ def k8s_open_ports(docs: list[dict]) -> list[str]:
                                   and own.items() <= peer["podSelector"].get("matchLabels", {}).items())
                         if not inside:
                             problems.append(f"{name}: {policy['metadata']['name']} admits {peer} (not only the job)")
+                    admitted |= {p["port"] for p in rule["ports"]} if rule.get("ports") else ports
+            if guarding:  # and the job itself must get through, or it cannot run
+                problems += [f"{name}: port {port} is closed to the job too" for port in sorted(ports - admitted)]
     for doc in docs:
         if doc["kind"] == "Service" and doc["spec"].get("type", "ClusterIP") not in ("ClusterIP",):
             problems.append(f"Service {doc['metadata']['name']}: type {doc['spec']['type']} (reachable from outside)")
@@ -165,6 +169,12 @@ def with_wider_peer(docs):
     return docs
 
 
+def with_a_port_not_admitted(docs):
+    docs = copy.deepcopy(docs)
+    pods(docs)[0][2]["containers"][0]["args"].append("--port=6001")
+    return docs
+
+
 def with_unlabelled_pod(docs):
     docs = copy.deepcopy(docs)
     for d in docs:
@@ -175,7 +185,7 @@ def with_unlabelled_pod(docs):
 
 @pytest.mark.parametrize("path", K8S)
 @pytest.mark.parametrize("mutate", [without_policies, with_extra_port, with_ip_block, with_wider_peer,
-                                    with_unlabelled_pod])
+                                    with_unlabelled_pod, with_a_port_not_admitted])
 def test_the_kubernetes_check_finds_a_port_left_open(path, mutate):
     assert k8s_open_ports(mutate(load_all(path)))
 
