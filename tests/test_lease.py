@@ -48,6 +48,11 @@ def hold_in_process(model_dir: str, timeout: float = 2.0, host: str = "") -> sub
     return proc
 
 
+def needs_preconditions(place: str) -> None:
+    if place.startswith("gs://"):
+        pytest.skip("the GCS emulator (gcp-storage-emulator) ignores ifGenerationMatch; real GCS enforces it")
+
+
 def lease_text(model_dir: str) -> str | None:
     return store_for(model_dir).read()[0]
 
@@ -103,9 +108,25 @@ def test_another_hosts_lease_is_refused_while_renewed_and_taken_over_once_expire
                         r"since [-0-9: ]+ UTC: it was not renewed for [0-9.]+ s \(timeout 2 s\)", line), line
 
 
+def test_a_holder_whose_lease_was_taken_over_says_so_and_leaves_the_new_lease_alone(place, capsys):
+    """A holder stalled past its timeout on another host is taken over; its next renewal finds that out."""
+    needs_preconditions(place)
+    stalled = Lease(place, timeout=1.0, host="node-a").acquire()
+    text, version = store_for(place).read()
+    taker = json.dumps({**json.loads(text), "host": "node-b", "pid": 4242, "run_id": "taker"})
+    assert store_for(place).replace(taker, version) is not None  # what a taker does: replace the version it read
+    deadline = time.monotonic() + 10
+    while not stalled.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stalled.release()
+    assert stalled.lost and json.loads(lease_text(place))["run_id"] == "taker"  # not renewed over, not removed
+    line = last_line(capsys.readouterr().out)
+    assert line.startswith(f"tfdp: lease: warning: the lease on model_dir {place} was taken over by host node-b, "
+                           "pid 4242, since ") and line.endswith("this run is no longer its only writer"), line
+
+
 def test_creation_is_exclusive(place):
-    if place.startswith("gs://"):
-        pytest.skip("the GCS emulator (gcp-storage-emulator) ignores ifGenerationMatch; real GCS enforces it")
+    needs_preconditions(place)
     store = store_for(place)
     assert store.create("first") is not None
     assert store.create("second") is None

@@ -42,7 +42,7 @@ import time
 import uuid
 from urllib.parse import quote
 
-from tfdp.errors import UserError
+from tfdp.errors import UserError, first_line
 
 LEASE_FILE = ".tfdp-lease"
 LOCK_FILE = ".tfdp-lease.lock"   # local disk: the flock every change of the lease happens under
@@ -348,9 +348,10 @@ class Lease:
             renewed = dataclasses.replace(self.holder, renewed=time.time())
             try:
                 version = self.store.replace(renewed.text(), self._version)
-            except OSError as e:  # a bucket that does not answer for a while: try again at the next beat
+            except Exception as e:  # noqa: BLE001  a bucket that does not answer for a while: try at the next beat
                 if not failed:
-                    self.say(f"tfdp: lease: warning: could not renew the lease {self.store.where}: {e}", flush=True)
+                    self.say(f"tfdp: lease: warning: could not renew the lease {self.store.where}: {first_line(e)}",
+                             flush=True)
                 failed = True
                 continue
             failed = False
@@ -373,8 +374,9 @@ class Lease:
         if self.holder and not self.lost:
             try:
                 self.store.remove(self._version)
-            except OSError as e:
-                self.say(f"tfdp: lease: warning: could not remove the lease {self.store.where}: {e}", flush=True)
+            except Exception as e:  # noqa: BLE001  never hides the error the run is ending with
+                self.say(f"tfdp: lease: warning: could not remove the lease {self.store.where}: {first_line(e)}",
+                         flush=True)
         self.holder = None
 
     def __enter__(self) -> "Lease":
