@@ -50,11 +50,12 @@ class Service:
         self.dispatcher.wait()
         self.restarts += 1
         self.dispatcher, line = self._start("dispatcher", f"--port={self.port}", f"--work_dir={self.root / journal}")
-        assert line.endswith(f":{self.port} (journal in {self.root / journal})"), line
+        assert f":{self.port} (journal in {self.root / journal}), listening on " in line, line
 
     def add_worker(self, *flags: str) -> subprocess.Popen:
         proc, line = self._start("worker", "--port=0", f"--dispatcher_address=127.0.0.1:{self.port}", *flags)
-        assert re.fullmatch(r"tfdp: data-service: worker at localhost:\d+, dispatcher 127\.0\.0\.1:\d+", line), line
+        assert re.fullmatch(r"tfdp: data-service: worker at localhost:(\d+), dispatcher 127\.0\.0\.1:\d+, listening on "
+                            r"\S+:\1\b.*", line), line
         self.workers.append(proc)
         return proc
 

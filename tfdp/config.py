@@ -186,6 +186,10 @@ class TrainConfig:
     # Bit-identical runs: TensorFlow op determinism and seeded input (implies data.deterministic), so a
     # run killed and resumed any number of times ends with exactly the weights of an uninterrupted one.
     deterministic: Bool = False
+    # Seconds the chief's lease on model_dir (tfdp/lease.py, docs/one-writer.md) stays valid without a renewal
+    # (it renews every quarter of this). A run on another host finding a lease older than this takes it over;
+    # a dead holder on the same host is taken over at once. Hosts' clocks must agree to well within it.
+    lease_timeout: PosFloat = 60.0
 
 
 @dataclasses.dataclass

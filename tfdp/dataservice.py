@@ -62,7 +62,8 @@ def dispatcher(port: int, work_dir: str | None) -> None:
         job_gc_check_interval_ms=JOB_GC_CHECK_MS)
     server = _started(lambda: service.DispatchServer(config), f"dispatcher on port {port}")
     journal = f"journal in {work_dir}" if work_dir else "no --work_dir: a restart forgets every job"
-    _serve(server, f"dispatcher at grpc://{socket.gethostname()}:{_port(server)} ({journal})")
+    port = _port(server)
+    _serve(server, f"dispatcher at grpc://{socket.gethostname()}:{port} ({journal}), {listening_line(port)}")
 
 
 def worker(dispatcher_address: str, port: int, worker_address: str | None, mirror: tuple[str, ...] = (),
@@ -99,7 +100,43 @@ def worker(dispatcher_address: str, port: int, worker_address: str | None, mirro
                                   port=port, heartbeat_interval_ms=HEARTBEAT_MS)
     server = _started(lambda: service.WorkerServer(config), f"worker on port {port}")
     shown = address.replace("%port%", str(_port(server)))
-    _serve(server, f"worker at {shown}, dispatcher {dispatcher_address}")
+    _serve(server, f"worker at {shown}, dispatcher {dispatcher_address}, {listening_line(_port(server))}")
+
+
+def listening_line(port: int) -> str:
+    """Where the server on `port` listens, as the kernel says (its TCP listening sockets), for the start-up line.
+
+    TensorFlow's tf.data service binds `0.0.0.0:PORT` whatever it is told
+    (`GrpcDataServerBase::Start`; neither DispatcherConfig nor WorkerConfig
+    has a bind address), which gRPC turns into every IPv4 and IPv6 interface.
+    tfdp cannot narrow that, so it says so: the port must be kept inside the
+    job by the network (docs/security.md).
+    """
+    found = listening_addresses(port) or [f"0.0.0.0:{port}"]
+    wildcard = any(a.startswith(("[::]:", "0.0.0.0:")) for a in found)
+    return (f"listening on {' and '.join(found)}"
+            + (" (every interface: TensorFlow binds no single address; keep the port inside the job, "
+               "docs/security.md)" if wildcard else ""))
+
+
+def listening_addresses(port: int) -> list[str]:
+    """host:port of every TCP socket listening on `port` on this host (/proc/net/tcp6 and tcp; [] off Linux)."""
+    found = []
+    for table, family in (("/proc/net/tcp6", socket.AF_INET6), ("/proc/net/tcp", socket.AF_INET)):
+        try:
+            with open(table, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            address, hex_port = fields[1].rsplit(":", 1)
+            if fields[3] != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+            host = socket.inet_ntop(family, raw)
+            found.append(f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
+    return list(dict.fromkeys(found))
 
 
 def strip_protocol(address: str) -> str:

@@ -29,6 +29,7 @@ from tfdp.data import Source, build_source
 from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
+from tfdp.lease import writer_lease
 from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.models import check_model_name
 from tfdp.places import writable_tree
@@ -99,6 +100,12 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     model_dir = os.path.abspath(os.path.expanduser(cfg.model_dir))
     if runtime.is_chief:  # the other workers write only into scratch
         writable_tree(model_dir, "model_dir")
+    with writer_lease(model_dir, cfg.train.lease_timeout, runtime.is_chief):  # one writer per model_dir
+        return train_in(cfg, runtime, model_dir)
+
+
+def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
+    """`train` once model_dir is checked and, on the chief, leased to this run."""
     keras.utils.set_random_seed(cfg.train.seed)
     source = build_source(cfg.data)
     plan = make_plan(cfg, source, runtime)
