@@ -1,6 +1,7 @@
 """`tfdp predict` labels real image files on every replica, one row per image (an undecodable one with its
 error); image folders read every format TensorFlow decodes, say what they ignore, and name corrupt images."""
 
+import dataclasses
 import io
 import json
 import os
@@ -14,13 +15,13 @@ import yaml
 from PIL import Image
 
 from conftest import assert_one_line_error, run_tfdp
-from tfdp.config import DistributeConfig, validate
+from tfdp.config import validate
 from tfdp.data import build_source
 from tfdp.data.corrupt import LOG as CORRUPT_LOG
 from tfdp.data.pipeline import eval_dataset, train_dataset
 from tfdp.evaluate import evaluate
 from tfdp.models import build_model
-from tfdp.predict import predict, read_rows
+from tfdp.predict import predict, read_rows, request
 from tfdp.strategy import local_replicas, make_runtime
 
 SETTINGS = {"model": {"name": "simple_cnn"},
@@ -54,11 +55,6 @@ def trained(small_dir, tmp_path_factory):
     return cfg, str(config_file), weights
 
 
-def with_replicas(cfg, n):
-    import dataclasses
-    return dataclasses.replace(cfg, distribute=DistributeConfig(strategy="mirrored", cpu_replicas=n))
-
-
 def top1_accuracy(rows, root):
     """Share of rows whose first class is the image's class folder."""
     right = [row["predictions"][0]["name"] == os.path.basename(os.path.dirname(row["path"])) for row in rows]
@@ -70,7 +66,7 @@ def test_predict_on_the_validation_split_gives_evaluate_top1(trained, small_dir,
     runtime = make_runtime(cfg.distribute)  # 2 replicas
     result = evaluate(cfg, runtime, checkpoint=weights)
     out = str(tmp_path / "val.jsonl")
-    summary = predict(cfg, runtime, weights, os.path.join(small_dir, "val"), out, top_k=3)
+    summary = predict(cfg, runtime, weights, request(cfg, os.path.join(small_dir, "val"), out, top_k=3))
     rows = read_rows(out)
     assert summary == {**summary, "images": 40, "failed": 0}
     assert len(rows) == 40 == result["examples"] and len({r["path"] for r in rows}) == 40
@@ -88,8 +84,8 @@ def test_two_replicas_give_the_rows_of_one_including_a_last_partial_batch(traine
     """40 images in steps of 6 (1 replica) and 12 (2 replicas): both end on a batch padded with blanks."""
     cfg, _, weights = trained
     val = os.path.join(small_dir, "val")
-    predict(with_replicas(cfg, 1), make_runtime(local_replicas(1)), weights, val, str(tmp_path / "one.jsonl"))
-    predict(cfg, make_runtime(cfg.distribute), weights, val, str(tmp_path / "two.csv"))
+    predict(cfg, make_runtime(local_replicas(1)), weights, request(cfg, val, str(tmp_path / "one.jsonl")))
+    predict(cfg, make_runtime(cfg.distribute), weights, request(cfg, val, str(tmp_path / "two.csv")))
     one, two = read_rows(str(tmp_path / "one.jsonl")), read_rows(str(tmp_path / "two.csv"))
     assert [r["path"] for r in one] == [r["path"] for r in two] == sorted(r["path"] for r in one)
     assert len(one) == 40
@@ -175,11 +171,9 @@ def test_images_in_a_bucket(trained, odd_folder, gcs_bucket, tmp_path):
     root, good, bad = odd_folder
     fs, _ = fsspec.core.url_to_fs(gcs_bucket)
     fs.put(root + "/", gcs_bucket.removeprefix("gs://") + "/incoming", recursive=True)
-    cfg = with_replicas(cfg, 2)
-    import dataclasses
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "cache")))
     out = str(tmp_path / "bucket.csv")
-    summary = predict(cfg, make_runtime(cfg.distribute), weights, f"{gcs_bucket}/incoming", out, top_k=1)
+    summary = predict(cfg, make_runtime(cfg.distribute), weights, request(cfg, f"{gcs_bucket}/incoming", out, 1))
     rows = read_rows(out)
     assert [r["path"] for r in rows] == [f"{gcs_bucket}/incoming/{name}" for name in sorted(good + bad)]
     assert summary["failed"] == 2 and sum(1 for r in rows if r["error"]) == 2
@@ -189,7 +183,7 @@ def test_images_in_a_bucket(trained, odd_folder, gcs_bucket, tmp_path):
 
 def read_rows_of_folder(cfg, weights, root, tmp_path):
     out = str(tmp_path / "local.csv")
-    predict(cfg, make_runtime(cfg.distribute), weights, root, out, top_k=1)
+    predict(cfg, make_runtime(cfg.distribute), weights, request(cfg, root, out, 1))
     return read_rows(out)
 
 

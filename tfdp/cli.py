@@ -122,10 +122,11 @@ def cmd_export(args: list[str]) -> None:
 def cmd_predict(args: list[str]) -> None:
     _no_positional(args)
     cfg = resolved_config()  # the training data need not be here: it only names the classes
+    from tfdp.predict import predict, request
+    job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
     console.import_tensorflow()
     from tfdp.strategy import make_runtime
-    from tfdp.predict import predict
-    predict(cfg, make_runtime(cfg.distribute), FLAGS.checkpoint, FLAGS.input, FLAGS.output, FLAGS.top_k)
+    predict(cfg, make_runtime(cfg.distribute), FLAGS.checkpoint, job)
 
 
 def cmd_report(args: list[str]) -> None:

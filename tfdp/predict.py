@@ -7,43 +7,59 @@ batches, each image carried with its number, so no image is lost or counted twic
 count. An image that cannot be decoded keeps its row, with TensorFlow's reason instead of classes: each
 image is decoded inside its own one-element dataset with `ignore_errors`, followed by a fallback element
 that only runs when the decode failed and records the reason (`tfdp.data.corrupt`). The output (JSONL or
-CSV, by its extension) is written atomically once every image has its row.
+CSV, by its extension) is written atomically once every image has its row. What the user asked for is checked
+(`request`) before TensorFlow is even imported, so a bad request is one line at once.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import tensorflow as tf
 
-from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config, DataConfig
 from tfdp.data import build_source
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
-from tfdp.data.pipeline import AUTOTUNE
-from tfdp.data.preprocess import eval_transform
 from tfdp.data.sources import IMAGE_PATTERNS, Ignored, is_image_file
 from tfdp.data.storage import filesystem, is_remote_url, localize, url
 from tfdp.errors import UserError, first_line
-from tfdp.evaluate import load_checkpoint
-from tfdp.models import check_model_name
 from tfdp.resolution import eval_image_size
-from tfdp.strategy import Runtime
-from tfdp.task import serving_model
+
+if TYPE_CHECKING:  # TensorFlow loads only once the request is known to be good
+    import tensorflow as tf
+
+    from tfdp.strategy import Runtime
 
 GLOB_CHARACTERS = "*?["
 DECODES_IN_FLIGHT = 16
 
 
 # --- the request -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to predict and where the rows go, checked."""
+    files: tuple[str, ...]   # the images, sorted: local paths or bucket URLs, as the rows name them
+    output: str              # absolute path of the JSONL or CSV file
+    write: Callable          # (rows, top_k) → the file's text
+    top_k: int
+
+
+def request(cfg: Config, inputs: str | None, output: str | None, top_k: int = 5) -> Request:
+    """The checked request: a writable output of a known format, top_k within the classes, at least one
+    image. No TensorFlow here."""
+    write = check_output(output)
+    check_top_k(top_k, cfg.model.num_classes)
+    return Request(tuple(list_images(inputs)), os.path.abspath(os.path.expanduser(output)), write, top_k)
+
 
 def check_output(output: str | None) -> Callable[[list[dict], int], str]:
     """The writer for `output`'s extension, after proving a file can be written beside it: one line
@@ -126,8 +142,8 @@ def class_names(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 # --- the pipeline ------------------------------------------------------------
 
-def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int, ctx: tf.distribute.InputContext,
-                       failed: Callable) -> tf.data.Dataset:
+def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int, ctx: "tf.distribute.InputContext",
+                       failed: Callable) -> "tf.data.Dataset":
     """This input pipeline's share of `files` as per-replica batches of (image number, uint8 image).
 
     Image i goes to pipeline i mod n. Every pipeline pads its share with
@@ -136,6 +152,9 @@ def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int, ctx
     or decoded comes as number -1 too, after `failed(number, path)` has
     recorded why, so its row says so and the others go on.
     """
+    import tensorflow as tf
+
+    from tfdp.data.preprocess import eval_transform
     transform = eval_transform(cfg)
     size = eval_image_size(cfg)
     blank = tf.zeros([size, size, 3], tf.uint8)
@@ -157,22 +176,27 @@ def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int, ctx
         guarded, cycle_length=DECODES_IN_FLIGHT, block_length=1, num_parallel_calls=DECODES_IN_FLIGHT,
         deterministic=True)
     padding = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), blank)).repeat()
-    return ds.concatenate(padding).take(padded).batch(batch, drop_remainder=True).prefetch(AUTOTUNE)
+    return ds.concatenate(padding).take(padded).batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
-# train.loss → how the model's outputs become class probabilities
-PROBABILITIES = {"softmax": tf.nn.softmax, "bce": tf.math.sigmoid}
+# train.loss → the tf.math function that turns the model's outputs into class probabilities
+PROBABILITIES = {"softmax": "softmax", "bce": "sigmoid"}
 
 
-def predict(cfg: Config, runtime: Runtime, checkpoint: str | None, inputs: str | None, output: str | None,
-            top_k: int = 5) -> dict:
-    """Writes `output` with one row per image of `inputs`; returns a summary (images, failed, seconds)."""
+def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Request) -> dict:
+    """Writes `job.output` with one row per image of `job.files`; returns a summary (images, failed, seconds)."""
+    import tensorflow as tf
+
+    from tfdp.checkpoints import CheckpointStore, atomic_write_text
+    from tfdp.data.preprocess import eval_transform
+    from tfdp.evaluate import load_checkpoint
+    from tfdp.models import check_model_name
+    from tfdp.task import serving_model
+
     check_model_name(cfg.model.name)
-    write = check_output(output)
-    check_top_k(top_k, cfg.model.num_classes)
     if runtime.num_workers > 1:
         raise UserError("predict runs on one host's replicas: use distribute.strategy mirrored or one_device")
-    files = list_images(inputs)
+    files, top_k = list(job.files), job.top_k
     names, text = class_names(cfg)
     local = localize(files, cfg.data.cache_dir)  # bucket objects copied once; TensorFlow reads local files
     with runtime.strategy.scope():
@@ -191,7 +215,7 @@ def predict(cfg: Config, runtime: Runtime, checkpoint: str | None, inputs: str |
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     dataset = runtime.strategy.distribute_datasets_from_function(
         lambda ctx: prediction_dataset(local, cfg.data, global_batch, ctx, failed))
-    probabilities = PROBABILITIES[cfg.train.loss]
+    probabilities = getattr(tf.math, PROBABILITIES[cfg.train.loss])
 
     @tf.function
     def step(iterator):
@@ -217,8 +241,8 @@ def predict(cfg: Config, runtime: Runtime, checkpoint: str | None, inputs: str |
     if missing:  # never expected: every image is a prediction or an error
         raise RuntimeError(f"{len(missing)} image(s) got no row, first {files[missing[0]]}")
     rows = [_row(files[k], best.get(k), errors.get(k), names, text) for k in range(len(files))]
-    atomic_write_text(os.path.abspath(os.path.expanduser(output)), write(rows, top_k))
-    print(f"tfdp: predict: {len(files)} image(s) → {output}"
+    atomic_write_text(job.output, job.write(rows, top_k))
+    print(f"tfdp: predict: {len(files)} image(s) → {job.output}"
           + (f" ({len(errors)} could not be decoded)" if errors else "")
           + f", {len(files) / max(seconds, 1e-9):.0f} images/s on {runtime.num_replicas} replica(s)", flush=True)
     return {"images": len(files), "failed": len(errors), "seconds": seconds}
