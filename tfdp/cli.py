@@ -34,8 +34,8 @@ flags.DEFINE_integer("max_replicas", 2, "benchmark: measure 1..max_replicas repl
 flags.DEFINE_integer("steps", 20, "benchmark: timed training steps per measurement.")
 flags.DEFINE_integer("warmup_steps", 5, "benchmark: untimed steps first (tracing, autotuning).")
 flags.DEFINE_string("benchmark_dir", None, "benchmark: output directory (default: model_dir/benchmark).")
-flags.DEFINE_string("checkpoint", None, "evaluate/export/predict: weights file to load (default: the best checkpoint in "
-                    "model_dir).")
+flags.DEFINE_string("checkpoint", None, "evaluate/export/predict: weights file to load (default: the best checkpoint "
+                    "in model_dir).")
 flags.DEFINE_string("input", None, "predict: the images: a folder (recursive), a file, a quoted glob pattern, or a "
                     "gs:// / s3:// prefix.")
 flags.DEFINE_string("output", None, "predict: where the rows go: FILE.jsonl or FILE.csv (written atomically).")
