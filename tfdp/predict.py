@@ -4,10 +4,13 @@ The images go through evaluation's preprocessing (`tfdp.data.preprocess.eval_tra
 `data.eval_crop_fraction`, `data.eval_image_size`; mean/std inside the model) and are spread over the
 strategy's replicas as evaluation spreads its split: padded to whole steps so every replica gets full
 batches, each image carried with its number, so no image is lost or counted twice whatever the replica
-count. An image that cannot be decoded keeps its row, with TensorFlow's reason instead of classes: each
-image is decoded inside its own one-element dataset with `ignore_errors`, followed by a fallback element
-that only runs when the decode failed and records the reason (`tfdp.data.corrupt`). The output (JSONL or
-CSV, by its extension) is written atomically once every image has its row. What the user asked for is checked
+count. The rows are made from the listing, not from what the pipeline returns: an image that cannot be
+read or decoded leaves the pipeline (one parallel map with `ignore_errors`, as fast as evaluation's, and
+the pipeline never stops), its number does not come back, and its row gets TensorFlow's reason, from
+decoding that one file again eagerly (`tfdp.data.corrupt.decode_error`). (A per-image guard inside the
+pipeline, each image decoded in a dataset of its own with a fallback element, keeps the failure in the
+stream but decodes at about half the rate: `benchmarks/predict_decode.py`.) The output (JSONL or CSV, by
+its extension) is written atomically once every image has its row. What the user asked for is checked
 (`request`) before TensorFlow is even imported, so a bad request is one line at once.
 """
 
@@ -39,7 +42,6 @@ if TYPE_CHECKING:  # TensorFlow loads only once the request is known to be good
     from tfdp.strategy import Runtime
 
 GLOB_CHARACTERS = "*?["
-DECODES_IN_FLIGHT = 16
 
 
 # --- the request -------------------------------------------------------------
@@ -142,18 +144,20 @@ def class_names(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 # --- the pipeline ------------------------------------------------------------
 
-def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int, ctx: "tf.distribute.InputContext",
-                       failed: Callable) -> "tf.data.Dataset":
+def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
+                       ctx: "tf.distribute.InputContext") -> "tf.data.Dataset":
     """This input pipeline's share of `files` as per-replica batches of (image number, uint8 image).
 
     Image i goes to pipeline i mod n. Every pipeline pads its share with
     number -1 up to the same whole number of steps, so every replica gets
     full batches (as `pipeline.eval_dataset`). An image that cannot be read
-    or decoded comes as number -1 too, after `failed(number, path)` has
-    recorded why, so its row says so and the others go on.
+    or decoded is left out (its number never comes back; `predict` explains
+    it) and the padding makes up for it. Numbers travel with the images, so
+    decoding need not keep their order.
     """
     import tensorflow as tf
 
+    from tfdp.data.pipeline import _decode_calls
     from tfdp.data.preprocess import eval_transform
     transform = eval_transform(cfg)
     size = eval_image_size(cfg)
@@ -165,16 +169,9 @@ def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int, ctx
     numbers = tf.constant(np.arange(len(files), dtype=np.int64)[i::n], tf.int64)
     paths = tf.constant(files[i::n], tf.string)
 
-    def guarded(number, path):
-        decoded = tf.data.Dataset.from_tensors((number, path)).map(
-            lambda k, p: (k, transform(tf.io.read_file(p), k))).ignore_errors()
-        fallback = tf.data.Dataset.from_tensors((number, path)).map(
-            lambda k, p: (tf.py_function(failed, [k, p], tf.int64), blank))
-        return decoded.concatenate(fallback).take(1)
-
-    ds = tf.data.Dataset.from_tensor_slices((numbers, paths)).interleave(
-        guarded, cycle_length=DECODES_IN_FLIGHT, block_length=1, num_parallel_calls=DECODES_IN_FLIGHT,
-        deterministic=True)
+    ds = tf.data.Dataset.from_tensor_slices((numbers, paths)).map(
+        lambda k, p: (k, transform(tf.io.read_file(p), k)), num_parallel_calls=_decode_calls(),
+        deterministic=False).ignore_errors()
     padding = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), blank)).repeat()
     return ds.concatenate(padding).take(padded).batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
@@ -203,18 +200,9 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
         model = serving_model(cfg)
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
 
-    errors: dict[int, str] = {}
-    transform = eval_transform(cfg.data)
-
-    def failed(number, path) -> np.int64:
-        k = int(number)
-        errors[k] = decode_error(path.numpy().decode(), transform)
-        CORRUPT_LOG.record(files[k], errors[k])
-        return np.int64(-1)
-
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     dataset = runtime.strategy.distribute_datasets_from_function(
-        lambda ctx: prediction_dataset(local, cfg.data, global_batch, ctx, failed))
+        lambda ctx: prediction_dataset(local, cfg.data, global_batch, ctx))
     probabilities = getattr(tf.math, PROBABILITIES[cfg.train.loss])
 
     @tf.function
@@ -237,15 +225,23 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
                     best[int(number)] = (values, indices)
             bar.update(int(np.sum(results[0] >= 0)))
     seconds = time.monotonic() - start
-    missing = [k for k in range(len(files)) if k not in best and k not in errors]
-    if missing:  # never expected: every image is a prediction or an error
-        raise RuntimeError(f"{len(missing)} image(s) got no row, first {files[missing[0]]}")
+    errors = undecoded(files, local, best, eval_transform(cfg.data))
     rows = [_row(files[k], best.get(k), errors.get(k), names, text) for k in range(len(files))]
     atomic_write_text(job.output, job.write(rows, top_k))
     print(f"tfdp: predict: {len(files)} image(s) → {job.output}"
           + (f" ({len(errors)} could not be decoded)" if errors else "")
           + f", {len(files) / max(seconds, 1e-9):.0f} images/s on {runtime.num_replicas} replica(s)", flush=True)
     return {"images": len(files), "failed": len(errors), "seconds": seconds}
+
+
+def undecoded(files: list[str], local: list[str], predicted, transform) -> dict[int, str]:
+    """Image number → why it could not be read or decoded, for every image the pipeline did not return."""
+    errors = {}
+    for k in range(len(files)):
+        if k not in predicted:
+            errors[k] = decode_error(local[k], transform)
+            CORRUPT_LOG.record(files[k], errors[k])
+    return errors
 
 
 class _progress:
