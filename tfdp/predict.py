@@ -236,11 +236,14 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
 
 def undecoded(files: list[str], local: list[str], predicted, transform) -> dict[int, str]:
     """Image number → why it could not be read or decoded, for every image the pipeline did not return."""
+    from tfdp.console import stderr_to_devnull
     errors = {}
-    for k in range(len(files)):
-        if k not in predicted:
-            errors[k] = decode_error(local[k], transform)
-            CORRUPT_LOG.record(files[k], errors[k])
+    with stderr_to_devnull():  # libjpeg's own complaint ("Improper call to JPEG library"): the reason is enough
+        for k in range(len(files)):
+            if k not in predicted:
+                errors[k] = decode_error(local[k], transform)
+    for k, error in errors.items():
+        CORRUPT_LOG.record(files[k], error)
     return errors
 
 

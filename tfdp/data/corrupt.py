@@ -14,6 +14,7 @@ images here too, besides giving each its row.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 
@@ -39,7 +40,7 @@ def decode_error(path: str, transform) -> str:
     try:
         transform(tf.io.read_file(path), tf.constant(0, tf.int64))
     except (tf.errors.OpError, ValueError) as e:
-        return first_line(e)
+        return re.sub(r"\s*\[Op:\w+\]( name:.*)?$", "", first_line(e)) or type(e).__name__
     return "could not be decoded in the pipeline (decodes when read again: a file changed or an I/O error?)"
 
 
