@@ -244,3 +244,23 @@ def test_a_training_run_names_corrupt_images_and_ignored_files(small_dir, tmp_pa
     assert set(listed) == {str(train_bad), str(val_bad)}
     assert "Unknown image file format" in listed[str(val_bad)] or "GIF" in listed[str(val_bad)]
     assert json.loads((model_dir / "metrics.jsonl").read_text().splitlines()[-1])["corrupt_images"] == 1
+
+
+def test_the_corrupt_list_names_the_first_few_and_keeps_every_one(tmp_path, capsys):
+    """A resumed run's file keeps what its earlier attempt listed; warnings stop after MAX_WARNINGS."""
+    from tfdp.data.corrupt import MAX_WARNINGS, CorruptLog
+    listing = tmp_path / "corrupt_images.txt"
+    listing.write_text("/d/earlier.jpg\tInvalid JPEG data, size 9\n")
+    log = CorruptLog()
+    log.write_to(str(listing))
+    for i in range(MAX_WARNINGS + 3):
+        log.record(f"/d/{i}.jpg", "Invalid JPEG data")
+    log.record("/d/0.jpg", "met again")
+    warnings = capsys.readouterr().err.splitlines()
+    assert warnings[:MAX_WARNINGS] == [f"tfdp: warning: corrupt image /d/{i}.jpg: Invalid JPEG data"
+                                       for i in range(MAX_WARNINGS)]
+    assert warnings[MAX_WARNINGS:] == [f"tfdp: warning: more than {MAX_WARNINGS} corrupt images; the rest are "
+                                       f"not named here: all of them are listed in {listing}"]
+    lines = listing.read_text().splitlines()
+    assert lines == ["/d/earlier.jpg\tInvalid JPEG data, size 9"] + [f"/d/{i}.jpg\tInvalid JPEG data"
+                                                                      for i in range(MAX_WARNINGS + 3)]

@@ -237,6 +237,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
 def undecoded(files: list[str], local: list[str], predicted, transform) -> dict[int, str]:
     """Image number → why it could not be read or decoded, for every image the pipeline did not return."""
     from tfdp.console import stderr_to_devnull
+    CORRUPT_LOG.clear()  # this run's warnings: the first few of its own images
     errors = {}
     with stderr_to_devnull():  # libjpeg's own complaint ("Improper call to JPEG library"): the reason is enough
         for k in range(len(files)):

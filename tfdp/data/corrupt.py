@@ -49,20 +49,24 @@ class CorruptLog:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.entries: dict[str, str] = {}
+        self.entries: dict[str, str] = {}   # met by this run in this process: path → reason
+        self.earlier: dict[str, str] = {}   # listed in the file before (a resumed run's earlier attempts)
         self.file: str | None = None
 
-    def write_to(self, path: str | None) -> None:
-        """Every image recorded from now on (and any already) is listed in `path`, rewritten atomically."""
+    def write_to(self, path: str) -> None:
+        """A run's list: what `path` already names (the same run, resumed), then every image recorded from
+        now on, the file rewritten atomically at each; images met by an earlier run in this process are
+        forgotten."""
         with self._lock:
-            self.file = path
-            if path and self.entries:
-                self._write()
+            self.file, self.entries, self.earlier = path, {}, {}
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    rows = (line.rstrip("\n").split("\t", 1) for line in f if line.strip())
+                    self.earlier = {row[0]: (row[1] if len(row) > 1 else "") for row in rows}
 
     def clear(self) -> None:
         with self._lock:
-            self.entries.clear()
-            self.file = None
+            self.entries, self.earlier, self.file = {}, {}, None
 
     def record(self, path: str, error: str) -> None:
         with self._lock:
@@ -80,7 +84,8 @@ class CorruptLog:
 
     def _write(self) -> None:
         from tfdp.checkpoints import atomic_write_text
-        atomic_write_text(self.file, "".join(f"{p}\t{e}\n" for p, e in self.entries.items()))
+        listed = {**self.earlier, **self.entries}
+        atomic_write_text(self.file, "".join(f"{p}\t{e}\n" for p, e in listed.items()))
 
 
 def _warn(message: str) -> None:
