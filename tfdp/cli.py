@@ -34,7 +34,12 @@ flags.DEFINE_integer("max_replicas", 2, "benchmark: measure 1..max_replicas repl
 flags.DEFINE_integer("steps", 20, "benchmark: timed training steps per measurement.")
 flags.DEFINE_integer("warmup_steps", 5, "benchmark: untimed steps first (tracing, autotuning).")
 flags.DEFINE_string("benchmark_dir", None, "benchmark: output directory (default: model_dir/benchmark).")
-flags.DEFINE_string("checkpoint", None, "evaluate/export: weights file to load (default: the best checkpoint in model_dir).")
+flags.DEFINE_string("checkpoint", None, "evaluate/export/predict: weights file to load (default: the best checkpoint "
+                    "in model_dir).")
+flags.DEFINE_string("input", None, "predict: the images: a folder (recursive), a file, a quoted glob pattern, or a "
+                    "gs:// / s3:// prefix.")
+flags.DEFINE_string("output", None, "predict: where the rows go: FILE.jsonl or FILE.csv (written atomically).")
+flags.DEFINE_integer("top_k", 5, "predict: classes (with probabilities) per image.")
 flags.DEFINE_string("export_dir", None, "export: output directory (default: model_dir/export).")
 flags.DEFINE_string("data_service", None, "Override data.service_address: train through this tf.data service "
                     "dispatcher (grpc://host:port); empty: the local pipeline.")
@@ -114,6 +119,16 @@ def cmd_export(args: list[str]) -> None:
     export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir)
 
 
+def cmd_predict(args: list[str]) -> None:
+    _no_positional(args)
+    cfg = resolved_config()  # the training data need not be here: it only names the classes
+    from tfdp.predict import predict, request
+    job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
+    console.import_tensorflow()
+    from tfdp.strategy import make_runtime
+    predict(cfg, make_runtime(cfg.distribute), FLAGS.checkpoint, job)
+
+
 def cmd_report(args: list[str]) -> None:
     if len(args) != 1:
         raise UserError("usage: tfdp report MODEL_DIR")
@@ -154,6 +169,7 @@ COMMANDS = {
     "evaluate": cmd_evaluate,
     "launch": cmd_launch,
     "export": cmd_export,
+    "predict": cmd_predict,
     "report": cmd_report,
     "benchmark": cmd_benchmark,
     "data-service": cmd_data_service,
@@ -196,6 +212,8 @@ Commands:
   train      train (or resume) the run in model_dir
   evaluate   top-1/top-5 of a checkpoint on the validation split
   export     a serving model (model.keras and SavedModel) that takes encoded JPEG/PNG bytes
+  predict    top-k classes of every image in a folder, file, pattern or bucket prefix, as JSONL or CSV:
+             tfdp predict --config=... --input=DIR --output=predictions.jsonl [--top_k=5]
   report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR
   benchmark  scaling analysis over 1..N replicas: images/s, efficiency, input- or compute-bound
   launch     start an N-worker cluster on this host: tfdp launch --workers=2 -- train --config=...

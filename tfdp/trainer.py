@@ -26,6 +26,7 @@ from tfdp.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluation, Ep
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config, DataConfig
 from tfdp.data import Source, build_source
+from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
@@ -148,6 +149,7 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
             state: dict | None, store: CheckpointStore, metrics_log: MetricsLog, out: str) -> None:
     """Runs the `segments` fit calls, each continuing the input stream where the last one stopped."""
     corrupt = CorruptCounter()
+    CORRUPT_LOG.write_to(corrupt_images_file(os.path.expanduser(cfg.model_dir), runtime.worker_index))
     stream = TrainStream(cfg, source, runtime, plan, corrupt)
     average = state_averager(model)
     watch = PreemptionWatch(runtime.strategy, runtime.num_workers)

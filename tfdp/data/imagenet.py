@@ -26,7 +26,7 @@ import io
 import posixpath
 import re
 
-from tfdp.data.sources import IMAGE_EXTENSIONS, Source, Split, class_folder_split
+from tfdp.data.sources import Ignored, Source, Split, class_folder_split, is_image_file
 from tfdp.data.storage import filesystem, url
 from tfdp.errors import UserError
 
@@ -152,8 +152,11 @@ def _labelled_flat_folder(fs, name: str, folder: str, synsets: tuple[str, ...], 
         raise UserError(f"validation folder not found: {url(fs, folder)}")
     index = {s: i for i, s in enumerate(synsets)}
     files, labels = [], []
-    for path in sorted(fs.ls(folder, detail=False)):
-        if not path.lower().endswith(IMAGE_EXTENSIONS):
+    ignored = Ignored()
+    for entry in sorted(fs.ls(folder, detail=True), key=lambda e: e["name"]):
+        path = entry["name"]
+        if entry["type"] == "directory" or not is_image_file(path):
+            ignored.add(path, entry["type"] == "directory")
             continue
         stem = posixpath.splitext(posixpath.basename(path))[0]
         synset = synset_of(stem)
@@ -165,6 +168,7 @@ def _labelled_flat_folder(fs, name: str, folder: str, synsets: tuple[str, ...], 
         labels.append(index[synset])
     if not files:
         raise UserError(f"no images in {url(fs, folder)}")
+    ignored.report(f"split '{name}' in {url(fs, folder)}")
     return Split(name=name, files=tuple(files), labels=tuple(labels))
 
 

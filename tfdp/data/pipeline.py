@@ -22,11 +22,13 @@ import os
 import re
 import sys
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tfdp.config import DataConfig
 from tfdp.data import readers
+from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.preprocess import eval_transform, train_transform
 from tfdp.data.sources import Split
 from tfdp.errors import UserError
@@ -111,14 +113,16 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     consumed, bad = start
     first_epoch, offset = divmod(consumed, max(share_size, 1))
     ds = _epochs(share, cfg, ctx, data_shard, seed, first_epoch, share_size).skip(offset)
-    ds = _examples(ds, share, cfg, train_transform(cfg, seed), num_classes, first=consumed)
-    ds = _replica_batches(ds, cfg, ctx, global_batch, first=consumed)
+    transform = train_transform(cfg, seed)
+    ds = _examples(ds, share, cfg, transform, num_classes, first=consumed)
+    names = StreamNames.of_training(share, cfg, ctx, data_shard, seed, share_size)
+    ds = _replica_batches(ds, cfg, ctx, global_batch, first=consumed, on_gap=corrupt_namer(names, cfg, transform))
     tally = Tally(num_classes, cfg.max_bad_fraction, share_size, corrupt, position)
     return checked(ds, tally, start=(consumed, bad)).prefetch(AUTOTUNE)
 
 
 def _replica_batches(ds: tf.data.Dataset, cfg: DataConfig, ctx: tf.distribute.InputContext, global_batch: int,
-                     first: int) -> tf.data.Dataset:
+                     first: int, on_gap=None) -> tf.data.Dataset:
     """(index, image, label) examples → `tallied` per-replica batches, in the order the replicas take them.
 
     Each step takes one batch per local replica, in turn. With repeated
@@ -131,8 +135,8 @@ def _replica_batches(ds: tf.data.Dataset, cfg: DataConfig, ctx: tf.distribute.In
     per_replica = ctx.get_per_replica_batch_size(global_batch)
     local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
     if cfg.repeated_augmentation == 1 or local == 1:
-        return tallied(ds.batch(per_replica, drop_remainder=True), first=first)
-    blocks = tallied(ds.batch(per_replica * local, drop_remainder=True), first=first)
+        return tallied(ds.batch(per_replica, drop_remainder=True), first=first, on_gap=on_gap)
+    blocks = tallied(ds.batch(per_replica * local, drop_remainder=True), first=first, on_gap=on_gap)
     return blocks.flat_map(lambda images, labels, counts: tf.data.Dataset.from_tensor_slices(
         (_dealt(images, local), _dealt(labels, local), _last_of(counts, local))))
 
@@ -150,7 +154,7 @@ def _last_of(counts: tf.Tensor, n: int) -> tf.Tensor:
 
 
 def _epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool, seed: int | None,
-            first_epoch: int, share_size: int) -> tf.data.Dataset:
+            first_epoch: int, share_size: int, cache=readers.cached) -> tf.data.Dataset:
     """Data epochs `first_epoch`, `first_epoch + 1`, ... of the share's payloads, each in an order of its own.
 
     Epoch `e` permutes the files (or shards) with a stateless permutation
@@ -166,7 +170,7 @@ def _epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data
     buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))
     repeated = _repeated(cfg.repeated_augmentation, share_size)
     if cfg.cache:
-        cached = readers.cached(readers.payloads(share, cfg, ctx, data_shard), share)
+        cached = cache(readers.payloads(share, cfg, ctx, data_shard), share)
         stream = cached.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).apply(repeated).repeat()
         return stream.skip(first_epoch * share_size)
 
@@ -231,8 +235,11 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     share, data_shard = pipeline_share(split, ctx)
     ds = readers.payloads(share, cfg, ctx, data_shard)
     ds = readers.cached(ds, share) if cfg.cache else ds
-    ds = _examples(ds, share, cfg, eval_transform(cfg), num_classes).batch(batch)
-    ds = _counted(ds, Tally(num_classes, cfg.max_bad_fraction, sizes[ctx.input_pipeline_id], corrupt))
+    transform = eval_transform(cfg)
+    ds = _examples(ds, share, cfg, transform, num_classes).batch(batch)
+    names = StreamNames.of_evaluation(share, ctx, data_shard)
+    ds = _counted(ds, Tally(num_classes, cfg.max_bad_fraction, sizes[ctx.input_pipeline_id], corrupt),
+                  on_gap=corrupt_namer(names, cfg, transform))
     blank = tf.zeros([cfg.image_size, cfg.image_size, 3], tf.uint8)
     padding = tf.data.Dataset.from_tensors((blank, 0, 0.0)).repeat()
     ds = ds.unbatch().map(lambda image, label: (image, label, 1.0)).concatenate(padding).take(padded)
@@ -307,7 +314,7 @@ class Tally:
     position: StreamPosition | None = None
 
 
-def _counted(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0)) -> tf.data.Dataset:
+def _counted(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0), on_gap=None) -> tf.data.Dataset:
     """Batches of (image, label), with corrupt images counted, logged and bounded, and labels checked.
 
     The two halves are separate so the tf.data service can run the first
@@ -315,10 +322,10 @@ def _counted(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0))
     they simply follow each other. `start` = (stream position of the first
     element, corrupt images before it) continues a resumed stream.
     """
-    return checked(tallied(ds, first=start[0]), tally, start)
+    return checked(tallied(ds, first=start[0], on_gap=on_gap), tally, start)
 
 
-def tallied(ds: tf.data.Dataset, first: int = 0) -> tf.data.Dataset:
+def tallied(ds: tf.data.Dataset, first: int = 0, on_gap=None) -> tf.data.Dataset:
     """(index, images, labels) batches → (images, labels, [records, corrupt]): what each batch accounts for.
 
     Decoding keeps element order, so a skipped image shows as a gap in the
@@ -330,12 +337,19 @@ def tallied(ds: tf.data.Dataset, first: int = 0) -> tf.data.Dataset:
     here: a dataset that writes variables cannot run in another process (the
     tf.data service serializes it with a warning, and the writes then land
     in the service worker's own copies, silently). `first` is the index of
-    the stream's first element.
+    the stream's first element. `on_gap(last, index)`, a Python function
+    (local pipelines only: it runs in this process), is called for a batch
+    with a gap, to name what is missing (`corrupt_namer`).
     """
     def count(last, element):
         index, images, labels = element
         records = index[-1] - last
         gap = records - tf.cast(tf.shape(index)[0], tf.int64)
+        if on_gap is not None:
+            named = tf.cond(gap > 0, lambda: tf.py_function(on_gap, [last, index], tf.int64),
+                            lambda: tf.constant(0, tf.int64))
+            with tf.control_dependencies([named]):
+                gap = tf.identity(gap)
         return index[-1], (images, labels, tf.stack([records, gap]))
     return ds.scan(tf.constant(first - 1, tf.int64), count)
 
@@ -381,6 +395,67 @@ def checked(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0)) 
 
     first, bad_before = start
     return ds.scan((tf.constant(first, tf.int64), tf.constant(bad_before, tf.int64), tf.constant(0, tf.int64)), count)
+
+
+class StreamNames:
+    """Which file each position of an input pipeline's record stream was read from, for image-file splits.
+
+    Only asked when an image failed to decode (its position is a gap in the
+    stream). The stream's order is a pure function of the seed and the
+    position (see `_epochs`), so it is replayed with file numbers in place of
+    the files: the same permutations and shuffles, nothing read or decoded.
+    Each replayed epoch's order is kept until a position in another one is
+    asked for.
+    """
+
+    def __init__(self, files: tuple[str, ...], epoch_size: int, order):
+        self.files, self.epoch_size, self.order = files, max(epoch_size, 1), order
+        self._epoch, self._numbers = -1, np.zeros([0], np.int64)
+
+    @classmethod
+    def of_training(cls, share: Split, cfg: DataConfig, ctx, data_shard: bool, seed: int | None,
+                    share_size: int) -> "StreamNames | None":
+        if share.kind != "images" or seed is None:
+            return None
+        numbered = dataclasses.replace(share, files=tuple(str(i) for i in range(len(share.files))))
+
+        def order(epoch: int) -> tf.data.Dataset:
+            return _epochs(numbered, cfg, ctx, data_shard, seed, epoch, share_size,
+                           cache=lambda ds, _: ds).take(share_size)
+        return cls(share.files, share_size, order)
+
+    @classmethod
+    def of_evaluation(cls, share: Split, ctx, data_shard: bool) -> "StreamNames | None":
+        if share.kind != "images":
+            return None
+        files = share.files[ctx.input_pipeline_id::ctx.num_input_pipelines] if data_shard else share.files
+        numbers = tf.data.Dataset.range(len(files)).map(lambda i: (tf.strings.as_string(i), 0))
+        return cls(files, len(files), lambda epoch: numbers)
+
+    def __call__(self, position: int) -> str:
+        epoch, place = divmod(int(position), self.epoch_size)
+        if epoch != self._epoch:
+            batches = self.order(epoch).map(lambda name, label: tf.strings.to_number(name, tf.int64)).batch(65536)
+            self._numbers = np.concatenate([np.zeros([0], np.int64), *batches.as_numpy_iterator()])
+            self._epoch = epoch
+        return self.files[int(self._numbers[place])]
+
+
+def corrupt_namer(names: StreamNames | None, cfg: DataConfig, transform):
+    """`tallied`'s `on_gap`: the files at a batch's missing positions, with TensorFlow's reason, into the
+    corrupt-image log (`tfdp.data.corrupt`); None where there is nothing to name (records, synthetic)."""
+    if names is None:
+        return None
+    from tfdp.data.storage import localize
+
+    def on_gap(last, index) -> np.int64:
+        present = set(index.numpy().tolist())
+        for position in range(int(last) + 1, int(index.numpy()[-1]) + 1):
+            if position not in present:
+                path = names(position)
+                CORRUPT_LOG.record(path, decode_error(localize([path], cfg.cache_dir)[0], transform))
+        return np.int64(0)
+    return on_gap
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ into a tf.data pipeline. Each layout is one builder in `tfdp.data.SOURCES`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import posixpath
 import sys
@@ -15,7 +16,44 @@ import fsspec
 from tfdp.data.storage import filesystem, url
 from tfdp.errors import UserError
 
-IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
+# Every format `tf.io.decode_image` decodes (TensorFlow 2.21: JPEG, PNG, GIF, BMP, WebP; GIFs and WebPs by their
+# first frame), by file extension, compared without case. TIFF and HEIC are not among them.
+IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".jpe", ".png", ".gif", ".bmp", ".webp")
+IMAGE_PATTERNS = "*.jpg, *.jpeg, *.jpe, *.png, *.gif, *.bmp, *.webp"
+
+
+def is_image_file(path: str) -> bool:
+    return path.lower().endswith(IMAGE_EXTENSIONS)
+
+
+class Ignored:
+    """Files a listing left out because TensorFlow does not decode them, counted by extension, so one line
+    can say what was left out and why instead of files vanishing from the count."""
+
+    def __init__(self):
+        self.by_extension: collections.Counter = collections.Counter()
+
+    def add(self, path: str, is_dir: bool = False) -> None:
+        self.by_extension["folder" if is_dir else (posixpath.splitext(path)[1].lower() or "no extension")] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_extension.values())
+
+    def kinds(self) -> str:
+        """How many of each extension, most first: '2 .txt, 1 .tiff'."""
+        return ", ".join(f"{n} {ext}" for ext, n in sorted(self.by_extension.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def line(self, where: str) -> str:
+        """'' when nothing was ignored, else one line naming the extensions and how many of each."""
+        if not self.total:
+            return ""
+        return (f"tfdp: data: {where}: ignored {self.total} file(s) that are not images TensorFlow decodes "
+                f"({self.kinds()}; read: {IMAGE_PATTERNS})")
+
+    def report(self, where: str) -> None:
+        if self.total:
+            print(self.line(where), flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,14 +182,19 @@ def class_folder_split(fs: fsspec.AbstractFileSystem, name: str, split_dir: str,
     """The images in `split_dir/<class>/`, labelled by the class's index in `classes`."""
     files: list[str] = []
     labels: list[int] = []
+    ignored = Ignored()
     for label, cls in enumerate(classes):
         folder = posixpath.join(split_dir, cls)
         if not fs.isdir(folder):
             raise UserError(f"class {cls} has no folder in {url(fs, split_dir)}")
-        for path in sorted(fs.ls(folder, detail=False)):
-            if path.lower().endswith(IMAGE_EXTENSIONS):
+        for entry in sorted(fs.ls(folder, detail=True), key=lambda e: e["name"]):
+            path = entry["name"]
+            if entry["type"] != "directory" and is_image_file(path):
                 files.append(url(fs, path))
                 labels.append(label)
+            else:
+                ignored.add(path, entry["type"] == "directory")
     if not files:
-        raise UserError(f"no images (*.JPEG, *.jpg, *.png) under {url(fs, split_dir)}")
+        raise UserError(f"no images ({IMAGE_PATTERNS}) under {url(fs, split_dir)}")
+    ignored.report(f"split '{name}' in {url(fs, split_dir)}")
     return Split(name=name, files=tuple(files), labels=tuple(labels))

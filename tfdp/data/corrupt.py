@@ -1,0 +1,96 @@
+"""Corrupt images by name: the first few in a warning, all of them in a file.
+
+The pipeline counts an image that fails to decode from the gap it leaves in
+the stream (`tfdp.data.pipeline.tallied`) and goes on without it. Counting
+alone leaves the user hunting for the file, so when a gap appears the
+pipeline asks which files the missing stream positions held (replaying the
+stream's order, see `pipeline.StreamNames`), decodes each once more here to
+get TensorFlow's reason, and records it in `LOG`: the first MAX_WARNINGS as
+warnings, every one in the file the trainer points the log at
+(`model_dir/corrupt_images.txt`). `tfdp predict` records its undecodable
+images here too, besides giving each its row.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+
+from tfdp.errors import first_line
+
+MAX_WARNINGS = 5
+CORRUPT_FILE = "corrupt_images.txt"
+
+
+def corrupt_images_file(model_dir: str, worker_index: int = 0) -> str:
+    """Where a run's corrupt images are listed: one file per worker, each names its own share's."""
+    name = CORRUPT_FILE if worker_index == 0 else f"corrupt_images.worker-{worker_index}.txt"
+    return os.path.join(model_dir, name)
+
+
+def decode_error(path: str, transform) -> str:
+    """Why `transform` (encoded bytes, index → image) fails on the file at `path`: TensorFlow's first line.
+
+    Runs eagerly, once per corrupt image, so the message is the one the
+    pipeline met (a truncated JPEG, an unknown format, an unreadable file).
+    """
+    import tensorflow as tf
+    try:
+        transform(tf.io.read_file(path), tf.constant(0, tf.int64))
+    except (tf.errors.OpError, ValueError) as e:
+        return re.sub(r"\s*\[Op:\w+\]( name:.*)?$", "", first_line(e)) or type(e).__name__
+    return "could not be decoded in the pipeline (decodes when read again: a file changed or an I/O error?)"
+
+
+class CorruptLog:
+    """The corrupt images this process met, in the order met, each once, with the reason."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.entries: dict[str, str] = {}   # met by this run in this process: path → reason
+        self.earlier: dict[str, str] = {}   # listed in the file before (a resumed run's earlier attempts)
+        self.file: str | None = None
+
+    def write_to(self, path: str) -> None:
+        """A run's list: what `path` already names (the same run, resumed), then every image recorded from
+        now on, the file rewritten atomically at each; images met by an earlier run in this process are
+        forgotten."""
+        with self._lock:
+            self.file, self.entries, self.earlier = path, {}, {}
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    rows = (line.rstrip("\n").split("\t", 1) for line in f if line.strip())
+                    self.earlier = {row[0]: (row[1] if len(row) > 1 else "") for row in rows}
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries, self.earlier, self.file = {}, {}, None
+
+    def record(self, path: str, error: str) -> None:
+        with self._lock:
+            if path in self.entries:
+                return
+            self.entries[path] = error
+            count = len(self.entries)
+            if count <= MAX_WARNINGS:
+                _warn(f"corrupt image {path}: {error}")
+            elif count == MAX_WARNINGS + 1:
+                where = f": all of them are listed in {self.file}" if self.file else ""
+                _warn(f"more than {MAX_WARNINGS} corrupt images; the rest are not named here{where}")
+            if self.file:
+                self._write()
+
+    def _write(self) -> None:
+        from tfdp.checkpoints import atomic_write_text
+        listed = {**self.earlier, **self.entries}
+        atomic_write_text(self.file, "".join(f"{p}\t{e}\n" for p, e in listed.items()))
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"tfdp: warning: {message}\n")
+    sys.stderr.flush()
+
+
+LOG = CorruptLog()

@@ -1,0 +1,324 @@
+"""`tfdp predict`: a trained model's top-k classes for every image in a folder, file, pattern or bucket prefix.
+
+The images go through evaluation's preprocessing (`tfdp.data.preprocess.eval_transform`: central crop of
+`data.eval_crop_fraction`, `data.eval_image_size`; mean/std inside the model) and are spread over the
+strategy's replicas as evaluation spreads its split: padded to whole steps so every replica gets full
+batches, each image carried with its number, so no image is lost or counted twice whatever the replica
+count. The rows are made from the listing, not from what the pipeline returns: an image that cannot be
+read or decoded leaves the pipeline (one parallel map with `ignore_errors`, as fast as evaluation's, and
+the pipeline never stops), its number does not come back, and its row gets TensorFlow's reason, from
+decoding that one file again eagerly (`tfdp.data.corrupt.decode_error`). (A per-image guard inside the
+pipeline, each image decoded in a dataset of its own with a fallback element, keeps the failure in the
+stream but decodes at about half the rate: `benchmarks/predict_decode.py`.) The output (JSONL or CSV, by
+its extension) is written atomically once every image has its row. What the user asked for is checked
+(`request`) before TensorFlow is even imported, so a bad request is one line at once.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from tfdp.config import Config, DataConfig
+from tfdp.data import build_source
+from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
+from tfdp.data.sources import IMAGE_PATTERNS, Ignored, is_image_file
+from tfdp.data.storage import filesystem, is_remote_url, localize, url
+from tfdp.errors import UserError, first_line
+from tfdp.resolution import eval_image_size
+
+if TYPE_CHECKING:  # TensorFlow loads only once the request is known to be good
+    import tensorflow as tf
+
+    from tfdp.strategy import Runtime
+
+GLOB_CHARACTERS = "*?["
+
+
+# --- the request -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to predict and where the rows go, checked."""
+    files: tuple[str, ...]   # the images, sorted: local paths or bucket URLs, as the rows name them
+    output: str              # absolute path of the JSONL or CSV file
+    write: Callable          # (rows, top_k) → the file's text
+    top_k: int
+
+
+def request(cfg: Config, inputs: str | None, output: str | None, top_k: int = 5) -> Request:
+    """The checked request: a writable output of a known format, top_k within the classes, at least one
+    image. No TensorFlow here."""
+    write = check_output(output)
+    check_top_k(top_k, cfg.model.num_classes)
+    return Request(tuple(list_images(inputs)), os.path.abspath(os.path.expanduser(output)), write, top_k)
+
+
+def check_output(output: str | None) -> Callable[[list[dict], int], str]:
+    """The writer for `output`'s extension, after proving a file can be written beside it: one line
+    before any model is built if not."""
+    if not output:
+        raise UserError("predict needs --output=FILE.jsonl or FILE.csv")
+    extension = os.path.splitext(output)[1].lower()
+    if extension not in WRITERS:
+        raise UserError(f"--output {output}: unknown format '{extension or '(no extension)'}' "
+                        f"(one of: {', '.join(sorted(WRITERS))})")
+    if is_remote_url(output):
+        raise UserError(f"--output {output}: write the predictions to a local file (copy it to the bucket after)")
+    path = os.path.abspath(os.path.expanduser(output))
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise UserError(f"--output {output} is a folder; name a file in it (predictions{extension})")
+    if not os.path.isdir(parent):
+        raise UserError(f"cannot write {output}: its folder {parent} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".tfdp-write-check-"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write {output}: its folder {parent} is not writable "
+                        f"({os.strerror(e.errno or 0).lower()})") from None
+    return WRITERS[extension]
+
+
+def check_top_k(top_k: int, num_classes: int) -> None:
+    if not 1 <= top_k <= num_classes:
+        raise UserError(f"--top_k={top_k} must be between 1 and the model's {num_classes} classes (model.num_classes)")
+
+
+def list_images(spec: str | None) -> list[str]:
+    """The images `spec` names, sorted: a file (whatever its extension), every image under a folder or bucket
+    prefix (recursively), or every image a glob pattern matches (`**` crosses folders). Files TensorFlow
+    does not decode are counted by extension in one line."""
+    if not spec:
+        raise UserError("predict needs --input=FOLDER, FILE, 'PATTERN' or a gs:// / s3:// prefix")
+    fs, path = filesystem(spec)
+    ignored = Ignored()
+    if any(c in path for c in GLOB_CHARACTERS):
+        candidates = []
+        for match in fs.glob(path):
+            candidates += fs.find(match) if fs.isdir(match) else [match]
+    elif fs.isdir(path):
+        candidates = fs.find(path)
+    elif fs.isfile(path):
+        return [url(fs, path)]
+    else:
+        raise UserError(f"--input {spec}: no such file or folder")
+    images = []
+    for candidate in sorted(set(candidates)):
+        if is_image_file(candidate):
+            images.append(url(fs, candidate))
+        else:
+            ignored.add(candidate)
+    if not images:
+        also = f"; {ignored.total} other file(s) there ({ignored.kinds()})" if ignored.total else ""
+        raise UserError(f"--input {spec}: no images ({IMAGE_PATTERNS}){also}")
+    ignored.report(f"--input {spec}")
+    return images
+
+
+def class_names(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(class ids, readable names) in label order, from the training data's listing (class folders, synset
+    files): what the model's outputs mean. Empty when the data cannot be listed here (or names no
+    classes): the rows then name classes by number."""
+    if cfg.data.format == "synthetic":
+        return (), ()
+    try:
+        source = build_source(cfg.data, splits=(cfg.data.val_split,))
+    except UserError as e:
+        print(f"tfdp: predict: no class names ({first_line(e)}); classes are named by number", flush=True)
+        return (), ()
+    if source.num_classes and source.num_classes != cfg.model.num_classes:
+        raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
+    text = source.class_text if source.class_text and source.class_text != source.class_names else ()
+    return source.class_names, text
+
+
+# --- the pipeline ------------------------------------------------------------
+
+def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
+                       ctx: "tf.distribute.InputContext") -> "tf.data.Dataset":
+    """This input pipeline's share of `files` as per-replica batches of (image number, uint8 image).
+
+    Image i goes to pipeline i mod n. Every pipeline pads its share with
+    number -1 up to the same whole number of steps, so every replica gets
+    full batches (as `pipeline.eval_dataset`). An image that cannot be read
+    or decoded is left out (its number never comes back; `predict` explains
+    it) and the padding makes up for it. Numbers travel with the images, so
+    decoding need not keep their order.
+    """
+    import tensorflow as tf
+
+    from tfdp.data.pipeline import _decode_calls
+    from tfdp.data.preprocess import eval_transform
+    transform = eval_transform(cfg)
+    size = eval_image_size(cfg)
+    blank = tf.zeros([size, size, 3], tf.uint8)
+    n, i = ctx.num_input_pipelines, ctx.input_pipeline_id
+    batch = ctx.get_per_replica_batch_size(global_batch)
+    per_step = batch * (ctx.num_replicas_in_sync // n)
+    padded = -(-len(range(0, len(files), n)) // per_step) * per_step
+    numbers = tf.constant(np.arange(len(files), dtype=np.int64)[i::n], tf.int64)
+    paths = tf.constant(files[i::n], tf.string)
+
+    ds = tf.data.Dataset.from_tensor_slices((numbers, paths)).map(
+        lambda k, p: (k, transform(tf.io.read_file(p), k)), num_parallel_calls=_decode_calls(),
+        deterministic=False).ignore_errors()
+    padding = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), blank)).repeat()
+    return ds.concatenate(padding).take(padded).batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+# train.loss → the tf.math function that turns the model's outputs into class probabilities
+PROBABILITIES = {"softmax": "softmax", "bce": "sigmoid"}
+
+
+def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Request) -> dict:
+    """Writes `job.output` with one row per image of `job.files`; returns a summary (images, failed, seconds)."""
+    import tensorflow as tf
+
+    from tfdp.checkpoints import CheckpointStore, atomic_write_text
+    from tfdp.data.preprocess import eval_transform
+    from tfdp.evaluate import load_checkpoint
+    from tfdp.models import check_model_name
+    from tfdp.task import serving_model
+
+    check_model_name(cfg.model.name)
+    if runtime.num_workers > 1:
+        raise UserError("predict runs on one host's replicas: use distribute.strategy mirrored or one_device")
+    files, top_k = list(job.files), job.top_k
+    names, text = class_names(cfg)
+    local = localize(files, cfg.data.cache_dir)  # bucket objects copied once; TensorFlow reads local files
+    with runtime.strategy.scope():
+        model = serving_model(cfg)
+    load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
+
+    global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
+    dataset = runtime.strategy.distribute_datasets_from_function(
+        lambda ctx: prediction_dataset(local, cfg.data, global_batch, ctx))
+    probabilities = getattr(tf.math, PROBABILITIES[cfg.train.loss])
+
+    @tf.function
+    def step(iterator):
+        def replica(numbers, images):
+            values, indices = tf.math.top_k(probabilities(tf.cast(model(images, training=False), tf.float32)), top_k)
+            return numbers, values, indices
+        return runtime.strategy.run(replica, args=next(iterator))
+
+    steps = -(-len(files) // global_batch)
+    best: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    start = time.monotonic()
+    with _progress(len(files)) as bar:
+        iterator = iter(dataset)
+        for _ in range(steps):
+            results = [np.concatenate([np.asarray(t) for t in runtime.strategy.experimental_local_results(part)])
+                       for part in step(iterator)]
+            for number, values, indices in zip(*results):
+                if number >= 0:
+                    best[int(number)] = (values, indices)
+            bar.update(int(np.sum(results[0] >= 0)))
+    seconds = time.monotonic() - start
+    errors = undecoded(files, local, best, eval_transform(cfg.data))
+    rows = [_row(files[k], best.get(k), errors.get(k), names, text) for k in range(len(files))]
+    atomic_write_text(job.output, job.write(rows, top_k))
+    print(f"tfdp: predict: {len(files)} image(s) → {job.output}"
+          + (f" ({len(errors)} could not be decoded)" if errors else "")
+          + f", {len(files) / max(seconds, 1e-9):.0f} images/s on {runtime.num_replicas} replica(s)", flush=True)
+    return {"images": len(files), "failed": len(errors), "seconds": seconds}
+
+
+def undecoded(files: list[str], local: list[str], predicted, transform) -> dict[int, str]:
+    """Image number → why it could not be read or decoded, for every image the pipeline did not return."""
+    from tfdp.console import stderr_to_devnull
+    CORRUPT_LOG.clear()  # this run's warnings: the first few of its own images
+    errors = {}
+    with stderr_to_devnull():  # libjpeg's own complaint ("Improper call to JPEG library"): the reason is enough
+        for k in range(len(files)):
+            if k not in predicted:
+                errors[k] = decode_error(local[k], transform)
+    for k, error in errors.items():
+        CORRUPT_LOG.record(files[k], error)
+    return errors
+
+
+class _progress:
+    """tqdm's bar on a terminal; elsewhere nothing until the summary line."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.bar = None
+
+    def __enter__(self):
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total, unit="img", desc="tfdp predict", file=sys.stderr)
+        return self
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# --- the output --------------------------------------------------------------
+
+def _row(path: str, best, error: str | None, names: tuple[str, ...], text: tuple[str, ...]) -> dict:
+    if best is None:
+        return {"path": path, "predictions": [], "error": error}
+    values, indices = best
+    predictions = []
+    for value, index in zip(values.tolist(), indices.tolist()):
+        entry = {"class": int(index), "name": names[index] if names else str(index)}
+        if text:
+            entry["text"] = text[index]
+        entry["probability"] = round(float(value), 6)
+        predictions.append(entry)
+    return {"path": path, "predictions": predictions, "error": None}
+
+
+def _jsonl(rows: list[dict], top_k: int) -> str:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def _csv(rows: list[dict], top_k: int) -> str:
+    """One line per image: path, error, then class/name/probability for ranks 1..top_k (empty on an error)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    with_text = any("text" in p for row in rows for p in row["predictions"])
+    per_rank = ("class", "name", "text", "probability") if with_text else ("class", "name", "probability")
+    writer.writerow(["path", "error"] + [f"{field}_{r}" for r in range(1, top_k + 1) for field in per_rank])
+    for row in rows:
+        cells = [row["path"], row["error"] or ""]
+        for p in row["predictions"]:
+            cells += [p.get(field, "") for field in per_rank]
+        writer.writerow(cells + [""] * (2 + top_k * len(per_rank) - len(cells)))
+    return out.getvalue()
+
+
+# output extension → the text of the file
+WRITERS: dict[str, Callable[[list[dict], int], str]] = {".jsonl": _jsonl, ".csv": _csv}
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of a predictions file (JSONL or CSV) as `predict` wrote them (tests, notebooks)."""
+    with open(path, encoding="utf-8") as f:
+        if path.lower().endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        rows = []
+        for cells in csv.DictReader(f):
+            ranks = sorted({int(k.rsplit("_", 1)[1]) for k in cells if k.startswith("class_")})
+            predictions = [{"class": int(cells[f"class_{r}"]), "name": cells[f"name_{r}"],
+                            "probability": float(cells[f"probability_{r}"])} for r in ranks if cells[f"class_{r}"]]
+            rows.append({"path": cells["path"], "predictions": predictions, "error": cells["error"] or None})
+        return rows
+
