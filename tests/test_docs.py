@@ -102,3 +102,9 @@ def test_readme_is_a_short_front_door_with_the_ci_command():
     assert len(readme.splitlines()) <= 250
     ci = [line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines() if line.startswith("python3")]
     assert ci and all(line in readme.splitlines() for line in ci), ci
+
+
+def test_readme_config_example_is_the_demo_config_as_it_is():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert open(os.path.join(REPO, "configs", "digits.yaml")).read() in readme, \
+        "README.md's config example differs from configs/digits.yaml: copy the file into it"

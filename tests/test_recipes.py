@@ -135,7 +135,10 @@ def test_recipes_read_imagenet_shards(tmp_path):
 
 # One run per recipe family: every switch of the recipe as configured (its optimizer, schedule, loss, augmentations,
 # EMA, repeated augmentation, progressive resizing and separate test size), shrunk to the digits: a small model,
-# 16-24 px, 2 epochs of 5 steps, the progressive ramp squeezed into them.
+# 16-24 px, 2 epochs of 5 steps, the progressive ramp squeezed into them. In float32, not the recipes' bfloat16:
+# on a CPU without bfloat16 instructions TensorFlow emulates bfloat16 kernels, which made these runs minutes long
+# (docs/benchmarks.md, test suite); bfloat16 training is proven by test_mixed_bfloat16_matches_float32_accuracy.
+RECIPE_TEST_PRECISION = "--set=train.precision=float32"
 RECIPE_RUNS = {
     "resnet50_torchvision_v2.yaml": ["--set=data.eval_image_size=24"],
     "resnet50_rsb_a3.yaml": ["--set=data.eval_image_size=24"],
@@ -153,13 +156,14 @@ RECIPE_RUNS = {
 def test_each_recipe_family_trains_and_evaluates_on_the_digits(tmp_path, small_dir, name):
     """Each modern recipe, its own switches untouched (LAMB + BCE for RSB, TF RMSProp + EMA for EfficientNetV2,
     SGD + linear schedule + progressive resizing for FFCV, TrivialAugment/Mixup/CutMix/erasing/EMA/repeated
-    augmentation for torchvision), on the digits with a small model for 2 epochs: it trains with finite losses,
-    evaluates every epoch (the EMA too where the recipe has one), and `tfdp evaluate` reads its best checkpoint."""
+    augmentation for torchvision), on the digits with a small model (resnet18_small for every family, the
+    EfficientNetV2 recipe included) in float32 for 2 epochs: it trains with finite losses, evaluates every epoch
+    (the EMA too where the recipe has one), and `tfdp evaluate` reads its best checkpoint."""
     cfg = recipe(name)
     common = [f"--config=configs/{name}", f"--data_dir={small_dir}", "--data_format=image_folder",
               "--model=resnet18_small", "--set=model.num_classes=10", "--set=data.image_size=24",
               "--batch_size_per_replica=16", "--set=schedule.warmup_epochs=0", f"--model_dir={tmp_path}",
-              *RECIPE_RUNS[name]]
+              RECIPE_TEST_PRECISION, *RECIPE_RUNS[name]]
     result = run_tfdp("train", *common, "--epochs=2", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
