@@ -119,11 +119,14 @@ def test_template_preempted_by_scancel_requeues_and_resumes_losing_no_step(slurm
     assert slurm.job(job_id)["JobState"] == "RUNNING", diagnosis()
     slurm.run("scancel", "--signal=TERM", job_id)
 
+    # The script requeues the job; Slurm starts it again once the old attempt's credential has
+    # expired (AuthInfo cred_expire: 120 s by default, 15 s on the test's cluster).
     final = wait("end of the requeued job", lambda: (j := slurm.job(job_id))["JobState"] in ENDED
                  and j["Restarts"] != "0" and j, timeout=400, log=diagnosis)
     assert (final["JobState"], final["Restarts"], final["ExitCode"]) == ("COMPLETED", "1", "0:0"), diagnosis()
 
     text = log()
+    print(text)  # shown by pytest -s, or on failure
     runs = attempts(text)
     assert [(a, restarts) for a, restarts, _ in runs] == [(1, 0), (2, 1)], text[-4000:]
     first, second = runs[0][2], runs[1][2]

@@ -183,9 +183,16 @@ def tf_config_json(tasks: dict[str, list[str]], task_type: str, index: int) -> s
 
 
 def check_port_free(cluster: Cluster) -> None:
-    """Fails fast when this task's own port is taken, instead of a gRPC error deep in TF."""
+    """Fails fast when this task's own port is taken, instead of a gRPC error deep in TF.
+
+    Taken means another process listens on it. Connections of a previous
+    attempt still in TIME_WAIT (a requeued Slurm job or a restarted pod on the
+    same port, seconds later) do not stop gRPC's server, which binds with
+    SO_REUSEADDR, so they do not stop this check either.
+    """
     port = int(cluster.address.rpartition(":")[2])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:

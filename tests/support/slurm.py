@@ -23,6 +23,7 @@ import time
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scancel", "scontrol", "sinfo", "squeue")
 START_TIMEOUT = 60.0
+CRED_EXPIRE = 15  # seconds
 
 
 def unavailable() -> str | None:
@@ -56,7 +57,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket
+# cred_expire (default 120 s) is also how long a requeued job waits before it starts again.
+AuthInfo=socket={root}/munge/munge.socket,cred_expire={CRED_EXPIRE}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
