@@ -114,8 +114,10 @@ def test_template_preempted_by_scancel_requeues_and_resumes_losing_no_step(slurm
 
     # Preempt mid-run: once the first mid-epoch checkpoint (step 5 of 40) is there.
     checkpoints = model_dir / "checkpoints"
-    wait("step checkpoint", lambda: (checkpoints.exists() and any(p.startswith("step-") for p in os.listdir(checkpoints)))
-         or slurm.job(job_id)["JobState"] in ENDED, timeout=300, log=diagnosis)
+    def step_saved() -> bool:
+        return checkpoints.exists() and any(p.startswith("step-") for p in os.listdir(checkpoints))
+    wait("step checkpoint", lambda: step_saved() or slurm.job(job_id)["JobState"] in ENDED, timeout=300,
+         log=diagnosis)
     assert slurm.job(job_id)["JobState"] == "RUNNING", diagnosis()
     slurm.run("scancel", "--signal=TERM", job_id)
 
@@ -139,7 +141,7 @@ def test_template_preempted_by_scancel_requeues_and_resumes_losing_no_step(slurm
     saved = re.findall(r"^(\d): tfdp: preempted: saved at step (\d+) .*; exit 75", first, re.M)
     assert sorted(rank for rank, _ in saved) == ["0", "1"] and saved[0][1] == saved[1][1], first[-3000:]
     step = int(saved[0][1])
-    assert re.search(rf"attempt 1 ended with status 75$", first, re.M), first[-2000:]
+    assert re.search(r"attempt 1 ended with status 75$", first, re.M), first[-2000:]
     steps_per_epoch = int(re.search(r"^0: tfdp: data: .* (\d+) steps/epoch$", first, re.M).group(1))
     assert steps_per_epoch == 20 and 5 <= step < 2 * steps_per_epoch
 
