@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,18 @@ def assert_one_line_error(result, exit_code: int, *fragments: str, own_lines_onl
     for fragment in fragments:
         assert fragment in line, line
     return line
+
+
+# A line from TensorFlow's loggers: absl/glog's "W1123 22:15:24.531337 1402 file.py:101] ..." (Python and
+# C++ alike, "I0000 00:00:1795472956.490876 ..." before C++ absl is set up), C++ absl's own notice, or
+# Python logging's default "WARNING:tensorflow:...".
+TF_LOG_LINE = re.compile(r"(^|\s)[IWEF]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+\s+\S+:\d+\]"
+                         r"|\babsl::InitializeLog\(\)|\b(INFO|WARNING|ERROR):tensorflow:")
+
+
+def tf_log_lines(text: str) -> list[str]:
+    """The lines of a console or log that come from TensorFlow's own loggers (none, at default verbosity)."""
+    return [line for line in text.splitlines() if TF_LOG_LINE.search(line)]
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -1,10 +1,14 @@
 """Cluster specs from TF_CONFIG and Slurm, checked before TensorFlow sees them."""
 
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
+from conftest import REPO, assert_one_line_error
 from tfdp import cluster as cluster_lib
 from tfdp.errors import UserError
 
@@ -88,3 +92,37 @@ def test_slurm_allocation_becomes_one_worker_per_task(monkeypatch):
     c = cluster_lib.from_environment()
     assert c.tasks["worker"] == ("node01:8888", "node01:8889", "node02:8888", "node02:8889")
     assert (c.task_type, c.task_index, c.rank) == ("worker", 3, 3)
+
+
+SLURM_STEP = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node01",
+              "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"}
+
+
+def test_slurm_port_base_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("TFDP_WORKERS", raising=False)
+    for key, value in {**SLURM_STEP, "TFDP_SLURM_PORT_BASE": "9100"}.items():
+        monkeypatch.setenv(key, value)
+    assert cluster_lib.from_environment().tasks["worker"] == ("node01:9100", "node01:9101")
+
+
+def test_bad_slurm_port_base_is_one_line():
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFDP_WORKERS")}
+    result = subprocess.run([sys.executable, "-m", "tfdp", "train", "--config=configs/digits.yaml",
+                             "--strategy=multi_worker"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**env, **SLURM_STEP, "TFDP_SLURM_PORT_BASE": "88x8"})
+    assert_one_line_error(result, 2, "TFDP_SLURM_PORT_BASE must be a port number (1-65535), got '88x8'")
+
+
+def test_a_port_left_in_time_wait_is_free():
+    """A requeued job or restarted pod comes back on the same port seconds later; gRPC binds it, so may we."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's server binds
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server side closes first: its end of the connection stays in TIME_WAIT
+        client.close()
+    cluster_lib.check_port_free(cluster_lib.parse_tf_config(spec([f"127.0.0.1:{port}"])))

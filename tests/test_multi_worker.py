@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO, last_line, read_jsonl, run_tfdp
+from conftest import REPO, last_line, read_jsonl, run_tfdp, tf_log_lines
 from tfdp.cluster import free_ports
 
 pytestmark = pytest.mark.slow
@@ -63,6 +63,8 @@ def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
     assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
     assert "on 2 replica(s), global batch 64" in launched.stdout
     assert "xla: on (train.jit_compile: true)" in launched.stdout
+    # The workers' console is a one-host run's, each line after its [worker i]: none from TensorFlow's loggers.
+    assert tf_log_lines(launched.stdout + launched.stderr) == [], launched.stdout[-3000:]
     for i in (0, 1):
         assert "tfdp: done: 4 epochs" in (tmp_path / "logs" / f"worker-{i}.log").read_text()
 

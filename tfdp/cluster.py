@@ -96,7 +96,7 @@ def from_environment() -> Cluster:
         return from_worker_list(os.environ["TFDP_WORKERS"], os.environ.get("TFDP_WORKER_INDEX",
                                                                            os.environ.get("JOB_COMPLETION_INDEX")))
     if "SLURM_PROCID" in os.environ and "SLURM_STEP_NODELIST" in os.environ:
-        return from_slurm()
+        return from_slurm(slurm_port_base())
     raise UserError("distribute.strategy multi_worker needs TF_CONFIG (or TFDP_WORKERS, or a Slurm job step); "
                     "use `tfdp launch --workers=N -- train ...` to start a local cluster")
 
@@ -134,7 +134,26 @@ def check_consistent(tf_configs: dict[str, str]) -> None:
         raise UserError(f"no member runs {', '.join(unclaimed)}")
 
 
-def from_slurm(port_base: int = 8888) -> Cluster:
+SLURM_PORT_ENV = "TFDP_SLURM_PORT_BASE"
+SLURM_PORT_BASE = 8888  # TensorFlow's SlurmClusterResolver default
+
+
+def slurm_port_base() -> int:
+    """The first worker port on each node under Slurm: TFDP_SLURM_PORT_BASE, else 8888.
+
+    Task i of a node listens on base + i. 8888 is also Jupyter's default, so a
+    shared node may have it taken: `TFDP_SLURM_PORT_BASE=9100 sbatch ...` (srun
+    hands the job's environment to every task).
+    """
+    text = os.environ.get(SLURM_PORT_ENV, "").strip()
+    if not text:
+        return SLURM_PORT_BASE
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise UserError(f"{SLURM_PORT_ENV} must be a port number (1-65535), got {text!r}")
+    return int(text)
+
+
+def from_slurm(port_base: int = SLURM_PORT_BASE) -> Cluster:
     """One worker per Slurm task, through TensorFlow's SlurmClusterResolver (hostlist expansion, ports)."""
     from tensorflow.python.distribute.cluster_resolver.slurm_cluster_resolver import SlurmClusterResolver
     try:
@@ -164,9 +183,16 @@ def tf_config_json(tasks: dict[str, list[str]], task_type: str, index: int) -> s
 
 
 def check_port_free(cluster: Cluster) -> None:
-    """Fails fast when this task's own port is taken, instead of a gRPC error deep in TF."""
+    """Fails fast when this task's own port is taken, instead of a gRPC error deep in TF.
+
+    Taken means another process listens on it. Connections of a previous
+    attempt still in TIME_WAIT (a requeued Slurm job or a restarted pod on the
+    same port, seconds later) do not stop gRPC's server, which binds with
+    SO_REUSEADDR, so they do not stop this check either.
+    """
     port = int(cluster.address.rpartition(":")[2])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:

@@ -5,7 +5,10 @@ epoch or the live progress bar, warnings, the summary). TensorFlow's C++
 start-up chatter (oneDNN, CUDA, CPU features) is printed while its shared
 libraries load, before any setting can quiet it, so the import itself runs
 with the process's stderr pointed at /dev/null; its Python INFO logs
-(`cross_device_ops ... Reduce to ...`) stay below absl's WARNING threshold.
+(`cross_device_ops ... Reduce to ...`) stay below absl's WARNING threshold,
+and its Python warnings below the "tensorflow" logger's ERROR threshold. The
+same holds for every process tfdp runs: a one-host run, each worker of
+`tfdp launch`, a Slurm task, a Kubernetes pod.
 absl's own `--verbosity` flag (0 = INFO, 1 = DEBUG) brings all of it back.
 No TensorFlow import at module level: `report` and `--help` use this module.
 """
@@ -17,6 +20,7 @@ import os
 import sys
 
 VERBOSE_ENV = "TFDP_VERBOSE"
+TF_LOGGER = "tensorflow"  # the name tf.get_logger() uses
 
 
 def verbose_requested(argv: list[str]) -> bool:
@@ -36,10 +40,20 @@ def prepare(argv: list[str]) -> None:
 
 
 def set_python_logging() -> None:
-    """absl's threshold: WARNING by default (tfdp prints its own lines), the flag's level on request."""
+    """absl's threshold: WARNING by default (tfdp prints its own lines), the flag's level on request.
+
+    TensorFlow's own Python logger ("tensorflow") is held at ERROR by default,
+    as its C++ logs are (TF_CPP_MIN_LOG_LEVEL): its warnings are about its
+    internals (a strategy run eagerly, collective ops configured late), and a
+    cluster task meets them where a one-host run does not, so without this each
+    worker's log would open with lines the one-host console never shows.
+    """
+    import logging as std_logging
+
     from absl import logging
     if not verbose_requested(sys.argv):
         logging.set_verbosity(logging.WARNING)
+        std_logging.getLogger(TF_LOGGER).setLevel(std_logging.ERROR)
 
 
 @contextlib.contextmanager
