@@ -276,13 +276,14 @@ def test_fine_tuning_from_a_checkpoint_freezes_then_trains_everything(tmp_path, 
     run = tmp_path / "run"
     first = run_tfdp(*common_args(small_dir, run, 1), timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
+    pretrained = h5_weights(run / "checkpoints" / "epoch-0001" / "model.weights.h5")  # pruned later
     tuned = run_tfdp(*common_args(small_dir, run, 3), "--set=train.freeze=[backbone]", "--set=train.freeze_epochs=2",
                      "--set=optimizer.layer_decay=0.8", timeout=600)
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     assert "tfdp: fine-tuning: 40 layers frozen (backbone) for epoch 2; their batch norm runs in inference mode" \
         in tuned.stdout
     assert "tfdp: fine-tuning: every layer trains from epoch 3 on (train.freeze_epochs: 2" in tuned.stdout
-    epochs = [h5_weights(run / "checkpoints" / f"epoch-000{i}" / "model.weights.h5") for i in (1, 2, 3)]
+    epochs = [pretrained, *(h5_weights(run / "checkpoints" / f"epoch-000{i}" / "model.weights.h5") for i in (2, 3))]
     head = [k for k in epochs[0] if "/dense/" in k]
     assert len(head) == 2 and len(epochs[0]) > 100
     for key in epochs[0]:
