@@ -133,13 +133,14 @@ class EmaEvaluation(keras.callbacks.Callback):
 @contextlib.contextmanager
 def ema_weights(model: keras.Model):
     """The optimizer's moving averages in place of the trained weights, which are put back after."""
-    raw = [keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
-    for variable, average in zip(model.trainable_variables, model.optimizer._model_variables_moving_average):
+    averaged = model.optimizer._trainable_variables  # all, frozen ones too (train.freeze): what the averages follow
+    raw = [keras.ops.convert_to_numpy(v) for v in averaged]
+    for variable, average in zip(averaged, model.optimizer._model_variables_moving_average):
         variable.assign(average)
     try:
         yield
     finally:
-        for variable, value in zip(model.trainable_variables, raw):
+        for variable, value in zip(averaged, raw):
             variable.assign(value)
 
 

@@ -136,6 +136,12 @@ class OptimizerConfig:
     clip_norm: NonNegFloat = 0.0
     # Exponential moving average of the weights with this decay (0: off), warmed up as (1 + t) / (10 + t).
     ema_decay: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
+    # Layer-wise learning-rate decay (timm's --layer-decay): a variable in layer group i of n (the stem 0, one per
+    # block, the head n-1) trains at lr * layer_decay ** (n - 1 - i), its decoupled weight decay scaled alike;
+    # 0 or 1 = off. Needs a model with a layer grouping (the ResNet family, VGG, simple_cnn); docs/fine-tuning.md.
+    layer_decay: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.0
+    # The classifier head's learning rate (and decoupled weight decay) times this, on top of layer_decay.
+    head_lr_multiplier: PosFloat = 1.0
 
 
 @dataclasses.dataclass
@@ -190,6 +196,13 @@ class TrainConfig:
     # (it renews every quarter of this). A run on another host finding a lease older than this takes it over;
     # a dead holder on the same host is taken over at once. Hosts' clocks must agree to well within it.
     lease_timeout: PosFloat = 60.0
+    # Layers that do not train (fine-tuning): `backbone` (everything but the model's classifier head), stage or
+    # layer names (stage1 = every layer named stage1_*) or fnmatch patterns of layer names. Frozen batch norm runs
+    # in inference mode (its moving statistics stay as loaded). Empty = everything trains.
+    freeze: tuple[Str, ...] = ()
+    # With train.freeze: 0 = frozen for the whole run; N = frozen for the first N epochs, then everything trains
+    # (the head first, then all, as Keras' transfer-learning guide).
+    freeze_epochs: NonNegInt = 0
 
 
 @dataclasses.dataclass
@@ -435,11 +448,24 @@ def _check_cross_field(cfg: Config) -> None:
         raise UserError(f"train.best_metric {cfg.train.best_metric} needs optimizer.ema_decay above 0")
     if cfg.train.bce_target_threshold is not None and cfg.train.loss != "bce":
         raise UserError("train.bce_target_threshold applies to train.loss: bce only")
+    _check_fine_tuning(cfg)
     _check_augment(cfg.augment)
     if d.service_address:
         _check_service(cfg)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run
+
+
+def _check_fine_tuning(cfg: Config) -> None:
+    """Freezing that can happen; what needs the model itself (patterns, a head) is checked in tfdp/finetune.py."""
+    t = cfg.train
+    if t.freeze_epochs and not t.freeze:
+        raise UserError("train.freeze_epochs needs train.freeze (the layers to keep frozen for those epochs)")
+    if t.freeze_epochs and t.freeze_epochs >= t.epochs:
+        raise UserError(f"train.freeze_epochs ({t.freeze_epochs}) must be smaller than train.epochs ({t.epochs}); "
+                        f"0 keeps train.freeze for the whole run")
+    if any(not p.strip() for p in t.freeze):
+        raise UserError("train.freeze: an empty pattern names no layer")
 
 
 def _check_progressive(d: DataConfig) -> None:

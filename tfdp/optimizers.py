@@ -149,6 +149,18 @@ class EmaWarmup:
                 d = ops.cast(decay, var.dtype)
                 average.assign(d * average + (1 - d) * var)
 
+    def finalize_variable_values(self, var_list):
+        """Keras' swap of the weights for their averages at the end of `fit`, for `var_list` (what trained) only.
+
+        Keras pairs `var_list` with the averages of every variable the optimizer was built with, which frozen
+        layers (train.freeze, tfdp/finetune.py) make a shorter list; a frozen weight keeps its exact value.
+        """
+        if not self.use_ema:
+            return
+        averages = {id(v): a for v, a in zip(self._trainable_variables, self._model_variables_moving_average)}
+        for variable in var_list:
+            variable.assign(averages[id(variable)])
+
 
 def _sgd(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
     return _with_ema(SGD)(momentum=cfg.momentum, nesterov=cfg.nesterov, l2=cfg.weight_decay, **common)

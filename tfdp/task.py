@@ -22,6 +22,7 @@ from tfdp.data import service
 from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, train_dataset
 from tfdp.data.storage import is_remote_url
 from tfdp.errors import UserError
+from tfdp.finetune import scale_learning_rates
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
 from tfdp.augment import build_batch_augment
 from tfdp.keras_patches.train_step import augment_before_step, compile_train_step, use_xla
@@ -74,8 +75,12 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     augment = build_batch_augment(cfg.augment, cfg.model.num_classes, mean=cfg.data.mean, std=cfg.data.std)
     if augment is not None:
         augment_before_step(model, augment, cfg.train.seed, jit)
-    # Built now, not lazily in the first step, so a checkpoint can restore its state.
+    # Built now, not lazily in the first step, so a checkpoint can restore its state; over every variable, before
+    # train.freeze freezes any (tfdp/finetune.py), so its state has one shape in every phase.
     optimizer.build(model.trainable_variables)
+    scales = scale_learning_rates(cfg, model, optimizer)  # optimizer.layer_decay, optimizer.head_lr_multiplier
+    if scales:
+        print(scales, flush=True)
     return model
 
 

@@ -30,6 +30,7 @@ from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
+from tfdp.finetune import Freezing
 from tfdp.lease import writer_lease
 from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.models import check_model_name
@@ -117,6 +118,7 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
           f"{runtime.num_workers} worker(s)), {plan.steps_per_epoch} steps/epoch", flush=True)
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
+    freezing = Freezing.plan(cfg.train, cfg.model.name, model)  # train.freeze checked against the model's layers
     jit, why = use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn)  # as compile_model resolved it
     print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
     state = CheckpointStore(model_dir).restore_latest(model)
@@ -135,8 +137,9 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
         save_config(cfg, out)
         metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
         fits = split_by_image_size(segments(epoch, step_in_epoch, cfg.train.epochs, plan.steps_per_epoch), cfg.data)
+        fits = freezing.split(fits)  # one trainable set per fit
         if fits:
-            fit_all(cfg, runtime, model, source, plan, fits, state, store, metrics_log, out)
+            fit_all(cfg, runtime, model, source, plan, fits, state, store, metrics_log, out, freezing)
     summary = summarize(metrics_log.rows, runtime, plan, cfg.train.best_metric)
     summary["fingerprint"] = weights_fingerprint(model)
     print(f"tfdp: worker {runtime.worker_index} of {runtime.num_workers}: weights fingerprint {summary['fingerprint']}",
@@ -146,7 +149,8 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
 
 
 def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, plan: Plan, fits: list[Segment],
-            state: dict | None, store: CheckpointStore, metrics_log: MetricsLog, out: str) -> None:
+            state: dict | None, store: CheckpointStore, metrics_log: MetricsLog, out: str,
+            freezing: Freezing | None = None) -> None:
     """Runs the `segments` fit calls, each continuing the input stream where the last one stopped."""
     corrupt = CorruptCounter()
     CORRUPT_LOG.write_to(corrupt_images_file(os.path.expanduser(cfg.model_dir), runtime.worker_index))
@@ -184,6 +188,8 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
                 if progressive and fit.image_size != size:
                     print(size_line(cfg.data, fit.initial_epoch, cfg.train.epochs), flush=True)
                 size = fit.image_size
+                if freezing and (line := freezing.enter(model, fit.initial_epoch, cfg.train.epochs)):
+                    print(line, flush=True)
                 model.fit(stream.dataset(start, fit.image_size), validation_data=val_ds, epochs=fit.epochs,
                           initial_epoch=fit.initial_epoch, steps_per_epoch=fit.steps, callbacks=callbacks,
                           shuffle=False, verbose=1 if sys.stdout.isatty() else 2)

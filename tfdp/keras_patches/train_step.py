@@ -42,6 +42,7 @@ from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from tfdp.augment import step_seed
+from tfdp.finetune import expand_to_built
 
 
 def use_xla(setting, devices, sync_bn: bool = False) -> tuple[bool, str]:
@@ -75,24 +76,30 @@ def compile_train_step(model: keras.Model) -> None:
             scaled = optimizer.scale_loss(loss)
         return loss, tape.gradient(scaled, trainable), y_pred, new_non_trainable
 
-    def whole_step(trainable, non_trainable, optimizer_values, x, y, sample_weight):
-        loss, gradients, y_pred, new_non_trainable = forward_backward(trainable, non_trainable, x, y, sample_weight)
-        new_trainable, new_optimizer = stateless_update(optimizer, optimizer_values, gradients, trainable)
-        return loss, y_pred, new_non_trainable, new_trainable, new_optimizer
+    # The update runs over every variable the optimizer was built with (`built`); frozen ones (train.freeze, not in
+    # the model's trainable set) get a None gradient and come back unchanged (tfdp/finetune.py).
+    spread = lambda gradients: expand_to_built(optimizer, model.trainable_variables, gradients)  # noqa: E731
 
-    def optimizer_update(trainable, optimizer_values, gradients):
-        return stateless_update(optimizer, optimizer_values, gradients, trainable)
+    def whole_step(trainable, non_trainable, optimizer_values, built, x, y, sample_weight):
+        loss, gradients, y_pred, new_non_trainable = forward_backward(trainable, non_trainable, x, y, sample_weight)
+        new_built, new_optimizer = stateless_update(optimizer, optimizer_values, spread(gradients), built)
+        return loss, y_pred, new_non_trainable, new_built, new_optimizer
+
+    def optimizer_update(built, optimizer_values, gradients):
+        return stateless_update(optimizer, optimizer_values, spread(gradients), built)
 
     forward_backward_c, whole_step_c, update_c = jit(forward_backward), jit(whole_step), jit(optimizer_update)
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         trainable, non_trainable = self.trainable_variables, self.non_trainable_variables
+        built = optimizer._trainable_variables if compiled_update else trainable
         values = lambda variables: [v.value for v in variables]  # noqa: E731
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         if compiled_update and replicas == 1:
             loss, y_pred, new_non_trainable, new_trainable, new_optimizer = whole_step_c(
-                values(trainable), values(non_trainable), values(optimizer.variables), x, y, sample_weight)
+                values(trainable), values(non_trainable), values(optimizer.variables), values(built), x, y,
+                sample_weight)
         else:
             loss, gradients, y_pred, new_non_trainable = forward_backward_c(
                 values(trainable), values(non_trainable), x, y, sample_weight)
@@ -101,9 +108,9 @@ def compile_train_step(model: keras.Model) -> None:
                 new_trainable = new_optimizer = None
             else:
                 gradients = all_reduce_sum(gradients)
-                new_trainable, new_optimizer = update_c(values(trainable), values(optimizer.variables), gradients)
+                new_trainable, new_optimizer = update_c(values(built), values(optimizer.variables), gradients)
         write_local(non_trainable, new_non_trainable)
-        write_local(trainable, new_trainable)
+        write_local(built, new_trainable)
         write_local(optimizer.variables, new_optimizer)
         batch = tf.shape(next(i for i in tree.flatten(x) if i is not None))[0]
         self._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss), sample_weight=batch)

@@ -59,6 +59,12 @@ APPS = {
     "efficientnetv2_l": (keras.applications.EfficientNetV2L, None, NO_PREPROCESSING, 0.2),
 }
 MIN_SIZE = {"inception_v3": 75}
+# The classifier: a Dense `predictions` layer, or MobileNetV3's 1x1 convolution `logits`.
+HEAD = ("predictions", "logits")
+# timm's ResNet grouping on keras.applications' names (conv1_*: the stem; convS_blockB_*: one group per block).
+RESNET_GROUPS = {"stem": r"^conv1_", "blocks": r"^conv(\d+)_block(\d+)_"}
+LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet152": RESNET_GROUPS}
 
 for _name, (_constructor, _dropout_arg, _extra, _dropout) in APPS.items():
-    register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout)(_app(_constructor, _dropout_arg, **_extra))
+    register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout, head=HEAD,
+             layer_groups=LAYER_GROUPS.get(_name))(_app(_constructor, _dropout_arg, **_extra))

@@ -27,12 +27,21 @@ DROP_PATH: set[str] = set()
 # names of the models that take only the image size they were built for (their classifier reads a flattened
 # feature map of fixed size): no progressive resizing, no separate evaluation size.
 FIXED_SIZE: set[str] = set()
+# name → fnmatch patterns of the layer names of its classifier head (the layers whose shape follows the class count);
+# what `train.freeze: [backbone]` leaves trainable and `optimizer.head_lr_multiplier` scales. () = no known head.
+HEAD_LAYERS: dict[str, tuple[str, ...]] = {}
+# name → its layer grouping for layer-wise learning-rate decay, as timm's `group_matcher(coarse=False)`: an ordered
+# {group: regex on layer names}; a regex's groups number the layers inside its group (one per block), and layers no
+# regex matches (the head) come last. Models without one cannot take `optimizer.layer_decay`.
+LAYER_GROUPS: dict[str, dict[str, str]] = {}
 
 
-def register(name: str, min_size: int = 32, dropout: float = 0.0, drop_path: bool = False, fixed_size: bool = False
+def register(name: str, min_size: int = 32, dropout: float = 0.0, drop_path: bool = False, fixed_size: bool = False,
+             head: tuple[str, ...] = ("logits",), layer_groups: dict[str, str] | None = None
              ) -> Callable[[Builder], Builder]:
     """Adds a builder under `name`, with its smallest input side, its default dropout, whether it takes
-    a stochastic-depth rate and whether it takes only the input size it was built for."""
+    a stochastic-depth rate, whether it takes only the input size it was built for, its head's layer
+    names and its layer grouping (see `HEAD_LAYERS`, `LAYER_GROUPS`)."""
     def add(fn: Builder) -> Builder:
         if name in MODELS:
             raise ValueError(f"model '{name}' registered twice")
@@ -49,6 +58,9 @@ def register(name: str, min_size: int = 32, dropout: float = 0.0, drop_path: boo
             DROP_PATH.add(name)
         if fixed_size:
             FIXED_SIZE.add(name)
+        HEAD_LAYERS[name] = tuple(head)
+        if layer_groups:
+            LAYER_GROUPS[name] = dict(layer_groups)
         return fn
     return add
 

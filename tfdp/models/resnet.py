@@ -27,6 +27,8 @@ from keras import layers
 from tfdp.models.registry import register
 
 BN = dict(momentum=0.9, epsilon=1e-5)
+# timm's ResNet group_matcher (coarse=False) on tfdp's layer names: the stem, then one group per block.
+LAYER_GROUPS = {"stem": r"^stem_", "blocks": r"^stage(\d+)_block(\d+)_"}
 
 
 def conv_bn(x, filters: int, kernel: int, stride: int, name: str, relu: bool = True, groups: int = 1):
@@ -107,31 +109,31 @@ def resnet(input_shape, num_classes: int, dropout: float, block, depths, name: s
     return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name=name)
 
 
-@register("resnet18", drop_path=True)
+@register("resnet18", drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet18(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
     return resnet(input_shape, num_classes, dropout, basic_block, (2, 2, 2, 2), "resnet18_backbone",
                   drop_path=drop_path)
 
 
-@register("resnet34", drop_path=True)
+@register("resnet34", drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet34(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
     return resnet(input_shape, num_classes, dropout, basic_block, (3, 4, 6, 3), "resnet34_backbone",
                   drop_path=drop_path)
 
 
-@register("resnet50_v1_5", drop_path=True)
+@register("resnet50_v1_5", drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet50_v1_5(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
     return resnet(input_shape, num_classes, dropout, bottleneck, (3, 4, 6, 3), "resnet50_v1_5_backbone",
                   drop_path=drop_path)
 
 
-@register("resnext50_32x4d", drop_path=True)
+@register("resnext50_32x4d", drop_path=True, layer_groups=LAYER_GROUPS)
 def resnext50_32x4d(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
     return resnet(input_shape, num_classes, dropout, bottleneck, (3, 4, 6, 3), "resnext50_32x4d_backbone",
                   drop_path=drop_path, groups=32, width_per_group=4)
 
 
-@register("resnet18_small", min_size=8, drop_path=True)
+@register("resnet18_small", min_size=8, drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet18_small(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
     return resnet(input_shape, num_classes, dropout, basic_block, (2, 2, 2, 2), "resnet18_small_backbone",
                   small_images=True, drop_path=drop_path)

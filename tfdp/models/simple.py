@@ -13,7 +13,8 @@ from keras import layers
 from tfdp.models.registry import register
 
 
-@register("simple_cnn", min_size=8, fixed_size=True)  # flattens its feature map
+@register("simple_cnn", min_size=8, fixed_size=True,
+          layer_groups={"stem": r"^conv1$", "blocks": r"^conv(\d+)$"})  # fc goes with the head  # flattens its feature map
 def simple_cnn(input_shape, num_classes: int, dropout: float) -> keras.Model:
     inputs = keras.Input(input_shape)
     x = inputs

@@ -20,7 +20,7 @@ def fire(x, squeeze: int, expand: int, name: str):
     return layers.Concatenate(name=f"{name}_concat")([e1, e3])
 
 
-@register("squeezenet1_1", dropout=0.5)
+@register("squeezenet1_1", dropout=0.5, head=("classifier",))
 def squeezenet1_1(input_shape, num_classes: int, dropout: float) -> keras.Model:
     inputs = keras.Input(input_shape)
     x = layers.Conv2D(64, 3, strides=2, activation="relu", name="conv1")(inputs)

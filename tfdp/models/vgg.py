@@ -70,12 +70,17 @@ def vgg(input_shape, num_classes: int, dropout: float, plan, batch_norm: bool, n
     return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name=name)
 
 
+# timm's VGG group_matcher on tfdp's layer names: the first convolution is the stem, every later one (with its
+# batch norm) a block; fc1, fc2 and the classifier come last, as timm's pre_logits and head.
+LAYER_GROUPS = {"stem": r"^(?:conv|bn)0$", "blocks": r"^(?:conv|bn)(\d+)$"}
+
+
 def _add(name: str, batch_norm: bool) -> None:
     key = name + ("_bn" if batch_norm else "")
 
     def build(input_shape, num_classes: int, dropout: float) -> keras.Model:
         return vgg(input_shape, num_classes, dropout, PLANS[name], batch_norm, f"{key}_backbone")
-    register(key, dropout=0.5, fixed_size=True)(build)  # the adaptive pool reads the feature map's static size
+    register(key, dropout=0.5, fixed_size=True, layer_groups=LAYER_GROUPS)(build)  # the adaptive pool reads the feature map's static size
 
 
 for _name in PLANS:
