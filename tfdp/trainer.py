@@ -31,6 +31,7 @@ from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
 from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.models import check_model_name
+from tfdp.models.weights import init_from
 from tfdp.places import writable_tree
 from tfdp.preemption import PreemptionWatch
 from tfdp.replica_state import ReplicaSnapshot, decorrelate_random_streams, state_averager
@@ -112,6 +113,7 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     jit, why = use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn)  # as compile_model resolved it
     print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
     state = CheckpointStore(model_dir).restore_latest(model)
+    init_from(model, cfg.model, cfg.data, resumed=state is not None)
     epoch, step_in_epoch = (state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0)
     previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
     if epoch >= cfg.train.epochs:
