@@ -323,8 +323,11 @@ def read_source(spec: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> Weig
         if source.matches(path):
             return source.read(path, model_cfg, data_cfg)
     kinds = ", ".join(s.describe for s in SOURCES.values())
+    if not os.path.exists(path) and not re.search(r"[./\\]", spec):
+        raise UserError(f"model.init_from: unknown kind of weights '{spec}', and no file or folder of that name "
+                        f"(it takes {kinds})")
     if not os.path.exists(path):
-        raise UserError(f"model.init_from: no such file or directory: {spec} (it takes {kinds})")
+        raise UserError(f"model.init_from: no such file or directory: {spec}")
     if path.lower().endswith((".pth", ".pt", ".bin", ".ckpt")):
         raise UserError(f"model.init_from: {spec} is a pickled PyTorch file; save its state dict as .safetensors "
                         f"first (see docs/pretrained-weights.md)")
@@ -394,8 +397,8 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
             continue
         for v, value, name, skip in zip(variables, values, names, keep):
             if not skip and _shape(v) != _shape(value):
-                raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': {name} has "
-                                f"shape {_shape(value)}, {layer.name}/{v.name} needs {_shape(v)}")
+                raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': "
+                                f"{layer.name}/{v.name} is {_shape(value)} there ({name}), the model's is {_shape(v)}")
         plan += [(v, value) for v, value, skip in zip(variables, values, keep) if not skip]
         if any(keep):
             new.append(f"{layer.name} (partly, init_exclude)")
