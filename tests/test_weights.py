@@ -4,6 +4,7 @@ The torchvision fixture (tests/fixtures, made by make_torchvision_fixture.py wit
 seeded SqueezeNet 1.1 and ResNet-18 state dicts and the logits torchvision computed for 4 real photos.
 """
 
+import json
 import lzma
 import os
 import shutil
@@ -212,3 +213,19 @@ def test_bad_weights_are_one_line_each(trained_run, small_dir, tmp_path):
                           env_extra={"KERAS_HOME": str(tmp_path / "keras")})
         line = assert_one_line_error(result, 2, "tfdp: error: ", *fragments)
         assert case and line
+
+
+@pytest.mark.parametrize("torch_name,name", [("resnet34", "resnet34"), ("resnet50", "resnet50_v1_5"),
+                                             ("resnext50_32x4d", "resnext50_32x4d"), ("vgg11_bn", "vgg11_bn")])
+def test_every_torchvision_state_dict_maps_onto_its_model(torch_name, name):
+    """Real torchvision state dicts' keys and shapes (torchvision_state_dicts.json), zeros for values: every
+    tensor finds its layer with the shape it needs, and every layer its tensors."""
+    from tfdp.models.weights import torch_weights
+    with open(os.path.join(FIXTURES, "torchvision_state_dicts.json"), encoding="utf-8") as f:
+        shapes = json.load(f)[torch_name]
+    cfg = torch_cfg(name, "x.safetensors", num_classes=1000, image_size=32)
+    model = build_model(cfg.model, cfg.data)
+    tensors = {k: np.zeros(shape, np.float16) for k, shape in shapes.items()}
+    loaded, new = load_into(model, torch_weights(tensors, cfg.model, torch_name), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    assert not np.any(keras.ops.convert_to_numpy(model.weights[0]))

@@ -267,6 +267,11 @@ def read_safetensors(path: str, model_cfg: ModelConfig) -> Weights:
         tensors = load_file(path)
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise UserError(f"model.init_from: cannot read {path} as safetensors ({str(e).splitlines()[0][:120]})") from None
+    return torch_weights(tensors, model_cfg, path)
+
+
+def torch_weights(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
+    """A torchvision/timm state dict as `Weights` for the zoo model `model_cfg.name`."""
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         module, _, param = key.rpartition(".")
@@ -278,11 +283,11 @@ def read_safetensors(path: str, model_cfg: ModelConfig) -> Weights:
         layer = rename(module)
         if layer is None:
             first = sorted(params)[0]
-            raise UserError(f"model.init_from: {path} does not fit model '{model_cfg.name}': tensor "
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor "
                             f"{module}.{first} {tuple(params[first].shape)} has no place in it (another architecture?)")
         arrays, order = _torch_module_values(params, layer)
         values[layer], names[layer] = arrays, [f"{module}.{p}" for p in order]
-    return Weights(f"{path}", values, names)
+    return Weights(what, values, names)
 
 
 # ---------------------------------------------------------------- kinds of source
