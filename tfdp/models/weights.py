@@ -50,7 +50,7 @@ class Weights:
     values: dict[str, list[np.ndarray]]
     # layer name → each value's name in the source (a torch key, an h5 path), for messages
     names: dict[str, list[str]]
-    # source layers that may have no place in the model (e.g. preprocessing layers tfdp does not build)
+    # fnmatch patterns of source layers that may have no place in the model (preprocessing tfdp does not build)
     optional: frozenset[str] = frozenset()
 
 
@@ -173,7 +173,7 @@ def read_imagenet(model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
                         f"downloads nothing: put {file} (from {url}) into {where}/")
     # The preprocessing layers keras.applications builds when include_preprocessing is on; tfdp normalises itself.
     return dataclasses.replace(read_weights_file(path, f"imagenet weights {path}"),
-                               optional=frozenset({"normalization", "rescaling"}))
+                               optional=frozenset({"normalization*", "rescaling*"}))
 
 
 # ---------------------------------------------------------------- PyTorch state dicts (torchvision / timm layout)
@@ -409,7 +409,8 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
             new.append(f"{layer.name} (partly, init_exclude)")
         else:
             loaded.append(layer.name)
-    unused = [name for name in weights.values if name not in used and name not in weights.optional
+    unused = [name for name in weights.values if name not in used
+              and not any(fnmatch.fnmatchcase(name, p) for p in weights.optional)
               and not _excluded(name, "*", model_cfg.init_exclude)]
     if unused:
         name = weights.names[unused[0]][0]
