@@ -1,4 +1,5 @@
-"""Transfer on real images: a model pretrained on digits 0-4 learns digits 5-9 in one epoch far better than from scratch.
+"""Transfer on real images: pretrained on digits 0-4, a model learns digits 5-9 in one epoch far better than from
+scratch.
 
 Real `tfdp train` runs (ResNet-18 small, 16 px, 2 replicas): pretrain 3 epochs on 0-4, then 1 epoch on 5-9 from
 those weights (`--init_from=<run dir>`, classifier re-initialised with `model.init_exclude=[logits]`: its classes
@@ -27,7 +28,8 @@ def digit_subset(digits_dir, out, digits: str) -> str:
 
 def train(data_dir, model_dir, *extra):
     result = run_tfdp("train", "--config=configs/digits.yaml", f"--data_dir={data_dir}", "--data_format=image_folder",
-                      f"--model_dir={model_dir}", "--set=model.num_classes=5", "--set=train.seed=1", *extra, timeout=900)
+                      f"--model_dir={model_dir}", "--set=model.num_classes=5", "--set=train.seed=1", *extra,
+                      timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -38,7 +40,8 @@ def top1(stdout: str) -> float:
 
 @pytest.mark.slow
 def test_pretrained_on_0_to_4_beats_scratch_on_5_to_9_after_one_epoch(digits_dir, tmp_path):
-    first, second = digit_subset(digits_dir, tmp_path / "d04", "01234"), digit_subset(digits_dir, tmp_path / "d59", "56789")
+    first = digit_subset(digits_dir, tmp_path / "d04", "01234")
+    second = digit_subset(digits_dir, tmp_path / "d59", "56789")
     train(first, tmp_path / "pre", "--epochs=3")
     one_epoch = ("--epochs=1", "--set=schedule.warmup_epochs=0")
     scratch = top1(train(second, tmp_path / "scratch", *one_epoch))

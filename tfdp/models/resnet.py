@@ -36,8 +36,8 @@ def conv_bn(x, filters: int, kernel: int, stride: int, name: str, relu: bool = T
     torchvision's weights would give other logits."""
     if stride > 1 and kernel > 1:
         x = layers.ZeroPadding2D(kernel // 2, name=f"{name}_pad")(x)
-    x = layers.Conv2D(filters, kernel, strides=stride, padding="valid" if stride > 1 else "same", use_bias=False, groups=groups,
-                      kernel_initializer="he_normal", name=f"{name}_conv")(x)
+    x = layers.Conv2D(filters, kernel, strides=stride, padding="valid" if stride > 1 else "same", use_bias=False,
+                      groups=groups, kernel_initializer="he_normal", name=f"{name}_conv")(x)
     x = layers.BatchNormalization(**BN, name=f"{name}_bn")(x)
     return layers.ReLU(name=f"{name}_relu")(x) if relu else x
 

@@ -266,7 +266,8 @@ def read_safetensors(path: str, model_cfg: ModelConfig) -> Weights:
     try:
         tensors = load_file(path)
     except (SafetensorError, OSError, ValueError, TypeError) as e:
-        raise UserError(f"model.init_from: cannot read {path} as safetensors ({str(e).splitlines()[0][:120]})") from None
+        raise UserError(f"model.init_from: cannot read {path} as safetensors ({str(e).splitlines()[0][:120]})"
+                        ) from None
     return torch_weights(tensors, model_cfg, path)
 
 
@@ -390,8 +391,8 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
             continue
         if layer.name not in weights.values:
             v = variables[0]
-            raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': it has nothing for "
-                            f"{layer.name}/{v.name} {_shape(v)} (another architecture?)")
+            raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': it has nothing "
+                            f"for {layer.name}/{v.name} {_shape(v)} (another architecture?)")
         values, names = weights.values[layer.name], weights.names[layer.name]
         used.add(layer.name)
         if len(values) != len(variables):
