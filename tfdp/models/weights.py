@@ -324,6 +324,9 @@ SOURCES: dict[str, Source] = {
 
 def read_source(spec: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
     """The weights `spec` names, read by the first kind of source that matches it."""
+    if "://" in spec:
+        raise UserError(f"model.init_from: {spec}: weights are read from a local path only; copy the file (or run "
+                        f"directory) to this machine first")
     path = os.path.expanduser(spec)
     for source in SOURCES.values():
         if source.matches(path):
