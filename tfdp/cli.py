@@ -26,6 +26,8 @@ flags.DEFINE_integer("batch_size_per_replica", None, "Override train.batch_size_
 flags.DEFINE_string("strategy", None, "Override distribute.strategy: one_device | mirrored | multi_worker.")
 flags.DEFINE_integer("cpu_replicas", None, "Override distribute.cpu_replicas: logical CPU devices to split a GPU-less host into.")
 flags.DEFINE_string("model", None, "Override model.name (a registry name, see tfdp/models).")
+flags.DEFINE_string("init_from", None, "Override model.init_from: imagenet, a run directory, a checkpoint folder, a "
+                    ".keras, .weights.h5 or .safetensors file to start a fresh run from.")
 flags.DEFINE_string("data_dir", None, "Override data.dir.")
 flags.DEFINE_string("data_format", None, "Override data.format (a registry name, see tfdp/data).")
 flags.DEFINE_integer("workers", 2, "launch: number of worker processes to start on this host.")
@@ -66,6 +68,7 @@ FLAG_FIELDS = {
     "strategy": "distribute.strategy",
     "cpu_replicas": "distribute.cpu_replicas",
     "model": "model.name",
+    "init_from": "model.init_from",
     "data_dir": "data.dir",
     "data_format": "data.format",
     "data_service": "data.service_address",

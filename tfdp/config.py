@@ -113,6 +113,13 @@ class ModelConfig:
     # Stochastic depth: residual branches dropped per sample, the rate rising linearly to this at the last
     # block (timm's drop_path_rate); ResNet family only.
     drop_path: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
+    # Weights a fresh run starts from (a resumed run continues from its own checkpoint): imagenet (Keras' own
+    # files, keras.applications models), a tfdp run directory, a checkpoint folder, a .keras or .weights.h5
+    # file, or a torchvision/timm .safetensors state dict; see docs/pretrained-weights.md. "": random init.
+    init_from: Str = ""
+    # fnmatch patterns over layer names and layer/variable paths (e.g. "logits", "stage4_*", "*/bias") that
+    # model.init_from leaves as initialised.
+    init_exclude: tuple[Str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -449,6 +456,8 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.train.bce_target_threshold is not None and cfg.train.loss != "bce":
         raise UserError("train.bce_target_threshold applies to train.loss: bce only")
     _check_fine_tuning(cfg)
+    if cfg.model.init_exclude and not cfg.model.init_from:
+        raise UserError("model.init_exclude needs model.init_from (the weights it leaves out)")
     _check_augment(cfg.augment)
     if d.service_address:
         _check_service(cfg)

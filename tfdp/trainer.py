@@ -34,6 +34,7 @@ from tfdp.finetune import Freezing
 from tfdp.lease import writer_lease
 from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.models import check_model_name
+from tfdp.models.weights import init_from
 from tfdp.places import writable_tree
 from tfdp.preemption import PreemptionWatch
 from tfdp.replica_state import ReplicaSnapshot, decorrelate_random_streams, state_averager
@@ -122,6 +123,7 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
     jit, why = use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn)  # as compile_model resolved it
     print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
     state = CheckpointStore(model_dir).restore_latest(model)
+    init_from(model, cfg.model, cfg.data, resumed=state is not None)
     epoch, step_in_epoch = (state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0)
     previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
     if epoch >= cfg.train.epochs:

@@ -1,6 +1,7 @@
 """ResNet-18/34/50 (v1.5) and ResNeXt-50 (32x4d) following torchvision, and ResNet-18 for small images.
 
-torchvision's layout: 7x7/2 stem and 3x3/2 max-pool, convolutions without
+torchvision's layout: 7x7/2 stem and 3x3/2 max-pool, padded as PyTorch pads
+them (symmetric, `kernel // 2`), convolutions without
 bias, batch norm after every convolution, the stride on the 3x3 convolution of
 a bottleneck (ResNet v1.5), a 1x1 projection shortcut where the shape changes.
 Parameter counts equal torchvision's (ResNet-18 11,689,512; ResNet-34
@@ -32,8 +33,13 @@ LAYER_GROUPS = {"stem": r"^stem_", "blocks": r"^stage(\d+)_block(\d+)_"}
 
 
 def conv_bn(x, filters: int, kernel: int, stride: int, name: str, relu: bool = True, groups: int = 1):
-    x = layers.Conv2D(filters, kernel, strides=stride, padding="same", use_bias=False, groups=groups,
-                      kernel_initializer="he_normal", name=f"{name}_conv")(x)
+    """Convolution, batch norm, [ReLU]. A strided convolution pads as PyTorch does (kernel // 2 on every side):
+    "same" would pad one pixel less on the top and left of an even-sized input, shifting every window, and
+    torchvision's weights would give other logits."""
+    if stride > 1 and kernel > 1:
+        x = layers.ZeroPadding2D(kernel // 2, name=f"{name}_pad")(x)
+    x = layers.Conv2D(filters, kernel, strides=stride, padding="valid" if stride > 1 else "same", use_bias=False,
+                      groups=groups, kernel_initializer="he_normal", name=f"{name}_conv")(x)
     x = layers.BatchNormalization(**BN, name=f"{name}_bn")(x)
     return layers.ReLU(name=f"{name}_relu")(x) if relu else x
 
@@ -95,7 +101,9 @@ def resnet(input_shape, num_classes: int, dropout: float, block, depths, name: s
         x = conv_bn(inputs, 64, 3, 1, "stem")
     else:
         x = conv_bn(inputs, 64, 7, 2, "stem")
-        x = layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
+        # PyTorch pads this max-pool by 1 on every side; zeros do as well as -inf after a ReLU.
+        x = layers.ZeroPadding2D(1, name="stem_pool_pad")(x)
+        x = layers.MaxPooling2D(3, strides=2, name="stem_pool")(x)
     blocks, index = sum(depths), 0
     for stage, (filters, depth) in enumerate(zip((64, 128, 256, 512), depths), start=1):
         for i in range(depth):

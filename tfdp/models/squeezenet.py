@@ -2,7 +2,8 @@
 
 Fire modules (1x1 squeeze, then 1x1 and 3x3 expand, concatenated); the
 classifier (after dropout, 0.5 by default) is a 1x1 convolution to the classes,
-ReLU and global average pool.
+ReLU and global average pool. Max-pools round their output size up as
+torchvision's (`ceil_mode=True`), so its weights give the same logits.
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ import keras
 from keras import layers
 
 from tfdp.models.registry import register
+
+
+def ceil_max_pool(x, name: str):
+    """torchvision's MaxPool2d(3, 2, ceil_mode=True): a last, partial window at the bottom and right edges.
+    One pixel of zeros there gives it (the input follows a ReLU, so a zero never beats the window's maximum)."""
+    x = layers.ZeroPadding2D(((0, 1), (0, 1)), name=f"{name}_pad")(x)
+    return layers.MaxPooling2D(3, strides=2, name=name)(x)
 
 
 def fire(x, squeeze: int, expand: int, name: str):
@@ -24,13 +32,13 @@ def fire(x, squeeze: int, expand: int, name: str):
 def squeezenet1_1(input_shape, num_classes: int, dropout: float) -> keras.Model:
     inputs = keras.Input(input_shape)
     x = layers.Conv2D(64, 3, strides=2, activation="relu", name="conv1")(inputs)
-    x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool1")(x)
+    x = ceil_max_pool(x, "pool1")
     x = fire(x, 16, 64, "fire2")
     x = fire(x, 16, 64, "fire3")
-    x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool3")(x)
+    x = ceil_max_pool(x, "pool3")
     x = fire(x, 32, 128, "fire4")
     x = fire(x, 32, 128, "fire5")
-    x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool5")(x)
+    x = ceil_max_pool(x, "pool5")
     for i, (s, e) in enumerate(((48, 192), (48, 192), (64, 256), (64, 256)), start=6):
         x = fire(x, s, e, f"fire{i}")
     if dropout:

@@ -1,0 +1,232 @@
+"""`model.init_from`: torchvision weights give torchvision's logits; every kind of source loads; bad input is one line.
+
+The torchvision fixture (tests/fixtures, made by make_torchvision_fixture.py with real torch and torchvision) holds
+seeded SqueezeNet 1.1 and ResNet-18 state dicts and the logits torchvision computed for 4 real photos.
+"""
+
+import json
+import lzma
+import os
+import shutil
+
+import h5py
+import keras
+import numpy as np
+import pytest
+
+from conftest import CPU_DEVICES, assert_one_line_error, run_tfdp
+from tfdp.config import validate
+from tfdp.errors import UserError
+from tfdp.models import build_model
+from tfdp.models.weights import SOURCES, init_from, keras_cache_dir, layers_with_weights, load_into, read_source
+from tfdp.strategy import make_runtime
+from tfdp.task import model_in_precision
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+SQUEEZENET = os.path.join(FIXTURES, "squeezenet1_1.safetensors")
+# float32 logits against torchvision's (the differences measured are in docs/pretrained-weights.md)
+LOGITS_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def resnet18_file(tmp_path_factory) -> str:
+    """The committed ResNet-18 state dict is xz-compressed (its weights sit on 5 levels and compress 3x)."""
+    path = str(tmp_path_factory.mktemp("torch") / "resnet18.safetensors")
+    with lzma.open(os.path.join(FIXTURES, "resnet18.safetensors.xz")) as f, open(path, "wb") as out:
+        shutil.copyfileobj(f, out)
+    return path
+
+
+def torch_cfg(name, init_from, num_classes=1000, image_size=224, **extra):
+    model = {"name": name, "num_classes": num_classes, "init_from": init_from, **extra.pop("model", {})}
+    return validate({"model": model, "data": {"image_size": image_size, "hflip": False}, **extra})
+
+
+@pytest.mark.parametrize("name", ["squeezenet1_1", "resnet18"])
+def test_torchvision_weights_give_torchvisions_logits(name, resnet18_file):
+    path = SQUEEZENET if name == "squeezenet1_1" else resnet18_file
+    cfg = torch_cfg(name, path)
+    model = build_model(cfg.model, cfg.data)
+    loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    photos = np.load(os.path.join(FIXTURES, "photos.npy"))  # uint8; data.mean/std are torchvision's, times 255
+    expected = np.load(os.path.join(FIXTURES, "torchvision_logits.npz"))[name]
+    logits = model.predict(photos, verbose=0)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ATOL)
+    assert list(logits.argmax(1)) == list(expected.argmax(1))
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16"])
+def test_other_class_count_reinitialises_the_classifier_on_every_replica(precision, capsys):
+    """SqueezeNet's 1,000-class file into a 10-class model, built in a 2-replica MirroredStrategy's scope."""
+    cfg = torch_cfg("squeezenet1_1", SQUEEZENET, num_classes=10, image_size=64, train={"precision": precision})
+    strategy = make_runtime(validate({"distribute": {"strategy": "mirrored", "cpu_replicas": 2}}).distribute).strategy
+    assert strategy.num_replicas_in_sync == 2 == len(CPU_DEVICES)
+    with strategy.scope():
+        model = model_in_precision(cfg)
+    head = model.get_layer("squeezenet1_1_backbone").get_layer("classifier")
+    head_before = keras.ops.convert_to_numpy(head.kernel)
+    capsys.readouterr()
+    init_from(model, cfg.model, cfg.data, resumed=False)
+    line = capsys.readouterr().out.strip()
+    assert line == (f"tfdp: init_from: loaded 25 of 26 layers from {SQUEEZENET}; "
+                    f"new: classifier (10 classes, the source has 1000)")
+    from safetensors.numpy import load_file
+    torch_conv1 = load_file(SQUEEZENET)["features.0.weight"].transpose(2, 3, 1, 0)
+    conv1 = model.get_layer("squeezenet1_1_backbone").get_layer("conv1").kernel
+    replicas = strategy.experimental_local_results(conv1.value)
+    assert len(replicas) == 2
+    for value in replicas:
+        np.testing.assert_array_equal(value.numpy(), torch_conv1)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(head.kernel), head_before)
+
+
+def test_init_exclude_leaves_matching_layers_and_variables_as_initialised():
+    cfg = torch_cfg("squeezenet1_1", SQUEEZENET, image_size=64, model={"init_exclude": ["fire9_*", "conv1/bias"]})
+    model = build_model(cfg.model, cfg.data)
+    backbone = model.get_layer("squeezenet1_1_backbone")
+    before = {name: keras.ops.convert_to_numpy(backbone.get_layer(name).weights[i])
+              for name, i in (("fire9_squeeze", 0), ("conv1", 1))}
+    loaded, new = load_into(model, read_source(SQUEEZENET, cfg.model, cfg.data), cfg.model)
+    assert sorted(new) == ["conv1 (partly, init_exclude)", "fire9_expand1x1 (init_exclude)",
+                           "fire9_expand3x3 (init_exclude)", "fire9_squeeze (init_exclude)"]
+    assert len(loaded) == 22
+    for name, i in (("fire9_squeeze", 0), ("conv1", 1)):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(backbone.get_layer(name).weights[i]), before[name])
+    from safetensors.numpy import load_file
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(backbone.get_layer("conv1").kernel),
+                                  load_file(SQUEEZENET)["features.0.weight"].transpose(2, 3, 1, 0))
+
+
+def test_imagenet_reads_keras_own_file_from_keras_home(tmp_path, monkeypatch):
+    """A file in Keras' legacy h5 format under the name keras.applications gives it, in a temporary KERAS_HOME."""
+    from keras.src.legacy.saving.legacy_h5_format import save_weights_to_hdf5_group
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    cfg = validate({"model": {"name": "mobilenet_v2", "num_classes": 10, "init_from": "imagenet"},
+                    "data": {"image_size": 32}})
+    with pytest.raises(UserError, match=r"put mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224.h5 \(from "
+                                        r"https://storage.googleapis.com/.*\) into " + str(tmp_path) + "/models/"):
+        read_source("imagenet", cfg.model, cfg.data)
+    keras.utils.set_random_seed(3)
+    imagenet = keras.applications.MobileNetV2(weights=None, input_shape=(224, 224, 3), classes=1000)
+    assert keras_cache_dir() == str(tmp_path / "models")
+    os.makedirs(keras_cache_dir())
+    with h5py.File(os.path.join(keras_cache_dir(), "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224.h5"),
+                   "w") as f:
+        save_weights_to_hdf5_group(f, imagenet)
+    model = build_model(cfg.model, cfg.data)
+    loaded, new = load_into(model, read_source("imagenet", cfg.model, cfg.data), cfg.model)
+    assert new == ["predictions (10 classes, the source has 1000)"]
+    assert len(loaded) == len(layers_with_weights(model)) - 1
+    for name in ("Conv1", "bn_Conv1", "block_16_project"):
+        for ours, theirs in zip(model.layers[-2].get_layer(name).weights, imagenet.get_layer(name).weights):
+            np.testing.assert_array_equal(keras.ops.convert_to_numpy(ours), keras.ops.convert_to_numpy(theirs))
+
+
+# ---------------------------------------------------------------- sources from a real `tfdp train` and `tfdp export`
+
+
+def train_args(data_dir, model_dir, *extra):
+    return ("train", "--config=configs/digits.yaml", f"--data_dir={data_dir}", "--data_format=image_folder",
+            f"--model_dir={model_dir}", "--model=simple_cnn", "--set=data.image_size=16", "--epochs=1",
+            "--set=schedule.warmup_epochs=0", *extra)
+
+
+@pytest.fixture(scope="module")
+def trained_run(small_dir, tmp_path_factory):
+    """A real one-epoch run of simple_cnn on digits, and its export."""
+    run = str(tmp_path_factory.mktemp("pre") / "run")
+    trained = run_tfdp(*train_args(small_dir, run), timeout=300)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    exported = run_tfdp("export", *train_args(small_dir, run)[1:], timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    return run
+
+
+def test_every_keras_source_loads_the_same_weights(trained_run):
+    cfg = validate({"model": {"name": "simple_cnn", "num_classes": 10}, "data": {"image_size": 16, "hflip": False}})
+    reference = build_model(cfg.model, cfg.data)
+    reference.load_weights(os.path.join(trained_run, "checkpoints", "best.weights.h5"))
+    sources = {"run_dir": trained_run, "checkpoint": os.path.join(trained_run, "checkpoints", "epoch-0001"),
+               "keras_weights": os.path.join(trained_run, "checkpoints", "best.weights.h5"),
+               "keras": os.path.join(trained_run, "export", "model.keras")}
+    for kind, path in sources.items():
+        assert SOURCES[kind].matches(path) and [k for k, s in SOURCES.items() if s.matches(path)][0] == kind
+        model = build_model(cfg.model, cfg.data)
+        loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+        assert (len(loaded), new) == (4, []), kind
+        for ours, theirs in zip(model.weights, reference.weights):
+            np.testing.assert_array_equal(keras.ops.convert_to_numpy(ours), keras.ops.convert_to_numpy(theirs),
+                                          err_msg=f"{kind}: {ours.path}")
+
+
+def test_a_resumed_run_continues_from_its_own_checkpoint(trained_run, small_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    resumed = run_tfdp(*train_args(small_dir, run, "--epochs=2", f"--init_from={SQUEEZENET}"), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    lines = [line for line in resumed.stdout.splitlines() if line.startswith("tfdp: init_from")]
+    assert lines == [f"tfdp: init_from: resumed run, continuing from its own checkpoint; model.init_from "
+                     f"({SQUEEZENET}) applies to a fresh run only"], resumed.stdout[-2000:]
+    assert "tfdp: resuming at epoch 2 of 2" in resumed.stdout
+
+
+def test_a_fresh_run_starts_from_a_run_directory(trained_run, small_dir, tmp_path):
+    fresh = run_tfdp(*train_args(small_dir, tmp_path / "run", f"--init_from={trained_run}"), timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert (f"tfdp: init_from: loaded 4 of 4 layers from the best checkpoint of run {trained_run}; new: none"
+            in fresh.stdout), fresh.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2
+
+
+def bad_input_cases(trained_run, tmp_path):
+    pth = tmp_path / "resnet18.pth"
+    pth.write_bytes(b"PK\x03\x04 not really a zip")
+    return {
+        "another architecture (shapes)": (["--set=data.image_size=24", f"--init_from={trained_run}"],
+                                          ["does not fit model 'simple_cnn'", "fc/kernel is (1024, 128) there",
+                                           "the model's is (2304, 128)"]),
+        "another architecture (layers)": (["--model=resnet18_small", f"--init_from={trained_run}"],
+                                          ["does not fit model 'resnet18_small'", "nothing for stem_conv/kernel"]),
+        "torch file of another architecture": (["--model=resnet18", "--set=data.image_size=32",
+                                                f"--init_from={SQUEEZENET}"],
+                                               ["does not fit model 'resnet18'", "has no place in it"]),
+        "missing file": (["--init_from=/no/such/dir/w.weights.h5"],
+                         ["no such file or directory: /no/such/dir/w.weights.h5"]),
+        "offline imagenet": (["--model=mobilenet_v2", "--set=data.image_size=32", "--init_from=imagenet"],
+                             ["imagenet weights for 'mobilenet_v2' are not in Keras' cache",
+                              "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224.h5",
+                              f"{tmp_path}/keras/models/"]),
+        "unknown kind": (["--init_from=imagenet21k"], ["unknown kind of weights 'imagenet21k'"]),
+        "no torchvision layout": (["--model=resnet18_small", f"--init_from={SQUEEZENET}"],
+                                  ["model 'resnet18_small' has no torchvision layout"]),
+        "pickled torch file": ([f"--init_from={pth}"], ["is a pickled PyTorch file", ".safetensors"]),
+        "a bucket": (["--init_from=gs://bucket/run"], ["gs://bucket/run: weights are read from a local path only"]),
+        "exclude without init_from": (["--set=model.init_exclude=[logits]"], ["model.init_exclude needs"]),
+    }
+
+
+def test_bad_weights_are_one_line_each(trained_run, small_dir, tmp_path):
+    for case, (args, fragments) in bad_input_cases(trained_run, tmp_path).items():
+        result = run_tfdp(*train_args(small_dir, tmp_path / case.replace(" ", "_"), *args), timeout=300,
+                          env_extra={"KERAS_HOME": str(tmp_path / "keras")})
+        line = assert_one_line_error(result, 2, "tfdp: error: ", *fragments)
+        assert case and line
+
+
+@pytest.mark.parametrize("torch_name,name", [("resnet34", "resnet34"), ("resnet50", "resnet50_v1_5"),
+                                             ("resnext50_32x4d", "resnext50_32x4d"), ("vgg11_bn", "vgg11_bn")])
+def test_every_torchvision_state_dict_maps_onto_its_model(torch_name, name):
+    """Real torchvision state dicts' keys and shapes (torchvision_state_dicts.json), zeros for values: every
+    tensor finds its layer with the shape it needs, and every layer its tensors."""
+    from tfdp.models.weights import torch_weights
+    with open(os.path.join(FIXTURES, "torchvision_state_dicts.json"), encoding="utf-8") as f:
+        shapes = json.load(f)[torch_name]
+    cfg = torch_cfg(name, "x.safetensors", num_classes=1000, image_size=32)
+    model = build_model(cfg.model, cfg.data)
+    tensors = {k: np.zeros(shape, np.float16) for k, shape in shapes.items()}
+    loaded, new = load_into(model, torch_weights(tensors, cfg.model, torch_name), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    assert not np.any(keras.ops.convert_to_numpy(model.weights[0]))

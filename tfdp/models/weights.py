@@ -1,0 +1,445 @@
+"""`model.init_from`: start a fresh run from weights trained elsewhere.
+
+A source is read into one common form, `Weights` (layer name → that layer's
+values in Keras' variable order), by the reader its kind names in `SOURCES`;
+`load_into` then copies it onto the model, layer by layer, by name:
+
+- imagenet: Keras' own ImageNet files for the keras.applications models, read
+  from Keras' cache (`$KERAS_HOME/models`, default `~/.keras/models`) under the
+  names Keras itself gives them. Nothing is downloaded: a missing file is one
+  line naming it and where to put it.
+- a tfdp run directory (its best checkpoint, else its newest), a checkpoint
+  folder (`checkpoints/epoch-0003`), a `.weights.h5` file (from `tfdp train`, or
+  a legacy Keras `.h5`) or a `.keras` file (from `tfdp export` or `model.save`).
+- a `.safetensors` PyTorch state dict (torchvision's or timm's layout) for the
+  models in `TORCHVISION`: names mapped, kernels transposed, batch-norm running
+  statistics loaded.
+
+Every layer of the model must find its weights, with the same shapes, and every
+tensor of the source must find its layer, so a file of another architecture
+stops the run with one line naming the first tensor that does not fit. Two
+exceptions: the classifier (the model's last layer with weights) is left as
+initialised where only its class count differs, and `model.init_exclude`
+(fnmatch patterns over layer names and `layer/variable` paths) keeps any layer
+or variable as initialised. One line reports what was loaded and what is new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import io
+import os
+import re
+import zipfile
+from typing import Callable
+
+import h5py
+import keras
+import numpy as np
+
+from tfdp.checkpoints import STATE, WEIGHTS, CheckpointStore
+from tfdp.config import DataConfig, ModelConfig
+from tfdp.errors import UserError
+
+
+@dataclasses.dataclass
+class Weights:
+    """What a source holds, ready to assign: layer name → its values in the layer's variable order."""
+    what: str                                   # names the source in messages
+    values: dict[str, list[np.ndarray]]
+    # layer name → each value's name in the source (a torch key, an h5 path), for messages
+    names: dict[str, list[str]]
+    # fnmatch patterns of source layers that may have no place in the model (preprocessing tfdp does not build)
+    optional: frozenset[str] = frozenset()
+
+
+# ---------------------------------------------------------------- Keras files
+
+
+_LAYER_VARS = re.compile(r"(^|/)layers/[^/]+/vars$")
+
+
+def read_keras_h5(f: h5py.File, what: str) -> Weights:
+    """A Keras 3 weights file (layers' groups carry their layer's name) or a legacy Keras 2 one (`layer_names`)."""
+    values, names = {}, {}
+    if "layer_names" in f.attrs:  # legacy format: keras.applications' ImageNet files
+        root = f["model_weights"] if "model_weights" in f else f
+        for layer in root.attrs["layer_names"]:
+            layer = layer.decode() if isinstance(layer, bytes) else str(layer)
+            weight_names = [w.decode() if isinstance(w, bytes) else str(w)
+                            for w in root[layer].attrs.get("weight_names", [])]
+            if weight_names:
+                values[layer] = [np.asarray(root[layer][w]) for w in weight_names]
+                names[layer] = weight_names
+        return Weights(what, values, names)
+
+    def visit(path, obj):
+        if isinstance(obj, h5py.Group) and _LAYER_VARS.search(path) and len(obj) and "name" in obj.attrs:
+            layer = str(obj.attrs["name"])
+            values[layer] = [np.asarray(obj[str(i)]) for i in range(len(obj))]
+            names[layer] = [f"{path}/{i}" for i in range(len(obj))]
+    f.visititems(visit)
+    return Weights(what, values, names)
+
+
+def read_weights_file(path: str, what: str | None = None) -> Weights:
+    what = what or path
+    try:
+        with h5py.File(path, "r") as f:
+            return read_keras_h5(f, what)
+    except OSError as e:
+        raise UserError(f"model.init_from: cannot read {what} as a Keras weights file ({str(e).splitlines()[0][:120]})"
+                        ) from None
+
+
+def read_keras_file(path: str) -> Weights:
+    """A `.keras` file is a zip archive; its weights are the `model.weights.h5` inside."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            data = archive.read("model.weights.h5")
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
+        raise UserError(f"model.init_from: {path} is not a .keras file with weights ({e})") from None
+    with h5py.File(io.BytesIO(data), "r") as f:
+        return read_keras_h5(f, path)
+
+
+def read_checkpoint_folder(path: str) -> Weights:
+    return read_weights_file(os.path.join(path, WEIGHTS), f"checkpoint {path}")
+
+
+def read_run_dir(path: str) -> Weights:
+    """A run's best checkpoint (as `tfdp evaluate` and `export` take it), else its newest one."""
+    store = CheckpointStore(path)
+    if os.path.exists(store.best_weights):
+        return read_weights_file(store.best_weights, f"the best checkpoint of run {path}")
+    found = store.checkpoints()
+    if not found:
+        raise UserError(f"model.init_from: run directory {path} has no checkpoint yet")
+    return read_checkpoint_folder(found[-1][2])
+
+
+# ---------------------------------------------------------------- keras.applications ImageNet files
+
+
+def _imagenet_files() -> dict[str, Callable[[int], tuple[str, str, str]]]:
+    """zoo name → (image size → (file name, download URL, md5)), from keras.applications' own constants."""
+    from keras.src.applications import efficientnet_v2, inception_v3, mobilenet_v2, mobilenet_v3, resnet
+
+    def resnet_file(name):
+        file = f"{name}_weights_tf_dim_ordering_tf_kernels.h5"
+        return lambda size: (file, resnet.BASE_WEIGHTS_PATH + file, resnet.WEIGHTS_HASHES[name][0])
+
+    def mobilenet_v2_file(size):
+        rows = size if size in (96, 128, 160, 192, 224) else 224  # as MobileNetV2 picks its file
+        file = f"mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_{rows}.h5"
+        return file, mobilenet_v2.BASE_WEIGHT_PATH + file, ""
+
+    def mobilenet_v3_file(size):
+        file = "weights_mobilenet_v3_large_224_1.0_float.h5"
+        return file, mobilenet_v3.BASE_WEIGHT_PATH + file, mobilenet_v3.WEIGHTS_HASHES["large_224_1.0_float"][0]
+
+    def efficientnet_file(variant):
+        file = f"efficientnetv2-{variant.lstrip('-')}.h5"
+        return lambda size: (file, efficientnet_v2.BASE_WEIGHTS_PATH + file, efficientnet_v2.WEIGHTS_HASHES[variant][0])
+
+    files = {name: resnet_file(name) for name in ("resnet50", "resnet101", "resnet152")}
+    files["inception_v3"] = lambda size: ("inception_v3_weights_tf_dim_ordering_tf_kernels.h5",
+                                          inception_v3.WEIGHTS_PATH, "9a0d58056eeedaa3f26cb7ebd46da564")
+    files["mobilenet_v2"] = mobilenet_v2_file
+    files["mobilenet_v3_large"] = mobilenet_v3_file
+    for variant in ("b0", "b1", "b2", "b3", "-s", "-m", "-l"):
+        files[f"efficientnetv2_{variant.lstrip('-')}"] = efficientnet_file(variant)
+    return files
+
+
+def keras_cache_dir() -> str:
+    """Where keras.utils.get_file keeps application weights: $KERAS_HOME/models, default ~/.keras/models."""
+    return os.path.join(os.path.expanduser(os.environ.get("KERAS_HOME") or os.path.join("~", ".keras")), "models")
+
+
+def read_imagenet(model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
+    files = _imagenet_files()
+    if model_cfg.name not in files:
+        raise UserError(f"model.init_from: imagenet weights come with the keras.applications models only "
+                        f"({', '.join(sorted(files))}), not '{model_cfg.name}'; for a torchvision-layout model "
+                        f"use a .safetensors state dict")
+    file, url, _ = files[model_cfg.name](data_cfg.image_size)
+    where = keras_cache_dir()
+    candidates = [os.path.join(where, file), os.path.join("/tmp", ".keras", "models", file)]  # Keras' fallback
+    path = next((p for p in candidates if os.path.exists(p)), None)
+    if path is None:
+        raise UserError(f"model.init_from: imagenet weights for '{model_cfg.name}' are not in Keras' cache and tfdp "
+                        f"downloads nothing: put {file} (from {url}) into {where}/")
+    # The preprocessing layers keras.applications builds when include_preprocessing is on; tfdp normalises itself.
+    return dataclasses.replace(read_weights_file(path, f"imagenet weights {path}"),
+                               optional=frozenset({"normalization*", "rescaling*"}))
+
+
+# ---------------------------------------------------------------- PyTorch state dicts (torchvision / timm layout)
+
+
+def _resnet_name(key: str) -> str | None:
+    """torchvision's ResNet module names → tfdp's layers (resnet.py)."""
+    fixed = {"conv1": "stem_conv", "bn1": "stem_bn", "fc": "logits"}
+    if key in fixed:
+        return fixed[key]
+    m = re.fullmatch(r"layer(\d)\.(\d+)\.(conv|bn)(\d)", key)
+    if m:
+        return f"stage{m[1]}_block{int(m[2]) + 1}_{'abc'[int(m[4]) - 1]}_{m[3]}"
+    m = re.fullmatch(r"layer(\d)\.(\d+)\.downsample\.([01])", key)
+    if m:
+        return f"stage{m[1]}_block{int(m[2]) + 1}_down_{('conv', 'bn')[int(m[3])]}"
+    return None
+
+
+def _squeezenet_name(key: str) -> str | None:
+    """torchvision's SqueezeNet 1.1 `features.N` / `classifier.1` → tfdp's layers (squeezenet.py)."""
+    fires = {3: 2, 4: 3, 6: 4, 7: 5, 9: 6, 10: 7, 11: 8, 12: 9}  # features index → fire module number
+    if key == "features.0":
+        return "conv1"
+    if key == "classifier.1":
+        return "classifier"
+    m = re.fullmatch(r"features\.(\d+)\.(squeeze|expand1x1|expand3x3)", key)
+    if m and int(m[1]) in fires:
+        return f"fire{fires[int(m[1])]}_{m[2]}"
+    return None
+
+
+def _vgg_name(plan, batch_norm: bool) -> Callable[[str], str | None]:
+    """torchvision's VGG `features.N` (conv, [bn], relu, ..., maxpool) and `classifier.{0,3,6}` → vgg.py's layers."""
+    names, index = {}, 0
+    for i, item in enumerate(plan):
+        if item == "M":
+            index += 1
+            continue
+        names[f"features.{index}"] = f"conv{i}"
+        if batch_norm:
+            names[f"features.{index + 1}"] = f"bn{i}"
+        index += 3 if batch_norm else 2
+    names.update({"classifier.0": "fc1", "classifier.3": "fc2", "classifier.6": "logits"})
+    return names.get
+
+
+def _torchvision_names() -> dict[str, Callable[[str], str | None]]:
+    from tfdp.models.vgg import PLANS
+    names = {name: _resnet_name for name in ("resnet18", "resnet34", "resnet50_v1_5", "resnext50_32x4d")}
+    names["squeezenet1_1"] = _squeezenet_name
+    for name, plan in PLANS.items():
+        names[name] = _vgg_name(plan, False)
+        names[f"{name}_bn"] = _vgg_name(plan, True)
+    return names
+
+
+# zoo name → torch module name → tfdp layer name (None: no such layer)
+TORCHVISION = _torchvision_names()
+# layer → the (channels, height, width) its flattened input has in PyTorch (NCHW), reordered to Keras' (H, W, C)
+_FLATTENED_INPUT = {"fc1": (512, 7, 7)}
+
+
+def _torch_module_values(params: dict[str, np.ndarray], layer: str) -> tuple[list[np.ndarray], list[str]]:
+    """One torch module's tensors in Keras' variable order, in Keras' layouts."""
+    if "running_mean" in params:  # batch norm: gamma, beta, moving mean, moving variance
+        order = ["weight", "bias", "running_mean", "running_var"]
+        return [params[k] for k in order], order
+    weight = params["weight"]
+    if weight.ndim == 4:  # convolution (grouped too): OIHW → HWIO
+        kernel = weight.transpose(2, 3, 1, 0)
+    elif weight.ndim == 2 and layer in _FLATTENED_INPUT:
+        c, h, w = _FLATTENED_INPUT[layer]
+        kernel = weight.reshape(-1, c, h, w).transpose(2, 3, 1, 0).reshape(h * w * c, -1) \
+            if weight.shape[1] == c * h * w else weight.T
+    elif weight.ndim == 2:  # linear: (out, in) → (in, out)
+        kernel = weight.T
+    else:
+        return [weight], ["weight"]
+    order = ["weight"] + (["bias"] if "bias" in params else [])
+    return [kernel] + ([params["bias"]] if "bias" in params else []), order
+
+
+def read_safetensors(path: str, model_cfg: ModelConfig) -> Weights:
+    if model_cfg.name not in TORCHVISION:
+        raise UserError(f"model.init_from: {path} is a PyTorch state dict, but model '{model_cfg.name}' has no "
+                        f"torchvision layout to map it onto (models that have one: {', '.join(sorted(TORCHVISION))})")
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise UserError(f"model.init_from: cannot read {path} as safetensors ({str(e).splitlines()[0][:120]})"
+                        ) from None
+    return torch_weights(tensors, model_cfg, path)
+
+
+def torch_weights(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
+    """A torchvision/timm state dict as `Weights` for the zoo model `model_cfg.name`."""
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        module, _, param = key.rpartition(".")
+        if param != "num_batches_tracked":  # PyTorch's batch-norm step counter: nothing in Keras holds it
+            modules.setdefault(module, {})[param] = value
+    rename = TORCHVISION[model_cfg.name]
+    values, names = {}, {}
+    for module, params in modules.items():
+        layer = rename(module)
+        if layer is None:
+            first = sorted(params)[0]
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor "
+                            f"{module}.{first} {tuple(params[first].shape)} has no place in it (another architecture?)")
+        arrays, order = _torch_module_values(params, layer)
+        values[layer], names[layer] = arrays, [f"{module}.{p}" for p in order]
+    return Weights(what, values, names)
+
+
+# ---------------------------------------------------------------- kinds of source
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A kind of `init_from` value: whether a value is one, and how to read it."""
+    describe: str
+    matches: Callable[[str], bool]
+    read: Callable[[str, ModelConfig, DataConfig], Weights]
+
+
+def _has_suffix(*suffixes: str) -> Callable[[str], bool]:
+    return lambda spec: os.path.isfile(spec) and spec.lower().endswith(suffixes)
+
+
+# kind → source; the first that matches an `init_from` value reads it
+SOURCES: dict[str, Source] = {
+    "imagenet": Source("imagenet", lambda spec: spec == "imagenet",
+                       lambda spec, model_cfg, data_cfg: read_imagenet(model_cfg, data_cfg)),
+    "run_dir": Source("a tfdp run directory", lambda spec: os.path.isdir(os.path.join(spec, "checkpoints")),
+                      lambda spec, *_: read_run_dir(spec)),
+    "checkpoint": Source("a checkpoint folder", lambda spec: os.path.isfile(os.path.join(spec, WEIGHTS))
+                         and os.path.isfile(os.path.join(spec, STATE)), lambda spec, *_: read_checkpoint_folder(spec)),
+    "keras": Source("a .keras file", _has_suffix(".keras"), lambda spec, *_: read_keras_file(spec)),
+    "keras_weights": Source("a .weights.h5 (or Keras .h5) file", _has_suffix(".h5"),
+                            lambda spec, *_: read_weights_file(spec)),
+    "safetensors": Source("a .safetensors PyTorch state dict", _has_suffix(".safetensors"),
+                          lambda spec, model_cfg, _: read_safetensors(spec, model_cfg)),
+}
+
+
+def read_source(spec: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
+    """The weights `spec` names, read by the first kind of source that matches it."""
+    if "://" in spec:
+        raise UserError(f"model.init_from: {spec}: weights are read from a local path only; copy the file (or run "
+                        f"directory) to this machine first")
+    path = os.path.expanduser(spec)
+    for source in SOURCES.values():
+        if source.matches(path):
+            return source.read(path, model_cfg, data_cfg)
+    kinds = ", ".join(s.describe for s in SOURCES.values())
+    if not os.path.exists(path) and not re.search(r"[./\\]", spec):
+        raise UserError(f"model.init_from: unknown kind of weights '{spec}', and no file or folder of that name "
+                        f"(it takes {kinds})")
+    if not os.path.exists(path):
+        raise UserError(f"model.init_from: no such file or directory: {spec}")
+    if path.lower().endswith((".pth", ".pt", ".bin", ".ckpt")):
+        raise UserError(f"model.init_from: {spec} is a pickled PyTorch file; save its state dict as .safetensors "
+                        f"first (see docs/pretrained-weights.md)")
+    raise UserError(f"model.init_from: cannot tell what kind of weights {spec} holds (it takes {kinds})")
+
+
+# ---------------------------------------------------------------- loading into the model
+
+
+def layers_with_weights(model: keras.Layer) -> list[keras.Layer]:
+    """Every layer that owns variables, nested models walked, in build order, each once."""
+    found, seen = [], set()
+
+    def walk(layer):
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        if isinstance(layer, keras.Model):
+            for child in layer.layers:
+                walk(child)
+        elif own_variables(layer):
+            found.append(layer)
+    walk(model)
+    return found
+
+
+def own_variables(layer: keras.Layer) -> list:
+    """A layer's variables in the order Keras saves them (`Layer.save_own_variables`)."""
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def _excluded(layer: str, variable: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(layer, p) or fnmatch.fnmatchcase(f"{layer}/{variable}", p) for p in patterns)
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> tuple[list[str], list[str]]:
+    """Assigns `weights` to `model` (mirrored variables too); returns (loaded layers, layers left as initialised).
+
+    Nothing is assigned until every layer has been checked, so a file that
+    does not fit leaves the model as it was.
+    """
+    layers = layers_with_weights(model)
+    head = layers[-1] if layers else None
+    plan, loaded, new, used = [], [], [], set()
+    for layer in layers:
+        variables = own_variables(layer)
+        keep = [_excluded(layer.name, v.name, model_cfg.init_exclude) for v in variables]
+        if all(keep):
+            new.append(f"{layer.name} (init_exclude)")
+            used.add(layer.name)
+            continue
+        if layer.name not in weights.values:
+            v = variables[0]
+            raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': it has nothing "
+                            f"for {layer.name}/{v.name} {_shape(v)} (another architecture?)")
+        values, names = weights.values[layer.name], weights.names[layer.name]
+        used.add(layer.name)
+        if len(values) != len(variables):
+            raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': layer "
+                            f"{layer.name} has {len(variables)} variables, the source {len(values)} ({names[0]}...)")
+        if layer is head and _only_classes_differ(variables, values):
+            new.append(f"{layer.name} ({model_cfg.num_classes} classes, the source has {_shape(values[0])[-1]})")
+            continue
+        for v, value, name, skip in zip(variables, values, names, keep):
+            if not skip and _shape(v) != _shape(value):
+                raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': "
+                                f"{layer.name}/{v.name} is {_shape(value)} there ({name}), the model's is {_shape(v)}")
+        plan += [(v, value) for v, value, skip in zip(variables, values, keep) if not skip]
+        if any(keep):
+            new.append(f"{layer.name} (partly, init_exclude)")
+        else:
+            loaded.append(layer.name)
+    unused = [name for name in weights.values if name not in used
+              and not any(fnmatch.fnmatchcase(name, p) for p in weights.optional)
+              and not _excluded(name, "*", model_cfg.init_exclude)]
+    if unused:
+        name = weights.names[unused[0]][0]
+        raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': its {name} "
+                        f"{_shape(weights.values[unused[0]][0])} has no place in the model (another architecture?)")
+    for v, value in plan:
+        v.assign(np.asarray(value).astype(keras.backend.standardize_dtype(v.dtype)))
+    return loaded, new
+
+
+def _only_classes_differ(variables, values) -> bool:
+    """The classifier's kernel and bias differ in their last axis (the classes) only."""
+    shapes = [(_shape(v), _shape(x)) for v, x in zip(variables, values)]
+    return any(a != b for a, b in shapes) and all(a[:-1] == b[:-1] for a, b in shapes)
+
+
+def init_from(model: keras.Model, model_cfg: ModelConfig, data_cfg: DataConfig, resumed: bool) -> None:
+    """The trainer's hook, after the checkpoint restore: fills a fresh run's model from `model.init_from`."""
+    if not model_cfg.init_from:
+        return
+    if resumed:
+        print(f"tfdp: init_from: resumed run, continuing from its own checkpoint; model.init_from "
+              f"({model_cfg.init_from}) applies to a fresh run only", flush=True)
+        return
+    weights = read_source(model_cfg.init_from, model_cfg, data_cfg)
+    loaded, new = load_into(model, weights, model_cfg)
+    print(f"tfdp: init_from: loaded {len(loaded)} of {len(loaded) + len(new)} layers from {weights.what}; "
+          f"new: {', '.join(new) if new else 'none'}", flush=True)
