@@ -36,6 +36,11 @@ flags.DEFINE_integer("warmup_steps", 5, "benchmark: untimed steps first (tracing
 flags.DEFINE_string("benchmark_dir", None, "benchmark: output directory (default: model_dir/benchmark).")
 flags.DEFINE_string("checkpoint", None, "evaluate/export: weights file to load (default: the best checkpoint in model_dir).")
 flags.DEFINE_string("export_dir", None, "export: output directory (default: model_dir/export).")
+flags.DEFINE_string("format", "saved_model,keras", "export: comma list of formats to write: saved_model, keras, "
+                    "onnx, litert (see docs/export.md).")
+flags.DEFINE_boolean("verify", True, "export: load each written format back in its own runtime and compare its "
+                     "top-1 and outputs with the Keras model's on the validation split.")
+flags.DEFINE_integer("verify_images", 1000, "export: how many validation images --verify runs (0: all).")
 flags.DEFINE_string("data_service", None, "Override data.service_address: train through this tf.data service "
                     "dispatcher (grpc://host:port); empty: the local pipeline.")
 flags.DEFINE_integer("data_workers", 0, "launch: also start a local tf.data service dispatcher and this many workers, "
@@ -111,7 +116,9 @@ def cmd_evaluate(args: list[str]) -> None:
 def cmd_export(args: list[str]) -> None:
     cfg, runtime = config_and_runtime(args)
     from tfdp.evaluate import export_checkpoint
-    export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir)
+    from tfdp.export import parse_formats
+    export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir, parse_formats(FLAGS.format),
+                      FLAGS.verify_images if FLAGS.verify else None)
 
 
 def cmd_report(args: list[str]) -> None:
@@ -195,7 +202,8 @@ USAGE = """tfdp COMMAND [--flags]
 Commands:
   train      train (or resume) the run in model_dir
   evaluate   top-1/top-5 of a checkpoint on the validation split
-  export     a serving model (model.keras and SavedModel) that takes encoded JPEG/PNG bytes
+  export     the model for serving: --format=saved_model,keras (default; encoded JPEG/PNG bytes in),
+             onnx, litert (uint8 pixels in); each checked against Keras on the validation split
   report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR
   benchmark  scaling analysis over 1..N replicas: images/s, efficiency, input- or compute-bound
   launch     start an N-worker cluster on this host: tfdp launch --workers=2 -- train --config=...
