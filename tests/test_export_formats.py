@@ -188,3 +188,26 @@ def test_bad_export_requests_are_one_line(small_dir, tmp_path):
         assert_one_line_error(result, 2, f"--format={fmt} needs the Python package '{module}'",
                               f"pip install 'tfdp[{fmt}]'")
         assert not os.path.exists(tmp_path / "run" / "export" / "saved_model")  # nothing written before the check
+
+
+def test_a_model_onnx_cannot_take_is_named_and_leaves_no_file(digits_dir, tmp_path):
+    """A grouped convolution (resnext50_32x4d's), which Keras' TensorFlow backend runs as an XLA-compiled
+    function that tf2onnx cannot inline: one line naming the op and the layer, and no broken model.onnx."""
+    from tfdp.errors import UserError
+    from tfdp.export import export
+    from tfdp.models.build import Standardize
+    cfg = validate({"model_dir": str(tmp_path), "model": {"name": "simple_cnn", "num_classes": 10},
+                    "data": {"format": "image_folder", "dir": digits_dir, "image_size": 16}})
+    inputs = keras.Input((16, 16, 3), dtype="uint8")
+    x = Standardize(cfg.data.mean, cfg.data.std)(inputs)
+    x = keras.layers.Conv2D(4, 3, name="stem")(x)
+    x = keras.layers.Conv2D(4, 3, groups=2, name="grouped")(x)
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x)))
+    with pytest.raises(UserError) as raised:
+        export(model, cfg, tuple(map(str, range(10))), str(tmp_path / "out"), ("onnx",))
+    message = str(raised.value)
+    print(message)
+    assert message.startswith("--format=onnx: Keras' exporter cannot convert model 'simple_cnn': tf2onnx cannot "
+                              "convert 1 TensorFlow op(s) (StatefulPartitionedCall), the first in ")
+    assert "grouped" in message and "\n" not in message
+    assert not os.path.exists(tmp_path / "out" / "model.onnx")

@@ -108,14 +108,37 @@ def _write_keras(network, served, cfg, path):
 
 def _write_onnx(network, served, cfg, path):
     quiet = logging.getLogger("tf2onnx")
-    level, quiet.level = quiet.level, logging.ERROR  # it logs every op it folds away
+    level, quiet.level = quiet.level, logging.CRITICAL  # it logs every op it folds; what it cannot convert is
+    # found in the written graph (`_check_onnx_ops`) and reported as one line
     try:
         with warnings.catch_warnings():  # Keras' numpy-2 patch of tf2onnx probes np.object
             warnings.simplefilter("ignore", FutureWarning)
             network.export(path, format="onnx", input_signature=pixel_signature(cfg), verbose=False)
     finally:
         quiet.setLevel(level)
+    _check_onnx_ops(path)
     _name_onnx_output(path, "logits")
+
+
+# TensorFlow ops tf2onnx leaves in a graph unconverted → what they usually are in a tfdp model.
+UNCONVERTED_HINTS = {
+    "StatefulPartitionedCall": "a TensorFlow function it cannot inline, such as the XLA-compiled function "
+                               "Keras' TensorFlow backend runs a grouped convolution in",
+}
+
+
+def _check_onnx_ops(path: str) -> None:
+    """tf2onnx writes a graph even when it cannot convert some TensorFlow ops: it keeps them as they are, and
+    onnxruntime then refuses the file. Such a file is deleted and the ops named."""
+    import onnx
+    graph = onnx.load(path).graph
+    left = [n for n in graph.node if not n.domain and not onnx.defs.has(n.op_type)]
+    if left:
+        os.remove(path)
+        kinds = sorted({n.op_type for n in left})
+        hints = "; ".join(f"{k}: {UNCONVERTED_HINTS[k]}" for k in kinds if k in UNCONVERTED_HINTS)
+        raise ValueError(f"tf2onnx cannot convert {len(left)} TensorFlow op(s) ({', '.join(kinds)}), the first in "
+                         f"{left[0].name.rsplit('/', 1)[0]}" + (f" ({hints})" if hints else ""))
 
 
 def _name_onnx_output(path: str, name: str) -> None:
@@ -218,7 +241,7 @@ def export(model: keras.Model, cfg: Config, class_names: tuple[str, ...], out_di
             if name in DEFAULT_FORMATS:
                 raise  # the TensorFlow formats take every tfdp model: a failure there is a bug
             raise UserError(f"--format={name}: Keras' exporter cannot convert model '{cfg.model.name}': "
-                            f"{first_line(e)}") from None
+                            f"{first_line(e, 400)}") from None
     paths["classes"] = os.path.join(out_dir, "classes.json")
     with open(paths["classes"], "w", encoding="utf-8") as f:
         json.dump(list(class_names), f)
