@@ -43,6 +43,11 @@ flags.DEFINE_string("input", None, "predict: the images: a folder (recursive), a
 flags.DEFINE_string("output", None, "predict: where the rows go: FILE.jsonl or FILE.csv (written atomically).")
 flags.DEFINE_integer("top_k", 5, "predict: classes (with probabilities) per image.")
 flags.DEFINE_string("export_dir", None, "export: output directory (default: model_dir/export).")
+flags.DEFINE_string("format", "saved_model,keras", "export: comma list of formats to write: saved_model, keras, "
+                    "onnx, litert (see docs/export.md).")
+flags.DEFINE_boolean("verify", True, "export: load each written format back in its own runtime and compare its "
+                     "top-1 and outputs with the Keras model's on the validation split.")
+flags.DEFINE_integer("verify_images", 1000, "export: how many validation images --verify runs (0: all).")
 flags.DEFINE_string("data_service", None, "Override data.service_address: train through this tf.data service "
                     "dispatcher (grpc://host:port); empty: the local pipeline.")
 flags.DEFINE_integer("data_workers", 0, "launch: also start a local tf.data service dispatcher and this many workers, "
@@ -119,7 +124,9 @@ def cmd_evaluate(args: list[str]) -> None:
 def cmd_export(args: list[str]) -> None:
     cfg, runtime = config_and_runtime(args)
     from tfdp.evaluate import export_checkpoint
-    export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir)
+    from tfdp.export import parse_formats
+    export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir, parse_formats(FLAGS.format),
+                      FLAGS.verify_images if FLAGS.verify else None)
 
 
 def cmd_predict(args: list[str]) -> None:
@@ -214,7 +221,8 @@ USAGE = """tfdp COMMAND [--flags]
 Commands:
   train      train (or resume) the run in model_dir
   evaluate   top-1/top-5 of a checkpoint on the validation split
-  export     a serving model (model.keras and SavedModel) that takes encoded JPEG/PNG bytes
+  export     the model for serving: --format=saved_model,keras (default; encoded JPEG/PNG bytes in),
+             onnx, litert (uint8 pixels in); each checked against Keras on the validation split
   predict    top-k classes of every image in a folder, file, pattern or bucket prefix, as JSONL or CSV:
              tfdp predict --config=... --input=DIR --output=predictions.jsonl [--top_k=5]
   report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import keras
@@ -63,14 +64,29 @@ def evaluated_images(model: keras.Model) -> int:
     return int(round(float(keras.ops.convert_to_numpy(count))))
 
 
-def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out_dir: str | None) -> dict:
-    from tfdp.export import export
+def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out_dir: str | None,
+                      formats: tuple[str, ...] | None = None, verify_images: int | None = 1000) -> dict:
+    """Writes the export formats, then (`verify_images` not None; 0: the whole split) runs that many validation
+    images through each, loaded back in its own runtime, and prints its agreement with the Keras model."""
+    from tfdp.export import DEFAULT_FORMATS, agreement_line, check_packages, export, inference_network, verify
+    formats = formats or DEFAULT_FORMATS
+    if verify_images is not None and verify_images < 0:
+        raise UserError(f"--verify_images must be 0 (the whole validation split) or more, got {verify_images}")
     check_model_name(cfg.model.name)
+    check_packages(formats)
     model_dir = os.path.expanduser(cfg.model_dir)
     out_dir = writable_dir(out_dir or os.path.join(model_dir, "export"), "the export folder")
-    source = build_source(cfg.data, splits=(cfg.data.val_split,))  # for the class names
-    model = serving_model(cfg)  # serving runs on one device: no strategy scope
+    source = build_source(cfg.data, splits=(cfg.data.val_split,))  # for the class names and the verification
+    # Exports are float32 whatever the training precision (ONNX's exporter requires it; the weights are float32).
+    model = serving_model(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="float32")))
     load_checkpoint(model, checkpoint or CheckpointStore(model_dir).best_weights, cfg)
-    paths = export(model, cfg, source.class_names, out_dir)
-    print(f"tfdp: export: {paths['keras']} and {paths['saved_model']} (input: encoded image bytes)", flush=True)
+    paths = export(model, cfg, source.class_names, out_dir, formats)
+    print(f"tfdp: export: wrote {', '.join(paths[f] for f in formats)} and {paths['classes']}", flush=True)
+    if verify_images is not None:
+        split = source.split(cfg.data.val_split)
+        with data_errors():
+            agreements = verify(inference_network(model), cfg, split, paths, formats, verify_images)
+        for name, agreement in agreements.items():
+            print(agreement_line(name, paths[name], agreement), flush=True)
+        paths["agreement"] = agreements
     return paths

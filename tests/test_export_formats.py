@@ -1,0 +1,220 @@
+"""`tfdp export --format=...`: every format, loaded back in its own runtime, gives the Keras model's answers.
+
+The run is a real `tfdp train` (the demo's ResNet with batch norm, the
+random flip on); each export is read back by the runtime a user
+would deploy it on: onnxruntime, the LiteRT interpreter, `tf.saved_model.load`,
+`keras.saving.load_model`.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import REPO, assert_one_line_error, run_tfdp
+from tfdp.checkpoints import CheckpointStore
+from tfdp.config import DistributeConfig, load_config, validate
+from tfdp.data import build_source
+from tfdp.data.pipeline import eval_dataset
+from tfdp.evaluate import export_checkpoint, load_checkpoint
+from tfdp.export import inference_network
+from tfdp.strategy import make_runtime
+from tfdp.task import model_in_precision, serving_model
+
+MIN_AGREEMENT = 0.995
+
+
+@pytest.fixture(scope="module")
+def trained_run(digits_dir, tmp_path_factory):
+    """One epoch of the demo (resnet18_small on the 1,437 + 360 digits), random flip on."""
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    args = ("--config=configs/digits.yaml", "--data_format=image_folder", f"--data_dir={digits_dir}",
+            f"--model_dir={run_dir}", "--set=data.hflip=true")
+    result = run_tfdp("train", *args, "--epochs=1", "--set=schedule.warmup_epochs=0", "--set=optimizer.lr=0.05",
+                      timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    overrides = {"data.format": "image_folder", "data.dir": digits_dir, "model_dir": run_dir, "data.hflip": True}
+    return args, load_config(os.path.join(REPO, "configs/digits.yaml"), overrides)
+
+
+def keras_reference(cfg):
+    """The trained Keras network, the validation crops, their files and the network's logits."""
+    model = serving_model(cfg)
+    load_checkpoint(model, CheckpointStore(cfg.model_dir).best_weights, cfg)
+    split = build_source(cfg.data).split("val")
+    batches = list(eval_dataset(split, cfg.data, 64))
+    real = np.concatenate([w.numpy() for _, _, w in batches]) > 0
+    images = np.concatenate([x.numpy() for x, _, _ in batches])[real]
+    logits = model.predict(images, verbose=0)
+    return model, images, split.files, logits
+
+
+def run_litert(path, images):
+    from ai_edge_litert.interpreter import Interpreter
+    interpreter = Interpreter(model_path=path)
+    index = interpreter.get_input_details()[0]["index"]
+    interpreter.resize_tensor_input(index, images.shape)
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(index, images)
+    interpreter.invoke()
+    return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+
+
+def run_onnx(path, images):
+    import onnxruntime
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return session.run(["logits"], {"image": images})[0]
+
+
+def agreement(name, got, logits, want):
+    """Fraction of top-1 answers equal to the Keras model's, printed with the largest output difference."""
+    agree = float(np.mean(np.argmax(got, axis=1) == np.argmax(logits, axis=1)))
+    diff = float(np.max(np.abs(got - want)))
+    print(f"{name}: top-1 agreement with Keras {100 * agree:.2f}% of {len(logits)} validation images, "
+          f"max |difference| {diff:.2e}")
+    return agree, diff
+
+
+AGREEMENT_LINE = re.compile(r"tfdp: export: (\w+): .*: top-1 agrees with the Keras model on (\d+)/(\d+) validation "
+                            r"images \(([\d.]+)%\), max \|(\w+) difference\| (\S+)$")
+
+
+def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, tmp_path):
+    args, cfg = trained_run
+    out = tmp_path / "export"
+    result = run_tfdp("export", *args, "--format=saved_model,keras,onnx,litert", f"--export_dir={out}",
+                      "--verify_images=0", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = {m[1]: m for m in (AGREEMENT_LINE.match(line) for line in result.stdout.splitlines()) if m}
+    assert sorted(printed) == ["keras", "litert", "onnx", "saved_model"], result.stdout
+    for name, m in printed.items():
+        assert int(m[3]) == 360 and int(m[2]) >= MIN_AGREEMENT * 360, m[0]
+        assert m[5] == ("logit" if name in ("onnx", "litert") else "probability")
+
+    # The same, measured here, apart from tfdp's own check.
+    model, images, files, logits = keras_reference(cfg)
+    assert 0.3 < np.mean(np.argmax(logits, 1) == np.array(build_source(cfg.data).split("val").labels)) < 1.0
+    probabilities = tf.nn.softmax(logits).numpy()
+    data = tf.constant([open(f, "rb").read() for f in files])
+    loaded = tf.saved_model.load(str(out / "saved_model"))  # keep a reference: it owns the variables
+    runs = {
+        "onnx": (run_onnx(str(out / "model.onnx"), images), logits, 1e-3),
+        "litert": (run_litert(str(out / "model.tflite"), images), logits, 1e-3),
+        "saved_model": (loaded.serve(data).numpy(), probabilities, 1e-5),
+        "keras": (keras.saving.load_model(str(out / "model.keras")).predict(data, verbose=0), probabilities, 1e-5),
+    }
+    for name, (got, want, tolerance) in runs.items():
+        agree, diff = agreement(name, got, logits, want)
+        assert agree >= MIN_AGREEMENT, name
+        # Tight: a random flip left in the served graph (Keras' exporters call it with training unset, and a
+        # preprocessing layer's default is training=True) would change half the outputs by whole units.
+        assert diff < tolerance, name
+    graph = open(out / "saved_model" / "saved_model.pb", "rb").read()
+    assert b"_XlaMustCompile" not in graph and b"XlaLaunch" not in graph  # no XLA cluster in the served graph
+
+
+def test_exported_graphs_take_raw_uint8_and_normalise_inside(trained_run, tmp_path):
+    """uint8 pixels into ONNX and LiteRT give what the bare backbone gives on (x - data.mean) / data.std."""
+    _, cfg = trained_run
+    paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), None, str(tmp_path),
+                              ("onnx", "litert"), verify_images=None)
+    model, images, _, _ = keras_reference(cfg)
+    backbone = next(layer for layer in model.layers if isinstance(layer, keras.Model))
+    normalised = (images.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
+    expected = backbone(normalised, training=False).numpy()
+    import onnxruntime
+    session = onnxruntime.InferenceSession(paths["onnx"], providers=["CPUExecutionProvider"])
+    (given,) = session.get_inputs()
+    assert (given.name, given.type, given.shape[1:]) == ("image", "tensor(uint8)", [16, 16, 3])
+    assert session.get_outputs()[0].name == "logits"
+    for name, got in (("onnx", run_onnx(paths["onnx"], images)), ("litert", run_litert(paths["litert"], images))):
+        print(f"{name}: max |logit difference| from the backbone on normalised input "
+              f"{np.max(np.abs(got - expected)):.2e} (logits up to {np.max(np.abs(expected)):.1f})")
+        np.testing.assert_allclose(got, expected, atol=1e-3)
+
+
+def test_keras_applications_model_trained_in_mixed_precision_exports_in_float32(digits_dir, tmp_path):
+    """mobilenet_v2 (keras.applications, depthwise convolutions, ReLU6) at 32 px, trained under mixed_bfloat16."""
+    cfg = validate({"model_dir": str(tmp_path), "model": {"name": "mobilenet_v2", "num_classes": 10},
+                    "data": {"format": "image_folder", "dir": digits_dir, "image_size": 32, "eval_crop_fraction": 1.0},
+                    "train": {"precision": "mixed_bfloat16"}})
+    keras.utils.set_random_seed(2)
+    model = model_in_precision(cfg)
+    assert model.get_layer("standardize").compute_dtype == "bfloat16"
+    model.compile(optimizer=keras.optimizers.Adam(2e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for layer in model.get_layer("mobilenetv2_1.00_32").layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            layer.momentum = 0.5  # moving statistics that follow 12 steps: at 0.99 they stay at their start
+    shuffled = eval_dataset(build_source(cfg.data).split("train"), cfg.data, 64).unbatch().shuffle(2000, seed=0)
+    model.fit(shuffled.batch(64).take(12), verbose=0)
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), path, str(tmp_path / "out"),
+                              ("onnx", "litert"), verify_images=0)
+    for name in ("onnx", "litert"):
+        a = paths["agreement"][name]
+        print(f"mobilenet_v2 {name}: {a.percent:.2f}% of {a.images}, max |logit difference| {a.max_difference:.2e}")
+        assert a.images == 360 and a.agreeing >= MIN_AGREEMENT * a.images
+    batches = list(eval_dataset(build_source(cfg.data).split("val"), cfg.data, 64))
+    real = np.concatenate([w.numpy() for _, _, w in batches]) > 0
+    images = np.concatenate([x.numpy() for x, _, _ in batches])[real]
+    got = run_onnx(paths["onnx"], images)
+    assert got.dtype == np.float32
+    # The float32 export against the bfloat16 model it came from: the same model, but bfloat16's 8-bit mantissa
+    # moves the close logits of a barely trained model, so only a clear majority of answers is required.
+    trained = model.predict(images, verbose=0)
+    assert len(set(np.argmax(trained, 1))) > 1  # not one class for everything: agreement would mean little
+    print(f"mobilenet_v2 onnx (float32) vs the mixed_bfloat16 model: top-1 agreement "
+          f"{100 * np.mean(np.argmax(got, 1) == np.argmax(trained, 1)):.1f}% of {len(images)}")
+    assert np.mean(np.argmax(got, 1) == np.argmax(trained, 1)) >= 0.5
+
+
+def test_bad_export_requests_are_one_line(small_dir, tmp_path):
+    args = ("--config=configs/digits.yaml", "--data_format=image_folder", f"--data_dir={small_dir}",
+            f"--model_dir={tmp_path / 'run'}")
+    result = run_tfdp("export", *args, "--format=onnx,tflite")
+    assert_one_line_error(result, 2, "unknown export format 'tflite'", "litert")
+
+    (tmp_path / "a_file").write_text("")
+    result = run_tfdp("export", *args, f"--export_dir={tmp_path / 'a_file' / 'export'}")
+    assert_one_line_error(result, 2, "cannot write to the export folder", "a part of the path is a file")
+
+    for module, fmt in (("tf2onnx", "onnx"), ("ai_edge_litert", "litert")):
+        # Python's own report of a package that is not there: a module set to None in sys.modules fails
+        # to import with ModuleNotFoundError, as an uninstalled one does.
+        code = (f"import sys; sys.modules[{module!r}] = None; sys.argv = ['tfdp', *sys.argv[1:]]; "
+                "from tfdp.cli import run; run()")
+        result = subprocess.run([sys.executable, "-c", code, "export", *args, f"--format=saved_model,{fmt}"],
+                                capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert_one_line_error(result, 2, f"--format={fmt} needs the Python package '{module}'",
+                              f"pip install 'tfdp[{fmt}]'")
+        assert not os.path.exists(tmp_path / "run" / "export" / "saved_model")  # nothing written before the check
+
+
+def test_a_model_onnx_cannot_take_is_named_and_leaves_no_file(digits_dir, tmp_path):
+    """A grouped convolution (resnext50_32x4d's), which Keras' TensorFlow backend runs as an XLA-compiled
+    function that tf2onnx cannot inline: one line naming the op and the layer, and no broken model.onnx."""
+    from tfdp.errors import UserError
+    from tfdp.export import export
+    from tfdp.models.build import Standardize
+    cfg = validate({"model_dir": str(tmp_path), "model": {"name": "simple_cnn", "num_classes": 10},
+                    "data": {"format": "image_folder", "dir": digits_dir, "image_size": 16}})
+    inputs = keras.Input((16, 16, 3), dtype="uint8")
+    x = Standardize(cfg.data.mean, cfg.data.std)(inputs)
+    x = keras.layers.Conv2D(4, 3, name="stem")(x)
+    x = keras.layers.Conv2D(4, 3, groups=2, name="grouped")(x)
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x)))
+    with pytest.raises(UserError) as raised:
+        export(model, cfg, tuple(map(str, range(10))), str(tmp_path / "out"), ("onnx",))
+    message = str(raised.value)
+    print(message)
+    assert message.startswith("--format=onnx: Keras' exporter cannot convert model 'simple_cnn': tf2onnx cannot "
+                              "convert 1 TensorFlow op(s) (StatefulPartitionedCall), the first in ")
+    assert "grouped" in message and "\n" not in message
+    assert not os.path.exists(tmp_path / "out" / "model.onnx")
