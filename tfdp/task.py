@@ -24,6 +24,7 @@ from tfdp.data.storage import is_remote_url
 from tfdp.errors import UserError
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
 from tfdp.augment import build_batch_augment
+from tfdp.batching import batch_layout
 from tfdp.keras_patches.train_step import augment_before_step, compile_train_step, use_xla
 from tfdp.losses import BinaryCrossEntropy, SparseSmoothedCrossentropy, Top1, TopK
 from tfdp.models import build_model
@@ -43,20 +44,28 @@ class Plan:
     num_classes: int
     lost_records: int = 0           # listed in counts.json but cut off their shards (both splits)
     damaged: tuple[str, ...] = ()   # the shards those records were lost from
+    accum_steps: int = 1            # micro-batches per optimizer step (a step is always an optimizer step)
+
+    def micro_batch(self) -> int:
+        """Images per micro-batch over all replicas: what one forward pass sees, and the evaluation batch."""
+        return self.global_batch // self.accum_steps
 
 
 def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
     if source.num_classes and source.num_classes != cfg.model.num_classes:  # 0: unknown until labels are read
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
-    global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
+    layout = batch_layout(cfg.train, runtime.num_replicas)
+    global_batch = layout.global_batch
     steps = train.num_examples // global_batch
     if steps == 0:
         raise UserError(f"the training split has {train.num_examples} images, fewer than one global batch "
-                        f"of {global_batch} ({cfg.train.batch_size_per_replica} per replica x {runtime.num_replicas} replicas)")
+                        f"of {global_batch} ({layout.per_replica} per replica x {runtime.num_replicas} replicas x "
+                        f"{layout.accum_steps} accumulation steps)")
     return Plan(global_batch, steps, train.num_examples, val.num_examples, cfg.model.num_classes,
                 train.lost_records + val.lost_records,
-                tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n))
+                tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n),
+                accum_steps=layout.accum_steps)
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
@@ -68,8 +77,9 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     optimizer = build_optimizer(cfg.optimizer, schedule)
     model = _compiled(cfg, optimizer)
     jit = use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)[0]
-    if jit:
-        compile_train_step(model)  # whole-step XLA per replica; Keras' own jit fails with several replicas
+    if jit or plan.accum_steps > 1:
+        # Whole-step XLA per replica (Keras' own jit fails with several replicas); accumulation needs this step.
+        compile_train_step(model, jit, plan.accum_steps)
     # Label smoothing stays the loss's: smoothing the mixed targets equals mixing smoothed ones.
     augment = build_batch_augment(cfg.augment, cfg.model.num_classes, mean=cfg.data.mean, std=cfg.data.std)
     if augment is not None:
@@ -145,9 +155,10 @@ def current_devices() -> list[str]:
 
 
 def validation_dataset(cfg: Config, source: Source, runtime: Runtime):
-    """Per-worker validation pipelines: each worker builds (and reads) only its own share."""
+    """Per-worker validation pipelines: each worker builds (and reads) only its own share, a training
+    micro-batch per replica at a time (what fits in memory)."""
     val = source.split(cfg.data.val_split)
-    global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
+    global_batch = batch_layout(cfg.train, runtime.num_replicas).per_replica * runtime.num_replicas
     return runtime.strategy.distribute_datasets_from_function(
         lambda ctx: eval_dataset(val, cfg.data, global_batch, ctx, num_classes=cfg.model.num_classes))
 

@@ -21,6 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import config as config_lib
+from tfdp.batching import batch_layout
 from tfdp.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluation, EpochStats, MetricsLog, WandbLog,
                             tensorboard)
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
@@ -104,9 +105,9 @@ def train(cfg: Config, runtime: Runtime) -> dict:
     plan = make_plan(cfg, source, runtime)
     for split in (cfg.data.train_split, cfg.data.val_split):
         check_lost(source.split(split), cfg.data.max_bad_fraction)
+    print(batch_layout(cfg.train, runtime.num_replicas).line() + f", {runtime.num_workers} worker(s)", flush=True)
     print(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
-          f"global batch {plan.global_batch} ({cfg.train.batch_size_per_replica} x {runtime.num_replicas} replicas, "
-          f"{runtime.num_workers} worker(s)), {plan.steps_per_epoch} steps/epoch", flush=True)
+          f"global batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch", flush=True)
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
     jit, why = use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn)  # as compile_model resolved it

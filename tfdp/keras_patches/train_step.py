@@ -41,6 +41,7 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfdp.accumulation import accumulate
 from tfdp.augment import step_seed
 
 
@@ -56,24 +57,31 @@ def use_xla(setting, devices, sync_bn: bool = False) -> tuple[bool, str]:
     return False, "auto: off on CPU devices"
 
 
-def compile_train_step(model: keras.Model) -> None:
-    """Makes `model.fit` run the whole training step through XLA on every replica (`train.jit_compile`).
+def compile_train_step(model: keras.Model, jit_compile: bool = True, accum_steps: int = 1) -> None:
+    """Makes `model.fit` run the whole training step through XLA on every replica (`train.jit_compile`),
+    over `accum_steps` micro-batches per optimizer step (`tfdp.accumulation`).
 
-    Without it Keras' own step runs op by op: the reference the compiled step
-    is tested against.
+    Without XLA and without accumulation Keras' own step runs op by op: the
+    reference the compiled step is tested against. Accumulation without XLA
+    runs these same functions op by op (inside Keras' tf.function).
     """
     model.jit_compile = False  # Keras must not wrap the cross-replica step itself
     optimizer = model.optimizer
     compiled_update = not isinstance(optimizer, LossScaleOptimizer)
-    jit = tf.function(jit_compile=True, reduce_retracing=True)
+    jit = tf.function(jit_compile=True, reduce_retracing=True) if jit_compile else (lambda f: f)
 
-    def forward_backward(trainable, non_trainable, x, y, sample_weight):
+    def micro_forward_backward(trainable, non_trainable, x, y, sample_weight):
         with tf.GradientTape() as tape:
             tape.watch(trainable)
             y_pred, new_non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             scaled = optimizer.scale_loss(loss)
         return loss, tape.gradient(scaled, trainable), y_pred, new_non_trainable
+
+    def forward_backward(trainable, non_trainable, x, y, sample_weight):
+        if accum_steps == 1:
+            return micro_forward_backward(trainable, non_trainable, x, y, sample_weight)
+        return accumulate(micro_forward_backward, accum_steps, trainable, non_trainable, x, y, sample_weight)
 
     def whole_step(trainable, non_trainable, optimizer_values, x, y, sample_weight):
         loss, gradients, y_pred, new_non_trainable = forward_backward(trainable, non_trainable, x, y, sample_weight)
