@@ -17,6 +17,7 @@ from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
 from tfdp.errors import UserError
 from tfdp.keras_patches import train_step as train_step_module
+from tfdp.replica_state import replica_copies
 from tfdp.strategy import make_runtime
 from tfdp.task import Plan, compile_model
 
@@ -162,3 +163,25 @@ def test_global_batch_not_a_multiple_of_the_accumulation_is_a_config_error(tmp_p
     result = run_tfdp("train", f"--model_dir={tmp_path}/m", "--set", "train.global_batch=30",
                       "--set", "train.grad_accum_steps=4", timeout=120)
     assert_one_line_error(result, 2, "train.global_batch (30)", "train.grad_accum_steps (4)")
+
+
+@pytest.mark.slow
+def test_sync_bn_with_accumulation_normalises_each_micro_batch_over_both_replicas(digits_dir, monkeypatch):
+    """model.sync_bn with accumulation (op by op, its all-reduce once per micro-batch): both replicas see the
+    statistics of the same global micro-batch, so their batch-norm moving statistics stay identical (plain
+    batch norm would leave each replica its own)."""
+    original = make_cfg
+
+    def with_sync_bn(*args, **kwargs):
+        cfg = original(*args, **kwargs)
+        cfg.model.name, cfg.model.sync_bn = "resnet18_small", True
+        return cfg
+    monkeypatch.setattr(f"{__name__}.make_cfg", with_sync_bn)
+    model, initial = train_steps(digits_dir, 2, 2, jit=False)
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+    moving = [(v, i) for v, i in zip(model.weights, initial) if "moving_mean" in v.path]
+    assert moving
+    for v, init in moving:
+        first, second = replica_copies(v)
+        np.testing.assert_allclose(first, second, rtol=1e-5, atol=1e-6, err_msg=v.path)
+    assert max(float(np.abs(v.numpy() - init).max()) for v, init in moving) > 1e-3  # the statistics moved

@@ -23,7 +23,7 @@ docs/global-batch.md).
 
 Batch norm normalises each micro-batch by its own statistics (b images, or
 b x replicas with `model.sync_bn`, whose all-reduce then runs once per
-micro-batch, inside the loop): that is the one thing that differs from a
+micro-batch, in a loop unrolled for it): that is the one thing that differs from a
 real batch of k x b.
 """
 
@@ -43,13 +43,18 @@ def micro_batches(k: int, *tensors):
     return tuple(tf.nest.map_structure(split, t) if t is not None else None for t in tensors)
 
 
-def accumulate(forward_backward: Callable, k: int, trainable: list, non_trainable: list, x, y, sample_weight):
+def accumulate(forward_backward: Callable, k: int, trainable: list, non_trainable: list, x, y, sample_weight,
+               unroll: bool = False):
     """(mean loss, mean gradients, predictions of all k x b images, new non-trained values) over k micro-batches.
 
     `forward_backward(trainable, non_trainable, x, y, sample_weight)` returns
     (loss, gradients, y_pred, new non-trained values) of one micro-batch; its
     gradients may be loss-scaled (mixed_float16), the mean keeps the scale.
     A gradient that is None (a variable the loss does not reach) stays None.
+    `unroll`: a Python loop instead of a `tf.while_loop`, for a forward pass
+    with a collective in it (synchronised batch norm), which tf.distribute
+    cannot run inside a loop; control dependencies keep its micro-batches one
+    after the other.
     """
     xs, ys, ws = micro_batches(k, x, y, sample_weight)
     take = lambda t, i: None if t is None else tf.nest.map_structure(lambda a: a[i], t)  # noqa: E731
@@ -59,23 +64,39 @@ def accumulate(forward_backward: Callable, k: int, trainable: list, non_trainabl
                                                                   take(ys, 0), take(ws, 0))
     non_trainable_now = [n if n is not None else o for n, o in zip(non_trainable_now, non_trainable)]
     present = [i for i, g in enumerate(gradients) if g is not None]
-    predictions = tf.TensorArray(y_pred.dtype, size=k, element_shape=y_pred.shape)
-    predictions = predictions.write(0, y_pred)
 
     def body(i, loss_sum, sums, state, predictions):
-        loss_i, grads_i, y_pred_i, state_i = forward_backward(trainable, list(state), take(xs, i), take(ys, i),
-                                                              take(ws, i))
+        x_i = take(xs, i)
+        if unroll:
+            with tf.control_dependencies(sums):  # the previous micro-batch's backward pass first
+                x_i = tf.nest.map_structure(tf.identity, x_i)
+        loss_i, grads_i, y_pred_i, state_i = forward_backward(trainable, list(state), x_i, take(ys, i), take(ws, i))
         state_i = [n if n is not None else o for n, o in zip(state_i, state)]
         sums = [s + tf.cast(grads_i[j], s.dtype) for s, j in zip(sums, present)]
         return i + 1, loss_sum + tf.cast(loss_i, loss_sum.dtype), sums, state_i, predictions.write(i, y_pred_i)
 
-    _, loss_sum, sums, non_trainable_now, predictions = tf.while_loop(
-        lambda i, *_: i < k, body,
-        (tf.constant(1), tf.cast(loss, tf.float32), [gradients[j] for j in present], non_trainable_now,
-         predictions),
-        parallel_iterations=1)  # one micro-batch at a time: that is the memory saved
+    predictions = tf.TensorArray(y_pred.dtype, size=k, element_shape=y_pred.shape).write(0, y_pred)
+    carry = (tf.constant(1), tf.cast(loss, tf.float32), [gradients[j] for j in present], non_trainable_now,
+             predictions)
+    if unroll:
+        for _ in range(1, k):
+            carry = body(*carry)
+    else:  # one micro-batch at a time: that is the memory saved
+        carry = tf.while_loop(lambda i, *_: i < k, body, carry, parallel_iterations=1)
+    _, loss_sum, sums, non_trainable_now, predictions = carry
     mean = list(gradients)
     for j, s in zip(present, sums):
         mean[j] = s / tf.cast(k, s.dtype)
     y_pred_all = tf.reshape(predictions.stack(), tf.concat([[-1], tf.shape(y_pred)[1:]], 0))
     return tf.cast(loss_sum / k, loss.dtype), mean, y_pred_all, non_trainable_now
+
+
+def has_collectives(model) -> bool:
+    """Whether the forward pass all-reduces (synchronised batch norm): then the micro-batch loop is unrolled."""
+    return any(getattr(layer, "synchronized", False) for layer in _all_layers(model))
+
+
+def _all_layers(layer):
+    for child in getattr(layer, "layers", ()):
+        yield child
+        yield from _all_layers(child)

@@ -41,7 +41,7 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from tfdp.accumulation import accumulate
+from tfdp.accumulation import accumulate, has_collectives
 from tfdp.augment import step_seed
 
 
@@ -69,6 +69,7 @@ def compile_train_step(model: keras.Model, jit_compile: bool = True, accum_steps
     optimizer = model.optimizer
     compiled_update = not isinstance(optimizer, LossScaleOptimizer)
     jit = tf.function(jit_compile=True, reduce_retracing=True) if jit_compile else (lambda f: f)
+    unroll = has_collectives(model)  # synchronised batch norm: tf.distribute runs no collective in a loop
 
     def micro_forward_backward(trainable, non_trainable, x, y, sample_weight):
         with tf.GradientTape() as tape:
@@ -81,7 +82,8 @@ def compile_train_step(model: keras.Model, jit_compile: bool = True, accum_steps
     def forward_backward(trainable, non_trainable, x, y, sample_weight):
         if accum_steps == 1:
             return micro_forward_backward(trainable, non_trainable, x, y, sample_weight)
-        return accumulate(micro_forward_backward, accum_steps, trainable, non_trainable, x, y, sample_weight)
+        return accumulate(micro_forward_backward, accum_steps, trainable, non_trainable, x, y, sample_weight,
+                          unroll=unroll)
 
     def whole_step(trainable, non_trainable, optimizer_values, x, y, sample_weight):
         loss, gradients, y_pred, new_non_trainable = forward_backward(trainable, non_trainable, x, y, sample_weight)
