@@ -6,6 +6,9 @@ MirroredStrategy on the 2 logical CPUs conftest splits), with and without whole-
 momentum, AdamW and LAMB, in float32, bfloat16 and float16 with loss scaling.
 """
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -185,3 +188,45 @@ def test_sync_bn_with_accumulation_normalises_each_micro_batch_over_both_replica
         first, second = replica_copies(v)
         np.testing.assert_allclose(first, second, rtol=1e-5, atol=1e-6, err_msg=v.path)
     assert max(float(np.abs(v.numpy() - init).max()) for v, init in moving) > 1e-3  # the statistics moved
+
+
+def test_keras_own_gradient_accumulation_cannot_run_under_mirrored_strategy():
+    """Why tfdp accumulates in its own step: Keras 3's `gradient_accumulation_steps` puts the TensorFlow
+    optimizer's gradient all-reduce (a merge_call) inside a conditional, which tf.distribute refuses on 2
+    replicas. If this starts passing, Keras changed: re-check docs/global-batch.md's decision."""
+    import keras
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
+    x, y = np.ones((32, 4), "float32"), np.ones((32, 2), "float32")
+    with pytest.raises(RuntimeError, match="merge_call"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+@pytest.mark.slow
+def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_path, digits_dir):
+    """2 workers (`tfdp launch`), whole-step XLA, 2 micro-batches of 16 per worker and step, against one process
+    with 2 replicas of 32 and Keras' own step: the same weights after 4 steps (rtol 1e-4, atol 1e-5)."""
+    from tests.test_multi_worker import FAST, deterministic, layer_weights
+    data = tmp_path / "tiny"  # 64 training digits, as test_multi_worker's: one step per epoch
+    for split, per_class in (("train", None), ("val", 4)):
+        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
+            files = sorted(os.listdir(os.path.join(digits_dir, split, cls)))
+            os.makedirs(data / split / cls)
+            for f in (files[: (7 if cls < "4" else 6)] if split == "train" else files[:per_class]):
+                shutil.copy(os.path.join(digits_dir, split, cls, f), data / split / cls / f)
+    launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
+                        f"--model_dir={tmp_path}/mw", "--set=train.global_batch=64", "--set=train.grad_accum_steps=2",
+                        *deterministic(data), "--set=train.jit_compile=true", timeout=600)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
+    assert "tfdp: batch: global 64 = 16 per replica x 2 replica(s) x 2 accumulation step(s)" in launched.stdout
+    single = run_tfdp("train", *FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
+                      "--batch_size_per_replica=32", *deterministic(data), timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    assert ours.keys() == reference.keys() and len(ours) >= 8
+    for name in ours:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
