@@ -159,7 +159,11 @@ def validation_dataset(cfg: Config, source: Source, runtime: Runtime):
     """Per-worker validation pipelines: each worker builds (and reads) only its own share, a training
     micro-batch per replica at a time (what fits in memory)."""
     val = source.split(cfg.data.val_split)
-    global_batch = batch_layout(cfg.train, runtime.num_replicas).per_replica * runtime.num_replicas
+    try:
+        per_replica = batch_layout(cfg.train, runtime.num_replicas).per_replica
+    except UserError:  # `tfdp evaluate` on replicas that could not train this global batch: it need not divide
+        per_replica = cfg.train.batch_size_per_replica
+    global_batch = per_replica * runtime.num_replicas
     return runtime.strategy.distribute_datasets_from_function(
         lambda ctx: eval_dataset(val, cfg.data, global_batch, ctx, num_classes=cfg.model.num_classes))
 
