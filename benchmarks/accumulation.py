@@ -2,11 +2,12 @@
 
 One replica, synthetic on-device data (no input pipeline), `--model` at
 `--size` px, global batch `--batch` cut into k micro-batches of batch / k.
-Each k runs in a process of its own, so its peak memory is its own: the
-accelerator's peak bytes (`tf.config.experimental.get_memory_info`) where
-there is one, else the process's peak resident set (`resource.getrusage`),
-which includes TensorFlow itself (the `baseline` row: the same process up to
-the model, without training).
+Each k runs in a process of its own, so its peaks are its own: TensorFlow's
+allocator peak on the training device (`tf.config.experimental.get_memory_info`,
+the first GPU, else the CPU: the tensor bytes held at once, which is where the
+activations saved show) and the process's peak resident set
+(`resource.getrusage`, which also holds TensorFlow, graphs and caches). The
+`baseline` row is the same process up to the compiled model, without training.
 
   python benchmarks/accumulation.py [--model=resnet18_small] [--size=32] [--batch=256] [--ks=1,2,4] [--xla]
 """
@@ -24,12 +25,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def peak_bytes() -> tuple[int, str]:
-    """(peak bytes, what they measure): the first GPU's peak allocation, else this process's peak RSS."""
+def peak_bytes() -> dict:
+    """TensorFlow's allocator peak on the device that trains (the first GPU, else the CPU: tensors only), and
+    this process's peak resident set (everything: TensorFlow, graphs, Python)."""
     import tensorflow as tf
-    if tf.config.list_physical_devices("GPU"):
-        return tf.config.experimental.get_memory_info("GPU:0")["peak"], "GPU peak allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    return {"device": device, "allocator": tf.config.experimental.get_memory_info(device)["peak"],
+            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def measure(args) -> dict:
@@ -69,7 +71,7 @@ def main() -> None:
     own = [a for a in sys.argv[1:] if not a.startswith("--ks")]
     print(f"{args.model}, {args.size} px, global batch {args.batch}, 1 replica, {args.precision}, "
           f"XLA {'on' if args.xla else 'off'}")
-    print(f"{'k':>3} {'micro-batch':>12} {'images/s':>10} {'vs k=1':>8} {'peak MiB':>10}")
+    print(f"{'k':>3} {'micro-batch':>12} {'images/s':>10} {'vs k=1':>8} {'tensors peak MiB':>17} {'RSS peak MiB':>13}")
     base = None
     for k in [0, *map(int, args.ks.split(","))]:
         child = subprocess.run([sys.executable, __file__, *own, f"--k={k}"], capture_output=True, text=True,
@@ -79,13 +81,13 @@ def main() -> None:
             print(f"{k:>3} failed: {child.stderr.strip().splitlines()[-1:]}")
             continue
         r = json.loads(line[0][7:])
-        peak, what = r["peak"]
+        peak = r["peak"]
+        mib = f"{peak['allocator'] / 2**20:>17.0f} {peak['rss'] / 2**20:>13.0f}"
         if k == 0:
-            print(f"{'baseline':>16} {'':>10} {'':>8} {peak / 2**20:>10.0f}   ({what}, no training)")
+            print(f"{'baseline':>16} {'':>10} {'':>8} {mib}   (no training; tensors on {peak['device']})")
             continue
         base = base or r["rate"]
-        print(f"{k:>3} {args.batch // k:>12} {r['rate']:>10.1f} {r['rate'] / base:>7.2f}x {peak / 2**20:>10.0f}",
-              flush=True)
+        print(f"{k:>3} {args.batch // k:>12} {r['rate']:>10.1f} {r['rate'] / base:>7.2f}x {mib}", flush=True)
 
 
 if __name__ == "__main__":

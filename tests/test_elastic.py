@@ -3,6 +3,7 @@ batch and, step by step, the same examples in every global batch."""
 
 import collections
 import hashlib
+import json
 import os
 import re
 import signal
@@ -139,8 +140,8 @@ def test_killed_mid_epoch_and_resumed_on_fewer_replicas_ends_as_the_uninterrupte
     assert re.search(r"resuming at epoch 1 of 2, step 4 of 5", out), out
     if "--strategy=multi_worker" in before:
         assert "the checkpoint's 2 input streams go on exactly on 1 worker(s), 2 each" in out
-    rows = [__import__("json").loads(line) for line in open(model_dir / "metrics.jsonl")]
-    clean_rows = [__import__("json").loads(line) for line in open(tmp_path / "clean" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(model_dir / "metrics.jsonl")]
+    clean_rows = [json.loads(line) for line in open(tmp_path / "clean" / "metrics.jsonl")]
     assert [r["lr"] for r in rows] == pytest.approx([r["lr"] for r in clean_rows], rel=1e-6)  # same schedule
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in clean_rows], rel=1e-3)  # metrics went on
     a, b = kernels(tmp_path / "clean"), kernels(model_dir)
