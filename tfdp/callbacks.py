@@ -176,6 +176,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.snapshot = snapshot
         self._epoch = self._offset = 0
         self._fit_steps = 0
+        self.facts: dict[str, Any] = {}  # the batch and layout that wrote the checkpoints (tfdp.elastic.run_facts)
 
     def on_train_begin(self, logs=None):
         self._fit_steps = 0
@@ -205,7 +206,7 @@ class Checkpointer(keras.callbacks.Callback):
         own = self.snapshot.take()
         self.average()
         state = {"epoch": self._epoch, "step": global_step, "step_in_epoch": in_epoch, "best": self.best,
-                 "input": self.input_state(self._fit_steps), "metrics": metric_totals(self.model)}
+                 "input": self.input_state(self._fit_steps), "metrics": metric_totals(self.model), **self.facts}
         self.store.save(self.model, state, kind="step", replica_state=own)
         self.snapshot.put_back(own)
 
@@ -218,7 +219,7 @@ class Checkpointer(keras.callbacks.Callback):
                 self.store.save_best(self.model, self.best)
         self.store.save(self.model, {"epoch": epoch + 1, "step": (epoch + 1) * self.steps_per_epoch,
                                      "step_in_epoch": 0, "best": self.best,
-                                     "input": self.input_state(self._fit_steps)})
+                                     "input": self.input_state(self._fit_steps), **self.facts})
         if self.watch is not None and self.watch.agreed():
             raise Preempted(f"saved at the end of epoch {epoch + 1}")
 

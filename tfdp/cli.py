@@ -22,7 +22,7 @@ flags.DEFINE_string("config", None, "YAML config file (see configs/). Defaults a
 flags.DEFINE_multi_string("set", [], "Override any config field: --set=optimizer.lr=0.2 (value parsed as YAML; repeatable).")
 flags.DEFINE_string("model_dir", None, "Override model_dir: checkpoints, logs and the resolved config go here.")
 flags.DEFINE_integer("epochs", None, "Override train.epochs.")
-flags.DEFINE_integer("batch_size_per_replica", None, "Override train.batch_size_per_replica (global batch = this x replicas).")
+flags.DEFINE_integer("batch_size_per_replica", None, "Override train.batch_size_per_replica (images per replica per micro-batch; see train.global_batch).")
 flags.DEFINE_string("strategy", None, "Override distribute.strategy: one_device | mirrored | multi_worker.")
 flags.DEFINE_integer("cpu_replicas", None, "Override distribute.cpu_replicas: logical CPU devices to split a GPU-less host into.")
 flags.DEFINE_string("model", None, "Override model.name (a registry name, see tfdp/models).")

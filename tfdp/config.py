@@ -172,7 +172,17 @@ class ScheduleConfig:
 class TrainConfig:
     __pydantic_config__ = _FORBID
     epochs: PosInt = 10   # epochs to train
-    batch_size_per_replica: PosInt = 64   # global batch = this x replicas over all workers
+    # Images per replica per micro-batch (what must fit in memory). With train.global_batch set and
+    # train.grad_accum_steps 1 it is the largest one: the accumulation is derived (docs/global-batch.md).
+    batch_size_per_replica: PosInt = 64
+    # Micro-batches per optimizer step, their gradients summed inside the compiled step and all-reduced and
+    # applied once. With train.global_batch set above 1 it fixes the accumulation and the per-replica batch is
+    # derived. Batch norm normalises each micro-batch on its own.
+    grad_accum_steps: PosInt = 1
+    # The images per optimizer step on any hardware (the recipe's batch; the learning rate scales with it):
+    # replicas x per-replica batch x accumulation is derived from it on the devices found. 0: the global batch
+    # is batch_size_per_replica x replicas x grad_accum_steps.
+    global_batch: NonNegInt = 0
     label_smoothing: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0   # mass spread evenly over all classes
     # softmax: cross-entropy over the classes; bce: a sigmoid per class (one-vs-all binary cross-entropy, timm's
     # BinaryCrossEntropy, as ResNet strikes back trains), its targets smoothed by label_smoothing as timm does.
@@ -451,6 +461,10 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.model.sync_bn and cfg.train.jit_compile is True:
         raise UserError("model.sync_bn needs train.jit_compile: false (its all-reduce cannot run inside the "
                         "per-replica XLA step)")
+    t = cfg.train
+    if t.global_batch and t.global_batch % t.grad_accum_steps:
+        raise UserError(f"train.global_batch ({t.global_batch}) is not a multiple of train.grad_accum_steps "
+                        f"({t.grad_accum_steps})")
     if cfg.train.best_metric.startswith("val_ema_") and not cfg.optimizer.ema_decay:
         raise UserError(f"train.best_metric {cfg.train.best_metric} needs optimizer.ema_decay above 0")
     if cfg.train.bce_target_threshold is not None and cfg.train.loss != "bce":

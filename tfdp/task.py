@@ -19,12 +19,14 @@ import tensorflow as tf
 from tfdp.config import Config, TrainConfig
 from tfdp.data import Source
 from tfdp.data import service
-from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, train_dataset
+from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, streams_dataset, train_dataset
 from tfdp.data.storage import is_remote_url
 from tfdp.errors import UserError
 from tfdp.finetune import scale_learning_rates
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
 from tfdp.augment import build_batch_augment
+from tfdp.batching import batch_layout
+from tfdp.elastic import Streams
 from tfdp.keras_patches.train_step import augment_before_step, compile_train_step, use_xla
 from tfdp.losses import BinaryCrossEntropy, SparseSmoothedCrossentropy, Top1, TopK
 from tfdp.models import build_model
@@ -44,20 +46,28 @@ class Plan:
     num_classes: int
     lost_records: int = 0           # listed in counts.json but cut off their shards (both splits)
     damaged: tuple[str, ...] = ()   # the shards those records were lost from
+    accum_steps: int = 1            # micro-batches per optimizer step (a step is always an optimizer step)
+
+    def micro_batch(self) -> int:
+        """Images per micro-batch over all replicas: what one forward pass sees, and the evaluation batch."""
+        return self.global_batch // self.accum_steps
 
 
 def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
     if source.num_classes and source.num_classes != cfg.model.num_classes:  # 0: unknown until labels are read
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
-    global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
+    layout = batch_layout(cfg.train, runtime.num_replicas)
+    global_batch = layout.global_batch
     steps = train.num_examples // global_batch
     if steps == 0:
         raise UserError(f"the training split has {train.num_examples} images, fewer than one global batch "
-                        f"of {global_batch} ({cfg.train.batch_size_per_replica} per replica x {runtime.num_replicas} replicas)")
+                        f"of {global_batch} ({layout.per_replica} per replica x {runtime.num_replicas} replicas x "
+                        f"{layout.accum_steps} accumulation steps)")
     return Plan(global_batch, steps, train.num_examples, val.num_examples, cfg.model.num_classes,
                 train.lost_records + val.lost_records,
-                tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n))
+                tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n),
+                accum_steps=layout.accum_steps)
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
@@ -69,8 +79,9 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     optimizer = build_optimizer(cfg.optimizer, schedule)
     model = _compiled(cfg, optimizer)
     jit = use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)[0]
-    if jit:
-        compile_train_step(model)  # whole-step XLA per replica; Keras' own jit fails with several replicas
+    if jit or plan.accum_steps > 1:
+        # Whole-step XLA per replica (Keras' own jit fails with several replicas); accumulation needs this step.
+        compile_train_step(model, jit, plan.accum_steps)
     # Label smoothing stays the loss's: smoothing the mixed targets equals mixing smoothed ones.
     augment = build_batch_augment(cfg.augment, cfg.model.num_classes, mean=cfg.data.mean, std=cfg.data.std)
     if augment is not None:
@@ -150,9 +161,14 @@ def current_devices() -> list[str]:
 
 
 def validation_dataset(cfg: Config, source: Source, runtime: Runtime):
-    """Per-worker validation pipelines: each worker builds (and reads) only its own share."""
+    """Per-worker validation pipelines: each worker builds (and reads) only its own share, a training
+    micro-batch per replica at a time (what fits in memory)."""
     val = source.split(cfg.data.val_split)
-    global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
+    try:
+        per_replica = batch_layout(cfg.train, runtime.num_replicas).per_replica
+    except UserError:  # `tfdp evaluate` on replicas that could not train this global batch: it need not divide
+        per_replica = cfg.train.batch_size_per_replica
+    global_batch = per_replica * runtime.num_replicas
     return runtime.strategy.distribute_datasets_from_function(
         lambda ctx: eval_dataset(val, cfg.data, global_batch, ctx, num_classes=cfg.model.num_classes))
 
@@ -171,6 +187,9 @@ class TrainStream:
         self.cfg, self.source, self.runtime, self.plan, self.corrupt = cfg, source, runtime, plan, corrupt
         self.start: tuple[int, int] = (0, 0)
         self.position: StreamPosition | None = None   # made with each dataset
+        # The run's input streams this worker reads (`tfdp.elastic`): its own one unless a resume says otherwise.
+        self.streams = Streams(runtime.num_workers, (runtime.worker_index,), ((0, 0),))
+        self.positions: list[StreamPosition] = []
         self.image_size = 0                             # the side of the current dataset's images
         # Each step takes one batch per local replica from this worker's pipeline.
         self.batches_per_step = runtime.num_replicas // runtime.num_workers
@@ -182,12 +201,18 @@ class TrainStream:
             print(service_line(cfg, runtime.num_workers, any(map(is_remote_url, train.files))), flush=True)
             service.check_workers_read(train, cfg.data, cfg.data.service_timeout)
 
-    def dataset(self, start: tuple[int, int], image_size: int = 0):
-        """The stream from `start` on, cropped to `image_size` px (0: data.image_size; progressive resizing
-        starts a dataset per size). Crop windows do not depend on the size, so resuming stays exact."""
-        self.start, self.position = tuple(start), StreamPosition()
+    def dataset(self, starts: list[tuple[int, int]], image_size: int = 0):
+        """The stream(s) from `starts` on (one position per stream this worker reads), cropped to
+        `image_size` px (0: data.image_size; progressive resizing starts a dataset per size). Crop windows
+        do not depend on the size, so resuming stays exact."""
+        if starts and isinstance(starts[0], int):
+            starts = [starts]  # one position: this worker's own stream
         train, cfg, plan = self.source.split(self.cfg.data.train_split), self.cfg, self.plan
         data = dataclasses.replace(cfg.data, image_size=image_size or cfg.data.image_size)
+        if not self.streams.single:
+            return self._streams_dataset(train, data, starts)
+        self.start, self.position = tuple(starts[0]), StreamPosition()
+        self.positions = [self.position]
         start, position = self.start, self.position
         build, extra = train_dataset, {}
         if data.service_address:
@@ -198,6 +223,18 @@ class TrainStream:
             lambda ctx: build(train, data, plan.global_batch, cfg.train.seed, ctx,
                               num_classes=plan.num_classes, corrupt=self.corrupt,
                               start=start, position=position, **extra))
+        self.image_size = data.image_size
+        return ds
+
+    def _streams_dataset(self, train, data, starts):
+        """Several of the run's streams on this worker (a resume on fewer workers, `tfdp.elastic`)."""
+        self.starts = [tuple(p) for p in starts]
+        self.positions = [StreamPosition() for _ in self.streams.mine]
+        cfg, plan, streams = self.cfg, self.plan, self.streams
+        ds = self.runtime.strategy.distribute_datasets_from_function(
+            lambda ctx: streams_dataset(train, data, plan.global_batch, cfg.train.seed, streams.count, streams.mine,
+                                        tuple(self.starts), self.positions, ctx, num_classes=plan.num_classes,
+                                        corrupt=self.corrupt))
         self.image_size = data.image_size
         return ds
 
@@ -215,15 +252,18 @@ class TrainStream:
             name += f"-trainer{self.runtime.worker_index}"  # its own share, its own job
         return name
 
-    def local_state(self, steps: int) -> tuple[int, int]:
-        """(records consumed, corrupt so far) of this worker's stream after `steps` steps of the current dataset."""
-        if not steps:
-            return self.start
-        return self.position.after(steps * self.batches_per_step)
+    def local_state(self, steps: int) -> list[tuple[int, int]]:
+        """(records consumed, corrupt so far) of each stream this worker reads, after `steps` steps of the
+        current dataset."""
+        if self.streams.single:
+            return [self.start if not steps else self.position.after(steps * self.batches_per_step)]
+        return [start if not steps else position.after(steps)  # one block per stream per step
+                for start, position in zip(self.starts, self.positions)]
 
     def state(self, steps: int) -> list[list[int]]:
-        """Every worker's `local_state`, indexed by worker (a collective: all workers call it)."""
-        return self.gather(list(self.local_state(steps)))
+        """Every stream's position, indexed by stream (a collective: all workers call it)."""
+        rows = self.gather([n for pair in self.local_state(steps) for n in pair])
+        return [row[i:i + 2] for row in rows for i in range(0, len(row), 2)]
 
 
 def service_line(cfg: Config, trainers: int, bucket: bool = False) -> str:

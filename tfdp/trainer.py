@@ -21,6 +21,8 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import config as config_lib
+from tfdp.batching import batch_layout
+from tfdp.elastic import Streams, check_global_batch, plan_streams, run_facts
 from tfdp.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluation, EpochStats, MetricsLog, WandbLog,
                             tensorboard)
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
@@ -79,18 +81,15 @@ def size_line(data: DataConfig, epoch: int, epochs: int) -> str:
     return f"tfdp: data: {which} at {size} px"
 
 
-def resume_input(state: dict | None, runtime: Runtime, plan: Plan) -> tuple[int, int]:
-    """This worker's input position from a checkpoint's state (the stream's start for a fresh run)."""
-    if not state:
-        return (0, 0)
-    positions = state.get("input")
-    if positions and len(positions) == runtime.num_workers:
-        return tuple(positions[runtime.worker_index])
-    step = state.get("step", state["epoch"] * plan.steps_per_epoch)
-    logging.warning("the checkpoint was written by %s worker(s), this run has %d: the input continues at about "
-                    "the same position, not exactly", len(positions) if positions else "an unknown number of",
-                    runtime.num_workers)
-    return (step * (plan.global_batch // runtime.num_workers), 0)
+def resume_input(state: dict | None, runtime: Runtime, plan: Plan, service: bool = False) -> Streams:
+    """The input streams this worker reads, at the checkpoint's positions (`tfdp.elastic`; a fresh run: its
+    own stream from the start). A layout change is one line: exact, or why not."""
+    steps_done = state.get("step", state["epoch"] * plan.steps_per_epoch) if state else 0
+    streams, line = plan_streams(state, runtime.num_workers, runtime.worker_index, steps_done, plan.global_batch,
+                                 service)
+    if line:
+        print(line, flush=True)
+    return streams
 
 
 def train(cfg: Config, runtime: Runtime) -> dict:
@@ -114,15 +113,16 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
     plan = make_plan(cfg, source, runtime)
     for split in (cfg.data.train_split, cfg.data.val_split):
         check_lost(source.split(split), cfg.data.max_bad_fraction)
+    print(batch_layout(cfg.train, runtime.num_replicas).line() + f", {runtime.num_workers} worker(s)", flush=True)
     print(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
-          f"global batch {plan.global_batch} ({cfg.train.batch_size_per_replica} x {runtime.num_replicas} replicas, "
-          f"{runtime.num_workers} worker(s)), {plan.steps_per_epoch} steps/epoch", flush=True)
+          f"global batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch", flush=True)
     with runtime.strategy.scope():
         model = compile_model(cfg, plan)
     freezing = Freezing.plan(cfg.train, cfg.model.name, model)  # train.freeze checked against the model's layers
     jit, why = use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn)  # as compile_model resolved it
     print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
     state = CheckpointStore(model_dir).restore_latest(model)
+    check_global_batch(state, batch_layout(cfg.train, runtime.num_replicas))
     init_from(model, cfg.model, cfg.data, resumed=state is not None)
     epoch, step_in_epoch = (state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0)
     previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
@@ -179,7 +179,10 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
                        image_size=(lambda: stream.image_size) if progressive else None)
     callbacks = [stats, AverageReplicaState(average), *ema, metrics_log,
                  *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
-    start = resume_input(state, runtime, plan)
+    stream.streams = resume_input(state, runtime, plan, bool(cfg.data.service_address))
+    checkpointer.facts = run_facts(batch_layout(cfg.train, runtime.num_replicas), runtime.num_workers,
+                                   stream.streams.count)
+    start = list(stream.streams.starts)
     watch.install()
     try:
         address = cfg.data.service_address

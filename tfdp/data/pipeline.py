@@ -121,6 +121,32 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     return checked(ds, tally, start=(consumed, bad)).prefetch(AUTOTUNE)
 
 
+def streams_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int, count: int,
+                    mine: tuple[int, ...], starts: tuple[tuple[int, int], ...], positions: list[StreamPosition],
+                    input_context: tf.distribute.InputContext, *, num_classes: int = 0,
+                    corrupt: CorruptCounter | None = None) -> tf.data.Dataset:
+    """This worker's per-replica batches read from several of the run's `count` input streams (`tfdp.elastic`).
+
+    Stream s is exactly the pipeline worker s of a `count`-worker run builds
+    (file share s, its seeded order and crops, its position), batched by
+    global_batch / count: one block per step. Each step joins one block of
+    every stream in `mine` and cuts the result into this worker's
+    per-replica batches, so the step holds the examples it holds on the
+    layout the streams were made for. Corrupt images are counted on the
+    first stream only (`corrupt` is one running total).
+    """
+    blocks = []
+    for i, (stream, start) in enumerate(zip(mine, starts)):
+        ctx = tf.distribute.InputContext(num_input_pipelines=count, input_pipeline_id=stream,
+                                         num_replicas_in_sync=count)
+        blocks.append(train_dataset(split, cfg, global_batch, seed, ctx, num_classes=num_classes,
+                                    corrupt=corrupt if i == 0 else None, start=start, position=positions[i]))
+    joined = tf.data.Dataset.zip(tuple(blocks)).map(
+        lambda *parts: tuple(tf.concat([p[j] for p in parts], 0) for j in range(2)))
+    per_replica = input_context.get_per_replica_batch_size(global_batch)
+    return joined.unbatch().batch(per_replica, drop_remainder=True).prefetch(AUTOTUNE)
+
+
 def _replica_batches(ds: tf.data.Dataset, cfg: DataConfig, ctx: tf.distribute.InputContext, global_batch: int,
                      first: int, on_gap=None) -> tf.data.Dataset:
     """(index, image, label) examples → `tallied` per-replica batches, in the order the replicas take them.

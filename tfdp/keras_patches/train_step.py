@@ -41,6 +41,7 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfdp.accumulation import accumulate, has_collectives
 from tfdp.augment import step_seed
 from tfdp.finetune import expand_to_built
 
@@ -57,18 +58,21 @@ def use_xla(setting, devices, sync_bn: bool = False) -> tuple[bool, str]:
     return False, "auto: off on CPU devices"
 
 
-def compile_train_step(model: keras.Model) -> None:
-    """Makes `model.fit` run the whole training step through XLA on every replica (`train.jit_compile`).
+def compile_train_step(model: keras.Model, jit_compile: bool = True, accum_steps: int = 1) -> None:
+    """Makes `model.fit` run the whole training step through XLA on every replica (`train.jit_compile`),
+    over `accum_steps` micro-batches per optimizer step (`tfdp.accumulation`).
 
-    Without it Keras' own step runs op by op: the reference the compiled step
-    is tested against.
+    Without XLA and without accumulation Keras' own step runs op by op: the
+    reference the compiled step is tested against. Accumulation without XLA
+    runs these same functions op by op (inside Keras' tf.function).
     """
     model.jit_compile = False  # Keras must not wrap the cross-replica step itself
     optimizer = model.optimizer
     compiled_update = not isinstance(optimizer, LossScaleOptimizer)
-    jit = tf.function(jit_compile=True, reduce_retracing=True)
+    jit = tf.function(jit_compile=True, reduce_retracing=True) if jit_compile else (lambda f: f)
+    unroll = has_collectives(model)  # synchronised batch norm: tf.distribute runs no collective in a loop
 
-    def forward_backward(trainable, non_trainable, x, y, sample_weight):
+    def micro_forward_backward(trainable, non_trainable, x, y, sample_weight):
         with tf.GradientTape() as tape:
             tape.watch(trainable)
             y_pred, new_non_trainable = model.stateless_call(trainable, non_trainable, x, training=True)
@@ -79,6 +83,12 @@ def compile_train_step(model: keras.Model) -> None:
     # The update runs over every variable the optimizer was built with (`built`); frozen ones (train.freeze, not in
     # the model's trainable set) get a None gradient and come back unchanged (tfdp/finetune.py).
     spread = lambda gradients: expand_to_built(optimizer, model.trainable_variables, gradients)  # noqa: E731
+
+    def forward_backward(trainable, non_trainable, x, y, sample_weight):
+        if accum_steps == 1:
+            return micro_forward_backward(trainable, non_trainable, x, y, sample_weight)
+        return accumulate(micro_forward_backward, accum_steps, trainable, non_trainable, x, y, sample_weight,
+                          unroll=unroll)
 
     def whole_step(trainable, non_trainable, optimizer_values, built, x, y, sample_weight):
         loss, gradients, y_pred, new_non_trainable = forward_backward(trainable, non_trainable, x, y, sample_weight)

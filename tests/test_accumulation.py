@@ -1,0 +1,232 @@
+"""Gradient accumulation (`train.grad_accum_steps`) and the fixed global batch (`train.global_batch`).
+
+Exactness: on a model without batch norm, k micro-batches of b per replica train exactly as one batch of
+k x b does (same weights, optimizer state and EMA after several steps), on 1 replica and on 2 (real
+MirroredStrategy on the 2 logical CPUs conftest splits), with and without whole-step XLA, for SGD with
+momentum, AdamW and LAMB, in float32, bfloat16 and float16 with loss scaling.
+"""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import assert_one_line_error, run_tfdp
+from tfdp.batching import batch_layout
+from tfdp.config import validate
+from tfdp.data import build_source
+from tfdp.data.pipeline import eval_dataset
+from tfdp.errors import UserError
+from tfdp.keras_patches import train_step as train_step_module
+from tfdp.replica_state import replica_copies
+from tfdp.strategy import make_runtime
+from tfdp.task import Plan, compile_model
+
+STEPS = 4
+GLOBAL_BATCH = 32
+
+
+def make_cfg(digits_dir, replicas, accum, optimizer="sgd", precision="float32", jit=False, ema=0.0):
+    return validate({
+        "data": {"format": "image_folder", "dir": digits_dir, "image_size": 16, "eval_crop_fraction": 1.0,
+                 "hflip": False},
+        "model": {"name": "simple_cnn"},
+        "optimizer": {"name": optimizer, "lr": 0.2 if optimizer == "sgd" else 0.01, "momentum": 0.9,
+                      "weight_decay": 1e-4 if optimizer != "sgd" else 0.0, "ema_decay": ema},
+        "train": {"batch_size_per_replica": GLOBAL_BATCH // (replicas * accum), "grad_accum_steps": accum,
+                  "epochs": 1, "seed": 3, "jit_compile": jit, "precision": precision},
+        "distribute": {"strategy": "mirrored", "cpu_replicas": replicas},
+    })
+
+
+def train_steps(digits_dir, replicas, accum, start=None, **kwargs):
+    """STEPS optimizer steps on a fixed sequence of global batches of GLOBAL_BATCH; (model, initial weights).
+
+    The data is the same whatever `accum`: each replica gets GLOBAL_BATCH / replicas images per step, which
+    the accumulating step cuts into `accum` micro-batches."""
+    cfg = make_cfg(digits_dir, replicas, accum, **kwargs)
+    runtime = make_runtime(cfg.distribute)
+    assert runtime.num_replicas == replicas
+    split = build_source(cfg.data).split("train")
+    plan = Plan(GLOBAL_BATCH, STEPS, split.num_examples, 0, 10, accum_steps=accum)
+    tf.keras.utils.set_random_seed(cfg.train.seed)
+    with runtime.strategy.scope():
+        model = compile_model(cfg, plan)
+    if start is not None:
+        model.set_weights(start)
+    initial = [w.numpy() for w in model.weights]
+    ds = runtime.strategy.distribute_datasets_from_function(
+        lambda ctx: eval_dataset(split, cfg.data, GLOBAL_BATCH, ctx).repeat())
+    model.fit(ds, steps_per_epoch=STEPS, epochs=1, verbose=0, shuffle=False)
+    return model, initial
+
+
+def state(model):
+    """Weights, then every optimizer variable (momenta, moments, EMA, iteration and loss-scale counters), in
+    order (the optimizer's name, in its variables' paths, differs between models of one process)."""
+    return [(v.path, v.numpy()) for v in model.weights + model.optimizer.variables]
+
+
+# (replicas, optimizer, precision, whole-step XLA, EMA decay): each row one comparison, k = 2 or 4.
+CASES = [
+    (1, "sgd", "float32", True, 0.9, 2),
+    (1, "adamw", "float32", False, 0.0, 4),
+    (1, "lamb", "float32", True, 0.0, 2),
+    (2, "sgd", "float32", True, 0.0, 2),
+    (2, "adamw", "float32", True, 0.9, 2),
+    (2, "lamb", "float32", False, 0.9, 2),
+    (1, "sgd", "mixed_bfloat16", True, 0.0, 2),
+    (2, "adamw", "mixed_bfloat16", False, 0.0, 2),
+    (1, "sgd", "mixed_float16", False, 0.9, 2),
+    (2, "adamw", "mixed_float16", True, 0.0, 2),
+]
+
+
+@pytest.mark.parametrize("replicas,optimizer,precision,jit,ema,k", CASES)
+def test_k_micro_batches_of_b_train_as_one_batch_of_k_times_b(digits_dir, replicas, optimizer, precision, jit,
+                                                              ema, k):
+    options = dict(optimizer=optimizer, precision=precision, jit=jit, ema=ema)
+    whole, initial = train_steps(digits_dir, replicas, 1, **options)
+    accumulated, _ = train_steps(digits_dir, replicas, k, start=initial, **options)
+    # float16: the loss scale starts high and both runs skip the same overflowing first step(s), if any.
+    applied = int(whole.optimizer.iterations.numpy())
+    assert int(accumulated.optimizer.iterations.numpy()) == applied
+    assert applied == STEPS if precision != "mixed_float16" else 0 < applied <= STEPS
+    a, b = state(whole), state(accumulated)
+    assert len(a) == len(b)
+    if ema:
+        assert any("average" in p for p, _ in a)  # the EMA is among the compared variables
+    moved = max(float(np.abs(w.numpy() - i).max()) for w, i in zip(whole.weights, initial))
+    assert moved > 1e-3  # the weights trained, so equality is not vacuous
+    if precision == "float32":  # the sums differ only in order
+        for (path, x), (_, y) in zip(a, b):
+            np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5, err_msg=path)
+        return
+    # 16-bit: each image's forward pass is the same, but the gradient sums round in 16 bits over b images
+    # instead of k x b (and Adam's normalisation magnifies that on tiny gradients): each weight tensor lands
+    # within 5% (2-norm) of how far it moved.
+    for w, (path, x), (_, y), init in zip(whole.weights, a, b, initial):
+        assert np.linalg.norm(y - x) <= 0.05 * np.linalg.norm(x - init), path
+
+
+def test_one_all_reduce_per_optimizer_step_not_per_micro_batch(digits_dir, monkeypatch):
+    """The gradients are all-reduced once per optimizer step: a counter incremented where the collective runs
+    (each replica calls it once per all-reduce) reads replicas x steps after 4 steps of 4 micro-batches."""
+    with tf.init_scope():
+        calls = tf.Variable(0, dtype=tf.int64, trainable=False)
+    original = train_step_module.all_reduce_sum
+
+    def counted(gradients):
+        calls.assign_add(1)
+        return original(gradients)
+    monkeypatch.setattr(train_step_module, "all_reduce_sum", counted)
+    model, _ = train_steps(digits_dir, 2, 4, jit=True)
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+    assert int(calls.numpy()) == 2 * STEPS
+
+
+def test_accumulation_loop_is_one_xla_program_on_one_replica(digits_dir):
+    """One replica under XLA: forward, backward over the k micro-batches and the update are one program."""
+    model, _ = train_steps(digits_dir, 1, 2, jit=True)
+    forward_backward, whole_step, update = model.tfdp_step_functions
+    assert [f.experimental_get_tracing_count() > 0 for f in (forward_backward, whole_step, update)] == \
+        [False, True, False]
+
+
+@pytest.mark.parametrize("train,replicas,expected", [
+    ({"batch_size_per_replica": 16}, 2, (32, 16, 2, 1)),                                   # as before
+    ({"batch_size_per_replica": 16, "grad_accum_steps": 2}, 2, (64, 16, 2, 2)),
+    ({"global_batch": 64, "batch_size_per_replica": 16}, 2, (64, 16, 2, 2)),              # accumulation derived
+    ({"global_batch": 64, "batch_size_per_replica": 16}, 1, (64, 16, 1, 4)),
+    ({"global_batch": 64, "batch_size_per_replica": 64}, 2, (64, 32, 2, 1)),              # fits without it
+    ({"global_batch": 64, "batch_size_per_replica": 20}, 1, (64, 16, 1, 4)),              # the fewest steps
+    ({"global_batch": 64, "grad_accum_steps": 4}, 2, (64, 8, 2, 4)),                      # per-replica derived
+])
+def test_global_batch_layout(train, replicas, expected):
+    layout = batch_layout(validate({"train": train}).train, replicas)
+    assert (layout.global_batch, layout.per_replica, layout.replicas, layout.accum_steps) == expected
+    assert layout.line() == (f"tfdp: batch: global {expected[0]} = {expected[1]} per replica x {expected[2]} "
+                             f"replica(s) x {expected[3]} accumulation step(s)")
+
+
+@pytest.mark.parametrize("train,replicas,fragments", [
+    ({"global_batch": 63}, 2, ("train.global_batch 63", "2 replicas", "multiple of 2")),
+    ({"global_batch": 64, "grad_accum_steps": 4}, 3, ("train.global_batch 64", "3 replicas")),
+    ({"global_batch": 32, "grad_accum_steps": 4}, 16, ("16 replicas x 4 accumulation steps", "multiple of 64")),
+])
+def test_global_batch_that_cannot_divide_is_one_line(train, replicas, fragments):
+    with pytest.raises(UserError) as e:
+        batch_layout(validate({"train": train}).train, replicas)
+    assert "\n" not in str(e.value) and all(f in str(e.value) for f in fragments)
+
+
+def test_global_batch_not_a_multiple_of_the_accumulation_is_a_config_error(tmp_path):
+    result = run_tfdp("train", f"--model_dir={tmp_path}/m", "--set", "train.global_batch=30",
+                      "--set", "train.grad_accum_steps=4", timeout=120)
+    assert_one_line_error(result, 2, "train.global_batch (30)", "train.grad_accum_steps (4)")
+
+
+@pytest.mark.slow
+def test_sync_bn_with_accumulation_normalises_each_micro_batch_over_both_replicas(digits_dir, monkeypatch):
+    """model.sync_bn with accumulation (op by op, its all-reduce once per micro-batch): both replicas see the
+    statistics of the same global micro-batch, so their batch-norm moving statistics stay identical (plain
+    batch norm would leave each replica its own)."""
+    original = make_cfg
+
+    def with_sync_bn(*args, **kwargs):
+        cfg = original(*args, **kwargs)
+        cfg.model.name, cfg.model.sync_bn = "resnet18_small", True
+        return cfg
+    monkeypatch.setattr(f"{__name__}.make_cfg", with_sync_bn)
+    model, initial = train_steps(digits_dir, 2, 2, jit=False)
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+    moving = [(v, i) for v, i in zip(model.weights, initial) if "moving_mean" in v.path]
+    assert moving
+    for v, init in moving:
+        first, second = replica_copies(v)
+        np.testing.assert_allclose(first, second, rtol=1e-5, atol=1e-6, err_msg=v.path)
+    assert max(float(np.abs(v.numpy() - init).max()) for v, init in moving) > 1e-3  # the statistics moved
+
+
+def test_keras_own_gradient_accumulation_cannot_run_under_mirrored_strategy():
+    """Why tfdp accumulates in its own step: Keras 3's `gradient_accumulation_steps` puts the TensorFlow
+    optimizer's gradient all-reduce (a merge_call) inside a conditional, which tf.distribute refuses on 2
+    replicas. If this starts passing, Keras changed: re-check docs/global-batch.md's decision."""
+    import keras
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), loss="mse")
+    x, y = np.ones((32, 4), "float32"), np.ones((32, 2), "float32")
+    with pytest.raises(RuntimeError, match="merge_call"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+@pytest.mark.slow
+def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_path, digits_dir):
+    """2 workers (`tfdp launch`), whole-step XLA, 2 micro-batches of 16 per worker and step, against one process
+    with 2 replicas of 32 and Keras' own step: the same weights after 4 steps (rtol 1e-4, atol 1e-5)."""
+    from tests.test_multi_worker import FAST, deterministic, layer_weights
+    data = tmp_path / "tiny"  # 64 training digits, as test_multi_worker's: one step per epoch
+    for split, per_class in (("train", None), ("val", 4)):
+        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
+            files = sorted(os.listdir(os.path.join(digits_dir, split, cls)))
+            os.makedirs(data / split / cls)
+            for f in (files[: (7 if cls < "4" else 6)] if split == "train" else files[:per_class]):
+                shutil.copy(os.path.join(digits_dir, split, cls, f), data / split / cls / f)
+    launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
+                        f"--model_dir={tmp_path}/mw", "--set=train.global_batch=64", "--set=train.grad_accum_steps=2",
+                        *deterministic(data), "--set=train.jit_compile=true", timeout=600)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
+    assert "tfdp: batch: global 64 = 16 per replica x 2 replica(s) x 2 accumulation step(s)" in launched.stdout
+    single = run_tfdp("train", *FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
+                      "--batch_size_per_replica=32", *deterministic(data), timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    assert ours.keys() == reference.keys() and len(ours) >= 8
+    for name in ours:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
