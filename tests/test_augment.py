@@ -1,4 +1,4 @@
-"""Device-side batch augmentations (tfdp/augment.py), checked on real photographs.
+"""Device-side batch augmentations (tfdp/augment/), checked on real photographs.
 
 The photos are scikit-image's astronaut, chelsea, coffee and rocket, cropped
 square and resized to 64x64. Statistical checks use scipy's tests with fixed
@@ -16,8 +16,8 @@ from PIL import Image, ImageEnhance, ImageOps
 
 from conftest import CPU_DEVICES
 from tfdp import augment as aug
-from tfdp.config import (RAND_AUGMENT_OP_NAMES, AugmentConfig, RandAugmentSpec, parse_rand_augment,
-                         validate)
+from tfdp.augment.policy_spec import RAND_AUGMENT_OP_NAMES, RandAugmentSpec, parse_rand_augment
+from tfdp.config import AugmentConfig, validate
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
 SEED = tf.constant([7, 11], tf.int64)

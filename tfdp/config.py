@@ -19,6 +19,7 @@ import pydantic
 import yaml
 from pydantic import ConfigDict, Field, Strict
 
+from tfdp.augment.policy_spec import RAND_AUGMENT_OP_NAMES, parse_rand_augment
 from tfdp.errors import UserError
 from tfdp.resolution import ramp_sizes
 
@@ -34,6 +35,10 @@ Str = Annotated[str, Strict()]
 
 
 DEFAULT_CACHE_DIR = "~/.cache/tfdp/remote"
+# ImageNet's per-channel mean and standard deviation in 0..255 pixel units (timm's IMAGENET_DEFAULT_MEAN/STD
+# times 255): data.mean/data.std's defaults, and the augmentations' when called without them.
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
 
 
 @dataclasses.dataclass
@@ -81,8 +86,8 @@ class DataConfig:
     # to different replicas of a step; an epoch keeps its length. 1: off.
     repeated_augmentation: PosInt = 1
     # Per-channel statistics in 0..255 pixel units, applied on the device.
-    mean: tuple[Annotated[float, Strict()], ...] = (123.675, 116.28, 103.53)
-    std: tuple[PosFloat, ...] = (58.395, 57.12, 57.375)   # ... and their standard deviations
+    mean: tuple[Annotated[float, Strict()], ...] = IMAGENET_MEAN
+    std: tuple[PosFloat, ...] = IMAGENET_STD   # ... and their standard deviations
     # A tf.data service dispatcher (grpc://host:port, see `tfdp data-service`) that runs the training
     # pipeline on its workers, so input scales past this host's CPUs; "" = the local pipeline.
     # Evaluation always reads locally.
@@ -247,75 +252,9 @@ class LogConfig:
     wandb_mode: Literal["online", "offline", "disabled"] = "online"   # Weights & Biases' mode
 
 
-# RandAugment ops by timm's names (timm/data/auto_augment.py); tfdp/augment.py implements each.
-RAND_AUGMENT_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
-                    "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
-# timm's "inc1" list: the same ops, those with a direction replaced by variants that grow with the magnitude.
-RAND_AUGMENT_INCREASING_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreasing",
-                               "SolarizeIncreasing", "SolarizeAdd", "ColorIncreasing", "ContrastIncreasing",
-                               "BrightnessIncreasing", "SharpnessIncreasing", "ShearX", "ShearY", "TranslateXRel",
-                               "TranslateYRel")
-RAND_AUGMENT_OP_NAMES = tuple(dict.fromkeys(RAND_AUGMENT_OPS + RAND_AUGMENT_INCREASING_OPS))
-
-
-@dataclasses.dataclass(frozen=True)
-class RandAugmentSpec:
-    """A parsed timm RandAugment string; the defaults are timm's for a section left out."""
-    num_ops: int = 2              # n: ops applied one after another to each image
-    magnitude: float = 10.0       # m: 0..10 (timm's _LEVEL_DENOM scale)
-    magnitude_std: float = 0.0    # mstd: per-application gaussian noise on m; inf (mstd > 100): uniform in [0, m]
-    magnitude_max: float = 10.0   # mmax: the noisy magnitude is clipped to [0, mmax]
-    increasing: bool = False      # inc1: RAND_AUGMENT_INCREASING_OPS instead of RAND_AUGMENT_OPS
-    prob: float = 0.5             # p: chance that each chosen op is applied (timm's AugmentOp prob)
-
-
-def parse_rand_augment(text: str) -> RandAugmentSpec:
-    """Reads timm's `rand-m9-n2-mstd0.5-mmax10-inc1-p0.5` syntax; raises ValueError naming the bad section.
-
-    Stricter than timm, which silently skips a section without digits and asserts on unknown keys.
-    """
-    sections = text.split("-")
-    if sections[0] != "rand":
-        raise ValueError(f"must start with 'rand-' (timm's RandAugment syntax, e.g. rand-m9-mstd0.5-inc1), "
-                         f"not {sections[0]!r}")
-    values: dict[str, Any] = {}
-    for section in sections[1:]:
-        key, value = _split_section(section)
-        values[key] = value
-    return RandAugmentSpec(**values)
-
-
-_RAND_AUGMENT_KEYS = {"m": ("magnitude", float), "n": ("num_ops", int), "mstd": ("magnitude_std", float),
-                      "mmax": ("magnitude_max", float), "inc": ("increasing", int), "p": ("prob", float)}
-
-
-def _split_section(section: str) -> tuple[str, Any]:
-    """One `key<number>` section of a RandAugment string as (RandAugmentSpec field, value)."""
-    key = section.rstrip("0123456789.")
-    raw = section[len(key):]
-    if key not in _RAND_AUGMENT_KEYS:
-        known = ", ".join(f"{k}<number>" for k in _RAND_AUGMENT_KEYS)
-        raise ValueError(f"unknown RandAugment section {section!r} (known: {known})")
-    field, kind = _RAND_AUGMENT_KEYS[key]
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"RandAugment section {section!r} needs a{'n integer' if kind is int else ' number'} "
-                         f"after {key!r}") from None
-    if key == "mstd" and value > 100:
-        value = float("inf")  # timm: uniform magnitude in [0, m]
-    if key == "n" and value < 1:
-        raise ValueError(f"RandAugment section {section!r}: n must be at least 1")
-    if key == "inc" and value not in (0, 1):
-        raise ValueError(f"RandAugment section {section!r}: inc must be 0 or 1")
-    if key == "p" and not 0 <= value <= 1:
-        raise ValueError(f"RandAugment section {section!r}: p must be in [0, 1]")
-    return field, bool(value) if key == "inc" else value
-
-
 @dataclasses.dataclass
 class AugmentConfig:
-    """Batch augmentations run on the device inside the training step (tfdp/augment.py); all off by default.
+    """Batch augmentations run on the device inside the training step (tfdp/augment/); all off by default.
 
     Each follows its reference implementation (timm or torchvision) and draws its randomness per image.
     """
@@ -324,7 +263,7 @@ class AugmentConfig:
     # mstd<magnitude noise> mmax<magnitude cap> inc<0|1> p<chance per op>; timm's ImageNet recipes use
     # "rand-m9-mstd0.5-inc1" (n2, p0.5 by default).
     rand_augment: Str = ""
-    # Restrict RandAugment to these ops (timm names, config.RAND_AUGMENT_OP_NAMES); empty: timm's 15 (inc1: its
+    # Restrict RandAugment to these ops (timm names, augment.policy_spec.RAND_AUGMENT_OP_NAMES); empty: timm's 15 (inc1: its
     # increasing variants).
     rand_augment_ops: tuple[Str, ...] = ()
     # torchvision TrivialAugmentWide: one op per image, its magnitude uniform over 31 bins. Excludes rand_augment.

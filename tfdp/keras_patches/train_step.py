@@ -201,7 +201,7 @@ def stateless_update(optimizer: keras.optimizers.Optimizer, optimizer_values: li
 def augment_before_step(model: keras.Model, augment, run_seed: int, jit_compile: bool) -> None:
     """Runs `augment(images, labels, seed) -> (images, soft labels)` on each replica's batch before the step.
 
-    The batch augmentations (tfdp/augment.py) are per-pixel work, so they run
+    The batch augmentations (tfdp/augment/) are per-pixel work, so they run
     on the device, as the step's first program (compiled with XLA when the
     step is). Their seed comes from (train.seed, the optimizer's step,
     the global replica id): every replica and every step draws its own, and a
