@@ -54,7 +54,7 @@ def main() -> None:
     import tensorflow as tf
 
     from tfdp.config import DataConfig
-    from tfdp.data.pipeline import _decode_calls
+    from tfdp.data.pipeline import decode_calls
     from tfdp.data.preprocess import eval_transform
     from tfdp.predict import prediction_dataset
 
@@ -70,7 +70,7 @@ def main() -> None:
             fallback = tf.data.Dataset.from_tensors((number, path)).map(
                 lambda k, p: (tf.py_function(lambda *_: -1, [k, p], tf.int64), blank))
             return decoded.concatenate(fallback).take(1)
-        calls = _decode_calls()
+        calls = decode_calls()
         guarded = tf.data.Dataset.from_tensor_slices(paths).enumerate().interleave(
             guard, cycle_length=calls, block_length=1, num_parallel_calls=calls, deterministic=True).batch(32)
         listed = prediction_dataset(paths, cfg, 32, tf.distribute.InputContext())

@@ -333,7 +333,7 @@ def stream_files(split, cfg, seed, count):
     """The files behind the first `count` records of the training stream (the pipeline's own order)."""
     from tfdp.data import pipeline
     ctx = tf.distribute.InputContext()
-    ds = pipeline._epochs(split, cfg, ctx, False, seed, 0, split.num_examples).take(count)
+    ds = pipeline.epoch_payloads(split, cfg, ctx, False, seed, 0, split.num_examples).take(count)
     return [path.decode() for path, _ in ds.as_numpy_iterator()]
 
 

@@ -157,7 +157,7 @@ def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
     """
     import tensorflow as tf
 
-    from tfdp.data.pipeline import _decode_calls
+    from tfdp.data.pipeline import decode_calls
     from tfdp.data.preprocess import eval_transform
     transform = eval_transform(cfg)
     size = eval_image_size(cfg)
@@ -170,7 +170,7 @@ def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
     paths = tf.constant(files[i::n], tf.string)
 
     ds = tf.data.Dataset.from_tensor_slices((numbers, paths)).map(
-        lambda k, p: (k, transform(tf.io.read_file(p), k)), num_parallel_calls=_decode_calls(),
+        lambda k, p: (k, transform(tf.io.read_file(p), k)), num_parallel_calls=decode_calls(),
         deterministic=False).ignore_errors()
     padding = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), blank)).repeat()
     return ds.concatenate(padding).take(padded).batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)

@@ -37,7 +37,7 @@ from tfdp.resolution import eval_image_size
 AUTOTUNE = tf.data.AUTOTUNE
 
 
-def _decode_calls() -> int:
+def decode_calls() -> int:
     """Decodes in flight. The map keeps element order (corrupt images are counted from gaps in it), so
     one slow image holds back finished ones; with AUTOTUNE's limit of one call per core a core then
     idles. Three per core keeps both busy (the gain is in docs/benchmarks.md, input pipeline)."""
@@ -109,12 +109,12 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     """
     ctx = input_context or tf.distribute.InputContext()
     share, data_shard = pipeline_share(split, ctx)
-    share_size = _share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
+    share_size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
     consumed, bad = start
     first_epoch, offset = divmod(consumed, max(share_size, 1))
-    ds = _epochs(share, cfg, ctx, data_shard, seed, first_epoch, share_size).skip(offset)
+    ds = epoch_payloads(share, cfg, ctx, data_shard, seed, first_epoch, share_size).skip(offset)
     transform = train_transform(cfg, seed)
-    ds = _examples(ds, share, cfg, transform, num_classes, first=consumed)
+    ds = decoded_examples(ds, share, cfg, transform, num_classes, first=consumed)
     names = StreamNames.of_training(share, cfg, ctx, data_shard, seed, share_size)
     ds = _replica_batches(ds, cfg, ctx, global_batch, first=consumed, on_gap=corrupt_namer(names, cfg, transform))
     tally = Tally(num_classes, cfg.max_bad_fraction, share_size, corrupt, position)
@@ -179,8 +179,8 @@ def _last_of(counts: tf.Tensor, n: int) -> tf.Tensor:
     return tf.concat([tf.zeros([n - 1, 2], counts.dtype), counts[None]], 0)
 
 
-def _epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool, seed: int | None,
-            first_epoch: int, share_size: int, cache=readers.cached) -> tf.data.Dataset:
+def epoch_payloads(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool,
+                   seed: int | None, first_epoch: int, share_size: int, cache=readers.cached) -> tf.data.Dataset:
     """Data epochs `first_epoch`, `first_epoch + 1`, ... of the share's payloads, each in an order of its own.
 
     Epoch `e` permutes the files (or shards) with a stateless permutation
@@ -256,13 +256,13 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     ctx = input_context or tf.distribute.InputContext()
     batch = ctx.get_per_replica_batch_size(global_batch)
     per_step = global_batch // ctx.num_input_pipelines
-    sizes = _share_sizes(split, ctx.num_input_pipelines)
+    sizes = share_sizes(split, ctx.num_input_pipelines)
     padded = -(-max(sizes) // per_step) * per_step
     share, data_shard = pipeline_share(split, ctx)
     ds = readers.payloads(share, cfg, ctx, data_shard)
     ds = readers.cached(ds, share) if cfg.cache else ds
     transform = eval_transform(cfg)
-    ds = _examples(ds, share, cfg, transform, num_classes).batch(batch)
+    ds = decoded_examples(ds, share, cfg, transform, num_classes).batch(batch)
     names = StreamNames.of_evaluation(share, ctx, data_shard)
     ds = _counted(ds, Tally(num_classes, cfg.max_bad_fraction, sizes[ctx.input_pipeline_id], corrupt),
                   on_gap=corrupt_namer(names, cfg, transform))
@@ -306,11 +306,11 @@ def pipeline_share(split: Split, ctx: tf.distribute.InputContext) -> tuple[Split
 
 
 def _by_file(split: Split, n: int) -> bool:
-    """The sharding rule `pipeline_share` and `_share_sizes` agree on: whole files when there are enough."""
+    """The sharding rule `pipeline_share` and `share_sizes` agree on: whole files when there are enough."""
     return len(split.files) >= n
 
 
-def _share_sizes(split: Split, n: int) -> list[int]:
+def share_sizes(split: Split, n: int) -> list[int]:
     """Examples each of the `n` input pipelines gets (as `pipeline_share` splits them)."""
     counts = split.file_counts()
     if _by_file(split, n):
@@ -319,15 +319,15 @@ def _share_sizes(split: Split, n: int) -> list[int]:
     return [len(range(i, total, n)) for i in range(n)]
 
 
-def _examples(ds: tf.data.Dataset, share: Split, cfg: DataConfig, transform, num_classes: int,
-              first: int = 0) -> tf.data.Dataset:
+def decoded_examples(ds: tf.data.Dataset, share: Split, cfg: DataConfig, transform, num_classes: int,
+                     first: int = 0) -> tf.data.Dataset:
     """(record index, image, label) for every payload that decodes; corrupt ones are dropped, leaving a gap
     in the index that `_counted` counts. `first` is the stream position of the first payload."""
     example = readers.example_fn(share, cfg, num_classes)
 
     def decode(index, element):
         return (index, *example(element, index, transform))
-    return ds.enumerate(start=first).map(decode, num_parallel_calls=_decode_calls(), deterministic=True).ignore_errors()
+    return ds.enumerate(start=first).map(decode, num_parallel_calls=decode_calls(), deterministic=True).ignore_errors()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,7 +428,7 @@ class StreamNames:
 
     Only asked when an image failed to decode (its position is a gap in the
     stream). The stream's order is a pure function of the seed and the
-    position (see `_epochs`), so it is replayed with file numbers in place of
+    position (see `epoch_payloads`), so it is replayed with file numbers in place of
     the files: the same permutations and shuffles, nothing read or decoded.
     Each replayed epoch's order is kept until a position in another one is
     asked for.
@@ -446,8 +446,8 @@ class StreamNames:
         numbered = dataclasses.replace(share, files=tuple(str(i) for i in range(len(share.files))))
 
         def order(epoch: int) -> tf.data.Dataset:
-            return _epochs(numbered, cfg, ctx, data_shard, seed, epoch, share_size,
-                           cache=lambda ds, _: ds).take(share_size)
+            return epoch_payloads(numbered, cfg, ctx, data_shard, seed, epoch, share_size,
+                                  cache=lambda ds, _: ds).take(share_size)
         return cls(share.files, share_size, order)
 
     @classmethod

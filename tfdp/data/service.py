@@ -40,8 +40,8 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.data import readers
-from tfdp.data.pipeline import (AUTOTUNE, MAX_EPOCHS, CorruptCounter, StreamPosition, Tally, _epochs, _examples,
-                                _share_sizes, checked, pipeline_share, tallied)
+from tfdp.data.pipeline import (AUTOTUNE, MAX_EPOCHS, CorruptCounter, StreamPosition, Tally, checked,
+                                decoded_examples, epoch_payloads, pipeline_share, share_sizes, tallied)
 from tfdp.data.preprocess import train_transform
 from tfdp.data.sources import Split
 from tfdp.data.storage import cache_paths, is_remote_url
@@ -68,7 +68,7 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     served = sent.apply(tf.data.experimental.service.distribute(
         processing_mode=cfg.service_mode, service=cfg.service_address, job_name=job_name,
         compression=compression))
-    share = _share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
+    share = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
     tally = Tally(num_classes, cfg.max_bad_fraction, share, corrupt, position)
     return checked(served, tally, start).prefetch(AUTOTUNE)
 
@@ -86,7 +86,7 @@ def sent_batches(split: Split, cfg: DataConfig, global_batch: int, seed: int, ct
         payloads, share = _whole_split(split, cfg, seed, ctx, start[0], epochs), split
     else:
         payloads, share = _own_share(split, cfg, ctx, epochs)
-    ds = _examples(payloads, share, cfg, train_transform(cfg, seed), num_classes)  # labels: checked by the trainer
+    ds = decoded_examples(payloads, share, cfg, train_transform(cfg, seed), num_classes)  # labels: checked by the trainer
     ds = ds.batch(ctx.get_per_replica_batch_size(global_batch), drop_remainder=True)
     return tallied(ds)
 
@@ -179,6 +179,6 @@ def _own_share(split: Split, cfg: DataConfig, ctx: tf.distribute.InputContext,
                epochs: int | None) -> tuple[tf.data.Dataset, Split]:
     """`parallel_epochs`: this trainer's share, in an order each service worker draws for itself."""
     share, data_shard = pipeline_share(split, ctx)
-    size = _share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
-    stream = _epochs(share, cfg, ctx, data_shard, None, 0, size)
+    size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
+    stream = epoch_payloads(share, cfg, ctx, data_shard, None, 0, size)
     return (stream if epochs is None else stream.take(epochs * size)), share
