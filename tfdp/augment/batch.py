@@ -20,8 +20,6 @@ _STAGES = ("color_jitter", "policy", "erasing", "mix")
 Augment = Callable[[tf.Tensor, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
 
 
-# ----------------------------------------------------------------------------- public API
-
 def build_batch_augment(cfg: AugmentConfig, num_classes: int, *, label_smoothing: float = 0.0,
                         mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Augment | None:
     """The configured augmentations as one function, or None when every switch is off.
