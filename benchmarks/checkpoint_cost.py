@@ -34,7 +34,7 @@ SETUPS = {  # name: (registry model, image size, classes, per-replica batch)
 def measure(name: str, args, runtime) -> dict:
     import keras
 
-    from tfdp.callbacks import Checkpointer
+    from tfdp.callbacks import Checkpointer, CheckpointSettings
     from tfdp.checkpoints import CheckpointStore
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
@@ -71,7 +71,7 @@ def measure(name: str, args, runtime) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         store = CheckpointStore(tmp)
-        checkpointer = Checkpointer(store, "val_top1", None, steps_per_epoch=100, every_steps=1,
+        checkpointer = Checkpointer(store, CheckpointSettings("val_top1", steps_per_epoch=100, every_steps=1),
                                     average=state_averager(model), input_state=lambda steps: [[steps * batch, 0]],
                                     snapshot=ReplicaSnapshot(model))
         checkpointer.set_model(model)

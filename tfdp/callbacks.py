@@ -7,7 +7,7 @@ learning rate and throughput first, so the metrics log and checkpoints see them.
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import hashlib
 import json
 import os
@@ -144,6 +144,19 @@ def ema_weights(model: keras.Model):
             variable.assign(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """What a run tells its `Checkpointer`: the metric that picks the best epoch (and the best so far), the
+    epoch length, how often to save mid-epoch, and where the run resumed (epoch, step in it) with that
+    checkpoint's metric totals."""
+    monitor: str
+    steps_per_epoch: int
+    every_steps: int = 0
+    best: dict[str, Any] | None = None
+    resume: tuple[int, int] = (0, 0)
+    resume_metrics: dict[str, list[float]] | None = None
+
+
 class Checkpointer(keras.callbacks.Callback):
     """Saves every epoch and every `every_steps` steps (atomically), keeps the best epoch by `monitor`,
     and stops at an agreed step on a preemption notice.
@@ -152,27 +165,24 @@ class Checkpointer(keras.callbacks.Callback):
     the global step, each worker's input position (`input_state(steps)`, a
     collective), the metric accumulators of the partial epoch, and every
     replica's own batch-norm statistics (`snapshot`); the saved weights hold
-    their average (`average`), as evaluation and export read them. `resume` = (epoch, step in that epoch) of
-    the checkpoint this run started from; `resume_metrics` its metric totals.
+    their average (`average`), as evaluation and export read them. `settings` holds the rest
+    (`CheckpointSettings`: the monitored metric, where the run resumed, ...).
     """
 
-    def __init__(self, store: CheckpointStore, monitor: str, best: dict[str, Any] | None, *,
-                 steps_per_epoch: int, every_steps: int, average: Callable[[], None],
-                 input_state: Callable[[int], list], snapshot: ReplicaSnapshot,
-                 watch: PreemptionWatch | None = None,
-                 resume: tuple[int, int] = (0, 0), resume_metrics: dict[str, list[float]] | None = None):
+    def __init__(self, store: CheckpointStore, settings: CheckpointSettings, *, average: Callable[[], None],
+                 input_state: Callable[[int], list], snapshot: ReplicaSnapshot, watch: PreemptionWatch | None = None):
         super().__init__()
         self.store = store
-        self.monitor = monitor
-        self.best = best
-        self._higher_is_better = not monitor.endswith("loss")
-        self.steps_per_epoch = steps_per_epoch
-        self.every_steps = every_steps
+        self.monitor = settings.monitor
+        self.best = settings.best
+        self._higher_is_better = not settings.monitor.endswith("loss")
+        self.steps_per_epoch = settings.steps_per_epoch
+        self.every_steps = settings.every_steps
         self.average = average
         self.input_state = input_state
         self.watch = watch
-        self.resume = resume
-        self.resume_metrics = resume_metrics
+        self.resume = settings.resume
+        self.resume_metrics = settings.resume_metrics
         self.snapshot = snapshot
         self._epoch = self._offset = 0
         self._fit_steps = 0

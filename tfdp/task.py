@@ -25,7 +25,7 @@ from tfdp.errors import UserError
 from tfdp.finetune import scale_learning_rates
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
 from tfdp.augment import build_batch_augment
-from tfdp.batching import batch_layout
+from tfdp.batching import BatchLayout, batch_layout
 from tfdp.elastic import Streams
 from tfdp.keras_patches.train_step import augment_before_step, compile_train_step, use_xla
 from tfdp.losses import BinaryCrossEntropy, SparseSmoothedCrossentropy, Top1, TopK
@@ -47,6 +47,11 @@ class Plan:
     lost_records: int = 0           # listed in counts.json but cut off their shards (both splits)
     damaged: tuple[str, ...] = ()   # the shards those records were lost from
     accum_steps: int = 1            # micro-batches per optimizer step (a step is always an optimizer step)
+    # How the global batch is cut on the replicas found (`tfdp.batching`); None in a Plan built by hand.
+    layout: BatchLayout | None = None
+    # Whole-step XLA, on or off, and why (`use_xla` on the run's devices): decided here, once per run.
+    # None in a Plan built by hand: `compile_model` then decides on the devices of the scope it runs in.
+    xla: tuple[bool, str] | None = None
 
     def micro_batch(self) -> int:
         """Images per micro-batch over all replicas: what one forward pass sees, and the evaluation batch."""
@@ -54,6 +59,7 @@ class Plan:
 
 
 def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
+    """The run's sizes and the two decisions every later part reads: the batch layout and XLA."""
     if source.num_classes and source.num_classes != cfg.model.num_classes:  # 0: unknown until labels are read
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
@@ -67,7 +73,8 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
     return Plan(global_batch, steps, train.num_examples, val.num_examples, cfg.model.num_classes,
                 train.lost_records + val.lost_records,
                 tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n),
-                accum_steps=layout.accum_steps)
+                accum_steps=layout.accum_steps, layout=layout,
+                xla=use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn))
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
@@ -78,7 +85,7 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs)
     optimizer = build_optimizer(cfg.optimizer, schedule)
     model = _compiled(cfg, optimizer)
-    jit = use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn)[0]
+    jit = (plan.xla or use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn))[0]
     if jit or plan.accum_steps > 1:
         # Whole-step XLA per replica (Keras' own jit fails with several replicas); accumulation needs this step.
         compile_train_step(model, jit, plan.accum_steps)
@@ -160,12 +167,13 @@ def current_devices() -> list[str]:
     return [d.name for d in tf.config.list_logical_devices("GPU")[:1]] or ["/device:CPU:0"]
 
 
-def validation_dataset(cfg: Config, source: Source, runtime: Runtime):
+def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: BatchLayout | None = None):
     """Per-worker validation pipelines: each worker builds (and reads) only its own share, a training
-    micro-batch per replica at a time (what fits in memory)."""
+    micro-batch per replica at a time (what fits in memory). `layout`: the training run's (`Plan.layout`);
+    None for `tfdp evaluate`, which derives it."""
     val = source.split(cfg.data.val_split)
     try:
-        per_replica = batch_layout(cfg.train, runtime.num_replicas).per_replica
+        per_replica = (layout or batch_layout(cfg.train, runtime.num_replicas)).per_replica
     except UserError:  # `tfdp evaluate` on replicas that could not train this global batch: it need not divide
         per_replica = cfg.train.batch_size_per_replica
     global_batch = per_replica * runtime.num_replicas

@@ -1,7 +1,11 @@
 """`tfdp train`: config → data → model (in the strategy's scope) → fit → summary.
 
-Read top to bottom, this is the whole training run; the model and datasets
-come from `tfdp.task`, everything else it calls lives in a module of its own.
+Read top to bottom, this is the whole training run: the data (`tfdp.data`),
+the plan that sizes the run and makes its decisions once (`tfdp.task.make_plan`:
+global batch and its layout, XLA), the run built from them (`tfdp.run.Run`:
+model, restored checkpoint, input streams, validation data, checkpointer
+settings), then the fit calls and their callbacks; everything else it calls
+lives in a module of its own.
 """
 
 from __future__ import annotations
@@ -21,29 +25,25 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import config as config_lib
-from tfdp.batching import batch_layout
-from tfdp.elastic import Streams, check_global_batch, plan_streams, run_facts
 from tfdp.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluation, EpochStats, MetricsLog, WandbLog,
                             tensorboard)
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config, DataConfig
-from tfdp.data import Source, build_source
+from tfdp.data import build_source
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
-from tfdp.finetune import Freezing
 from tfdp.lease import writer_lease
 from tfdp.metrics_file import METRICS_FILE, read_metrics
 from tfdp.models import check_model_name
-from tfdp.models.weights import init_from
 from tfdp.places import writable_tree
 from tfdp.preemption import PreemptionWatch
-from tfdp.replica_state import ReplicaSnapshot, decorrelate_random_streams, state_averager
+from tfdp.replica_state import decorrelate_random_streams, state_averager
 from tfdp.resolution import size_runs
 from tfdp.strategy import Runtime
-from tfdp.task import Plan, TrainStream, compile_model, make_plan, validation_dataset
-from tfdp.keras_patches.train_step import use_xla
+from tfdp.run import Run
+from tfdp.task import Plan, make_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,17 +81,6 @@ def size_line(data: DataConfig, epoch: int, epochs: int) -> str:
     return f"tfdp: data: {which} at {size} px"
 
 
-def resume_input(state: dict | None, runtime: Runtime, plan: Plan, service: bool = False) -> Streams:
-    """The input streams this worker reads, at the checkpoint's positions (`tfdp.elastic`; a fresh run: its
-    own stream from the start). A layout change is one line: exact, or why not."""
-    steps_done = state.get("step", state["epoch"] * plan.steps_per_epoch) if state else 0
-    streams, line = plan_streams(state, runtime.num_workers, runtime.worker_index, steps_done, plan.global_batch,
-                                 service)
-    if line:
-        print(line, flush=True)
-    return streams
-
-
 def train(cfg: Config, runtime: Runtime) -> dict:
     """Trains (or resumes) the run described by `cfg`; returns the final summary."""
     check_model_name(cfg.model.name)
@@ -113,18 +102,12 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
     plan = make_plan(cfg, source, runtime)
     for split in (cfg.data.train_split, cfg.data.val_split):
         check_lost(source.split(split), cfg.data.max_bad_fraction)
-    print(batch_layout(cfg.train, runtime.num_replicas).line() + f", {runtime.num_workers} worker(s)", flush=True)
+    print(plan.layout.line() + f", {runtime.num_workers} worker(s)", flush=True)
     print(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
           f"global batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch", flush=True)
-    with runtime.strategy.scope():
-        model = compile_model(cfg, plan)
-    freezing = Freezing.plan(cfg.train, cfg.model.name, model)  # train.freeze checked against the model's layers
-    jit, why = use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn)  # as compile_model resolved it
-    print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
-    state = CheckpointStore(model_dir).restore_latest(model)
-    check_global_batch(state, batch_layout(cfg.train, runtime.num_replicas))
-    init_from(model, cfg.model, cfg.data, resumed=state is not None)
-    epoch, step_in_epoch = (state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0)
+    run = Run.build(cfg, runtime, source, plan, model_dir)  # the model, restored or filled from init_from
+    state = run.state
+    epoch, step_in_epoch = run.resume
     previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
     if epoch >= cfg.train.epochs:
         print(f"tfdp: all {cfg.train.epochs} epochs already trained in {model_dir}", flush=True)
@@ -139,49 +122,40 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
         save_config(cfg, out)
         metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
         fits = split_by_image_size(segments(epoch, step_in_epoch, cfg.train.epochs, plan.steps_per_epoch), cfg.data)
-        fits = freezing.split(fits)  # one trainable set per fit
+        fits = run.freezing.split(fits)  # one trainable set per fit
         if fits:
-            fit_all(cfg, runtime, model, source, plan, fits, state, store, metrics_log, out, freezing)
+            fit_all(run, fits, store, metrics_log, out)
     summary = summarize(metrics_log.rows, runtime, plan, cfg.train.best_metric)
-    summary["fingerprint"] = weights_fingerprint(model)
+    summary["fingerprint"] = weights_fingerprint(run.model)
     print(f"tfdp: worker {runtime.worker_index} of {runtime.num_workers}: weights fingerprint {summary['fingerprint']}",
           flush=True)
     print(format_summary(summary), flush=True)
     return summary
 
 
-def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, plan: Plan, fits: list[Segment],
-            state: dict | None, store: CheckpointStore, metrics_log: MetricsLog, out: str,
-            freezing: Freezing | None = None) -> None:
+def fit_all(run: Run, fits: list[Segment], store: CheckpointStore, metrics_log: MetricsLog, out: str) -> None:
     """Runs the `segments` fit calls, each continuing the input stream where the last one stopped."""
+    cfg, runtime, model, freezing = run.cfg, run.runtime, run.model, run.freezing
     corrupt = CorruptCounter()
     CORRUPT_LOG.write_to(corrupt_images_file(os.path.expanduser(cfg.model_dir), runtime.worker_index))
-    stream = TrainStream(cfg, source, runtime, plan, corrupt)
+    stream = run.train_stream(corrupt)
     average = state_averager(model)
     watch = PreemptionWatch(runtime.strategy, runtime.num_workers)
-    snapshot = ReplicaSnapshot(model)
-    own = state.get("replica_state") if state else None
-    if own is not None and own.shape == (runtime.num_replicas, snapshot.width):
-        snapshot.put_back(own)  # each replica's statistics as they were, not just their saved average
+    snapshot = run.replica_snapshot()
     decorrelate_random_streams(model)  # each replica flips and drops its own images, not replica 0's choices
-    checkpointer = Checkpointer(
-        store, cfg.train.best_metric, state["best"] if state else None,
-        steps_per_epoch=plan.steps_per_epoch, every_steps=cfg.train.checkpoint_every_steps, average=average,
-        input_state=stream.state, snapshot=snapshot, watch=watch,
-        resume=(state["epoch"], state.get("step_in_epoch", 0)) if state else (0, 0),
-        resume_metrics=state.get("metrics") if state else None)
+    checkpointer = Checkpointer(store, run.checkpoint_settings(), average=average, input_state=stream.state,
+                                snapshot=snapshot, watch=watch)
     # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
     # drops the killed run's copy of it (see `callbacks.tensorboard`).
-    val_ds = validation_dataset(cfg, source, runtime)
+    val_ds = run.validation()
     ema = [EmaEvaluation(val_ds)] if cfg.optimizer.ema_decay else []
     progressive = bool(cfg.data.progressive_min_size)
-    stats = EpochStats(plan.global_batch, corrupt, live=sys.stdout.isatty(),
+    stats = EpochStats(run.plan.global_batch, corrupt, live=sys.stdout.isatty(),
                        image_size=(lambda: stream.image_size) if progressive else None)
     callbacks = [stats, AverageReplicaState(average), *ema, metrics_log,
                  *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
-    stream.streams = resume_input(state, runtime, plan, bool(cfg.data.service_address))
-    checkpointer.facts = run_facts(batch_layout(cfg.train, runtime.num_replicas), runtime.num_workers,
-                                   stream.streams.count)
+    stream.streams = run.input_streams()
+    checkpointer.facts = run.facts(stream.streams)
     start = list(stream.streams.starts)
     watch.install()
     try:
@@ -193,7 +167,7 @@ def fit_all(cfg: Config, runtime: Runtime, model: keras.Model, source: Source, p
                 if progressive and fit.image_size != size:
                     print(size_line(cfg.data, fit.initial_epoch, cfg.train.epochs), flush=True)
                 size = fit.image_size
-                if freezing and (line := freezing.enter(model, fit.initial_epoch, cfg.train.epochs)):
+                if (line := freezing.enter(model, fit.initial_epoch, cfg.train.epochs)):
                     print(line, flush=True)
                 model.fit(stream.dataset(start, fit.image_size), validation_data=val_ds, epochs=fit.epochs,
                           initial_epoch=fit.initial_epoch, steps_per_epoch=fit.steps, callbacks=callbacks,

@@ -22,6 +22,9 @@ the first block; this keeps full resolution in stage 1, as in He et al. 2016
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import keras
 from keras import layers
 
@@ -94,54 +97,66 @@ def bottleneck(x, filters: int, stride: int, name: str, drop_path: float = 0.0, 
     return residual(x, skip, name, drop_path)
 
 
-def resnet(input_shape, num_classes: int, dropout: float, block, depths, name: str, small_images: bool = False,
-           drop_path: float = 0.0, **block_kwargs) -> keras.Model:
+@dataclasses.dataclass(frozen=True)
+class ResNetSpec:
+    """What tells one ResNet from another: its block, the blocks per stage, its name, its stem, the block's
+    own arguments (ResNeXt's groups and width)."""
+    block: Callable
+    depths: tuple[int, int, int, int]
+    name: str
+    small_images: bool = False
+    block_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+def resnet(input_shape, num_classes: int, dropout: float, spec: ResNetSpec, drop_path: float = 0.0) -> keras.Model:
     inputs = keras.Input(input_shape)
-    if small_images:
+    if spec.small_images:
         x = conv_bn(inputs, 64, 3, 1, "stem")
     else:
         x = conv_bn(inputs, 64, 7, 2, "stem")
         # PyTorch pads this max-pool by 1 on every side; zeros do as well as -inf after a ReLU.
         x = layers.ZeroPadding2D(1, name="stem_pool_pad")(x)
         x = layers.MaxPooling2D(3, strides=2, name="stem_pool")(x)
-    blocks, index = sum(depths), 0
-    for stage, (filters, depth) in enumerate(zip((64, 128, 256, 512), depths), start=1):
+    blocks, index = sum(spec.depths), 0
+    for stage, (filters, depth) in enumerate(zip((64, 128, 256, 512), spec.depths), start=1):
         for i in range(depth):
             stride = 2 if stage > 1 and i == 0 else 1
             rate = drop_path * index / max(blocks - 1, 1)
-            x = block(x, filters, stride, f"stage{stage}_block{i + 1}", drop_path=rate, **block_kwargs)
+            x = spec.block(x, filters, stride, f"stage{stage}_block{i + 1}", drop_path=rate,
+                           **dict(spec.block_kwargs))
             index += 1
     x = layers.GlobalAveragePooling2D(name="pool")(x)
     if dropout:
         x = layers.Dropout(dropout, name="dropout")(x)
-    return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name=name)
+    return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name=spec.name)
 
 
 @register("resnet18", drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet18(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
-    return resnet(input_shape, num_classes, dropout, basic_block, (2, 2, 2, 2), "resnet18_backbone",
-                  drop_path=drop_path)
+    return resnet(input_shape, num_classes, dropout, ResNetSpec(basic_block, (2, 2, 2, 2), "resnet18_backbone"),
+                  drop_path)
 
 
 @register("resnet34", drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet34(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
-    return resnet(input_shape, num_classes, dropout, basic_block, (3, 4, 6, 3), "resnet34_backbone",
-                  drop_path=drop_path)
+    return resnet(input_shape, num_classes, dropout, ResNetSpec(basic_block, (3, 4, 6, 3), "resnet34_backbone"),
+                  drop_path)
 
 
 @register("resnet50_v1_5", drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet50_v1_5(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
-    return resnet(input_shape, num_classes, dropout, bottleneck, (3, 4, 6, 3), "resnet50_v1_5_backbone",
-                  drop_path=drop_path)
+    return resnet(input_shape, num_classes, dropout,
+                  ResNetSpec(bottleneck, (3, 4, 6, 3), "resnet50_v1_5_backbone"), drop_path)
 
 
 @register("resnext50_32x4d", drop_path=True, layer_groups=LAYER_GROUPS)
 def resnext50_32x4d(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
-    return resnet(input_shape, num_classes, dropout, bottleneck, (3, 4, 6, 3), "resnext50_32x4d_backbone",
-                  drop_path=drop_path, groups=32, width_per_group=4)
+    spec = ResNetSpec(bottleneck, (3, 4, 6, 3), "resnext50_32x4d_backbone",
+                      block_kwargs=(("groups", 32), ("width_per_group", 4)))
+    return resnet(input_shape, num_classes, dropout, spec, drop_path)
 
 
 @register("resnet18_small", min_size=8, drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet18_small(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
-    return resnet(input_shape, num_classes, dropout, basic_block, (2, 2, 2, 2), "resnet18_small_backbone",
-                  small_images=True, drop_path=drop_path)
+    spec = ResNetSpec(basic_block, (2, 2, 2, 2), "resnet18_small_backbone", small_images=True)
+    return resnet(input_shape, num_classes, dropout, spec, drop_path)

@@ -1,0 +1,100 @@
+"""A training run held in one object: built once from (config, runtime, source, plan), read by the trainer.
+
+`Run.build` compiles the model in the strategy's scope, plans its frozen
+layers, restores the latest checkpoint and fills a fresh run from
+`model.init_from`; the `Plan` it is given already holds the run's two
+decisions, the batch layout and XLA (`tfdp.task.make_plan`, made once). What
+runs the run (`tfdp.trainer.fit_all`) takes the run and asks it for the parts
+it needs, the input streams, the validation data, the checkpointer's settings,
+rather than taking ten of them, as Model Garden's task holds the config once
+and builds inputs, model, losses and metrics from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+
+from tfdp.callbacks import CheckpointSettings
+from tfdp.checkpoints import CheckpointStore
+from tfdp.config import Config
+from tfdp.data import Source
+from tfdp.data.pipeline import CorruptCounter
+from tfdp.elastic import Streams, check_global_batch, plan_streams, run_facts
+from tfdp.finetune import Freezing
+from tfdp.models.weights import init_from
+from tfdp.replica_state import ReplicaSnapshot
+from tfdp.strategy import Runtime
+from tfdp.task import Plan, TrainStream, compile_model, validation_dataset
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run: what it was asked (config), where it runs (runtime), what it reads (source), how
+    it is sized and compiled (plan: global batch, layout, XLA), its model and frozen layers, and the
+    checkpoint it resumes from (`state`; None for a fresh run)."""
+    cfg: Config
+    runtime: Runtime
+    source: Source
+    plan: Plan
+    model: keras.Model
+    freezing: Freezing
+    state: dict | None
+
+    @classmethod
+    def build(cls, cfg: Config, runtime: Runtime, source: Source, plan: Plan, model_dir: str) -> "Run":
+        """Model (in the strategy's scope), frozen layers, XLA line, checkpoint restore, `model.init_from`."""
+        with runtime.strategy.scope():
+            model = compile_model(cfg, plan)
+        freezing = Freezing.plan(cfg.train, cfg.model.name, model)  # train.freeze checked against the model's layers
+        jit, why = plan.xla
+        print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
+        state = CheckpointStore(model_dir).restore_latest(model)
+        check_global_batch(state, plan.layout)
+        init_from(model, cfg.model, cfg.data, resumed=state is not None)
+        return cls(cfg, runtime, source, plan, model, freezing, state)
+
+    @property
+    def resume(self) -> tuple[int, int]:
+        """(epoch, step in it) where this run starts: the checkpoint's, or (0, 0)."""
+        return (self.state["epoch"], self.state.get("step_in_epoch", 0)) if self.state else (0, 0)
+
+    def train_stream(self, corrupt: CorruptCounter | None) -> TrainStream:
+        """This worker's training pipeline, startable at any position of its record stream."""
+        return TrainStream(self.cfg, self.source, self.runtime, self.plan, corrupt)
+
+    def input_streams(self) -> Streams:
+        """The input streams this worker reads, at the checkpoint's positions (`tfdp.elastic`; a fresh run:
+        its own stream from the start). A layout change is one line: exact, or why not."""
+        state, runtime = self.state, self.runtime
+        steps_done = state.get("step", state["epoch"] * self.plan.steps_per_epoch) if state else 0
+        streams, line = plan_streams(state, runtime.num_workers, runtime.worker_index, steps_done,
+                                     self.plan.global_batch, bool(self.cfg.data.service_address))
+        if line:
+            print(line, flush=True)
+        return streams
+
+    def validation(self):
+        """Per-worker validation pipelines at the run's micro-batch per replica."""
+        return validation_dataset(self.cfg, self.source, self.runtime, self.plan.layout)
+
+    def replica_snapshot(self) -> ReplicaSnapshot:
+        """Each replica's own non-trained state, put back as the checkpoint saved it when its layout fits."""
+        snapshot = ReplicaSnapshot(self.model)
+        own = self.state.get("replica_state") if self.state else None
+        if own is not None and own.shape == (self.runtime.num_replicas, snapshot.width):
+            snapshot.put_back(own)  # each replica's statistics as they were, not just their saved average
+        return snapshot
+
+    def checkpoint_settings(self) -> CheckpointSettings:
+        """The checkpointer's part of the run: best metric (and best so far), epoch length, step interval,
+        resume point and that checkpoint's metric totals."""
+        state = self.state
+        return CheckpointSettings(self.cfg.train.best_metric, self.plan.steps_per_epoch,
+                                  self.cfg.train.checkpoint_every_steps, state["best"] if state else None,
+                                  self.resume, state.get("metrics") if state else None)
+
+    def facts(self, streams: Streams) -> dict:
+        """What every checkpoint records about the batch and layout that wrote it."""
+        return run_facts(self.plan.layout, self.runtime.num_workers, streams.count)
