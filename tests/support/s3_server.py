@@ -45,6 +45,8 @@ class S3Server:
 def s3_server(bucket: str = "tfdp-test", startup_seconds: float = 60):
     """Starts moto_server on a free loopback port with `bucket`; sets the environment; yields an `S3Server`."""
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"]
+    import s3fs
+    saved = dict(os.environ)
     with server_process(command, "the S3 server (moto)", startup_seconds, MASKED) as port:
         endpoint = f"http://127.0.0.1:{port}"
         for key in MASKED:
@@ -53,7 +55,15 @@ def s3_server(bucket: str = "tfdp-test", startup_seconds: float = 60):
                 "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_EC2_METADATA_DISABLED": "true"}
         member, outsider = _set_up(endpoint, bucket)
         os.environ.update(base, **member)
-        yield S3Server(endpoint, f"s3://{bucket}", {**base, **member}, outsider)
+        # fsspec keeps one S3FileSystem per set of arguments, not per environment: one made for an earlier
+        # server in this process would still talk to that server's (closed) port.
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            yield S3Server(endpoint, f"s3://{bucket}", {**base, **member}, outsider)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+            s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _set_up(endpoint: str, bucket: str) -> tuple[dict, dict]:

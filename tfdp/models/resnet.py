@@ -35,13 +35,16 @@ BN = dict(momentum=0.9, epsilon=1e-5)
 LAYER_GROUPS = {"stem": r"^stem_", "blocks": r"^stage(\d+)_block(\d+)_"}
 
 
-def conv_bn(x, filters: int, kernel: int, stride: int, name: str, relu: bool = True, groups: int = 1):
+def conv_bn(x, filters: int, kernel: int, stride: int, name: str, relu: bool = True, groups: int = 1,
+            pytorch_padding: bool = True):
     """Convolution, batch norm, [ReLU]. A strided convolution pads as PyTorch does (kernel // 2 on every side):
     "same" would pad one pixel less on the top and left of an even-sized input, shifting every window, and
-    torchvision's weights would give other logits."""
-    if stride > 1 and kernel > 1:
+    torchvision's weights would give other logits. `pytorch_padding=False` keeps Keras' "same" (resnet18_small,
+    which has no torchvision counterpart, keeps the numerics its checkpoints and tests were made with)."""
+    if stride > 1 and kernel > 1 and pytorch_padding:
         x = layers.ZeroPadding2D(kernel // 2, name=f"{name}_pad")(x)
-    x = layers.Conv2D(filters, kernel, strides=stride, padding="valid" if stride > 1 else "same", use_bias=False,
+    padded = stride > 1 and kernel > 1 and pytorch_padding
+    x = layers.Conv2D(filters, kernel, strides=stride, padding="valid" if padded else "same", use_bias=False,
                       groups=groups, kernel_initializer="he_normal", name=f"{name}_conv")(x)
     x = layers.BatchNormalization(**BN, name=f"{name}_bn")(x)
     return layers.ReLU(name=f"{name}_relu")(x) if relu else x
@@ -80,9 +83,9 @@ def residual(x, skip, name: str, drop_path: float):
     return layers.ReLU(name=f"{name}_out")(layers.Add(name=f"{name}_add")([x, skip]))
 
 
-def basic_block(x, filters: int, stride: int, name: str, drop_path: float = 0.0):
+def basic_block(x, filters: int, stride: int, name: str, drop_path: float = 0.0, pytorch_padding: bool = True):
     skip = shortcut(x, filters, stride, name)
-    x = conv_bn(x, filters, 3, stride, f"{name}_a")
+    x = conv_bn(x, filters, 3, stride, f"{name}_a", pytorch_padding=pytorch_padding)
     x = conv_bn(x, filters, 3, 1, f"{name}_b", relu=False)
     return residual(x, skip, name, drop_path)
 
@@ -158,5 +161,6 @@ def resnext50_32x4d(input_shape, num_classes: int, dropout: float, drop_path: fl
 
 @register("resnet18_small", min_size=8, drop_path=True, layer_groups=LAYER_GROUPS)
 def resnet18_small(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
-    spec = ResNetSpec(basic_block, (2, 2, 2, 2), "resnet18_small_backbone", small_images=True)
+    spec = ResNetSpec(basic_block, (2, 2, 2, 2), "resnet18_small_backbone", small_images=True,
+                      block_kwargs=(("pytorch_padding", False),))
     return resnet(input_shape, num_classes, dropout, spec, drop_path)
