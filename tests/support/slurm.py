@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 import time
 
+from tfdp.cluster import free_ports
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scancel", "scontrol", "sinfo", "squeue")
 START_TIMEOUT = 60.0
@@ -34,17 +36,6 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "a Slurm node (slurmd) must run as root"
     return None
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def slurm_conf(root: str, node: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:
@@ -135,7 +126,7 @@ def slurm_cluster(cpus: int = 2):
         f.write(os.urandom(1024))
     os.chmod(os.path.join(root, "key", "munge.key"), 0o600)
     node = socket.gethostname().split(".")[0]
-    ctld_port, slurmd_port = _free_ports(2)
+    ctld_port, slurmd_port = free_ports(2)
     with open(os.path.join(root, "slurm.conf"), "w") as f:
         f.write(slurm_conf(root, node, cpus, ctld_port, slurmd_port))
     with open(os.path.join(root, "cgroup.conf"), "w") as f:
