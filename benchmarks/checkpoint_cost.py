@@ -100,7 +100,7 @@ def resume_input_cost(records: int) -> tuple[float, float, float]:
     from tfdp.data.digits import write_digits
     from tfdp.config import validate
     from tfdp.data import build_source
-    from tfdp.data.pipeline import train_dataset
+    from tfdp.data.pipeline import Bookkeeping, train_dataset
     with tempfile.TemporaryDirectory() as tmp:
         write_digits(tmp, progress=False)
         cfg = validate({"data": {"format": "image_folder", "dir": tmp, "image_size": 16}})
@@ -110,7 +110,7 @@ def resume_input_cost(records: int) -> tuple[float, float, float]:
 
         def first_batch(start) -> tuple[float, float]:
             begin = time.perf_counter()
-            stream = iter(train_dataset(split, cfg.data, 64, 0, start=start))
+            stream = iter(train_dataset(split, cfg.data, 64, 0, books=Bookkeeping(start=start)))
             next(stream)
             first = time.perf_counter() - begin
             begin = time.perf_counter()

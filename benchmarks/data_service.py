@@ -100,7 +100,7 @@ def main() -> None:
     from support.photos import SYNSETS, write_imagenet_tree
     from tfdp.config import DataConfig
     from tfdp.data import build_source, service
-    from tfdp.data.pipeline import CorruptCounter, train_dataset
+    from tfdp.data.pipeline import Bookkeeping, CorruptCounter, train_dataset
 
     with tempfile.TemporaryDirectory() as workdir:
         tree = os.path.join(workdir, "tree")
@@ -113,14 +113,15 @@ def main() -> None:
             cfg = DataConfig(format="imagenet", dir=tree, image_size=args.size, shuffle_buffer=1024,
                              service_address=address)
             split = build_source(cfg).split("train")
-            common = dict(seed=0, num_classes=len(SYNSETS))
+            def books():
+                return Bookkeeping(corrupt=CorruptCounter(), num_classes=len(SYNSETS))
 
             def local():
-                return train_dataset(split, cfg, args.batch, corrupt=CorruptCounter(), **common)
+                return train_dataset(split, cfg, args.batch, seed=0, books=books())
 
             def served():   # a job of its own each time: a new iterator of a named job would join the old one
-                return service.train_dataset(split, cfg, args.batch, corrupt=CorruptCounter(),
-                                             job_name=f"bench-{uuid.uuid4().hex}", **common)
+                return service.train_dataset(split, cfg, args.batch, seed=0, books=books(),
+                                             job_name=f"bench-{uuid.uuid4().hex}")
             results = {}
             results["local pipeline"] = best([measure(local, args.batch, args.batches, []) for _ in range(args.rounds)])
             results["service, 1 worker"] = best([measure(served, args.batch, args.batches, workers)

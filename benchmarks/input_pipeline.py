@@ -92,10 +92,10 @@ def tfdp_train(data_format: str, directory: str, size: int, batch: int, cache_di
                **data):
     from tfdp.config import DataConfig
     from tfdp.data import build_source
-    from tfdp.data.pipeline import train_dataset
+    from tfdp.data.pipeline import Bookkeeping, train_dataset
     cfg = DataConfig(format=data_format, dir=directory, image_size=size, shuffle_buffer=1024, cache_dir=cache_dir,
                      **data)
-    return train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0, num_classes=1000)
+    return train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0, books=Bookkeeping(num_classes=1000))
 
 
 def main() -> None:

@@ -418,7 +418,7 @@ def test_every_switch_trains_through_the_real_step_on_two_replicas(digits_dir):
     without a NaN. (Each switch un-compiled and compiled is checked above; this is the wiring.)"""
     jit = True
     from tfdp.data import build_source
-    from tfdp.data.pipeline import train_dataset
+    from tfdp.data.pipeline import Bookkeeping, train_dataset
     from tfdp.strategy import make_runtime
     from tfdp.task import Plan, compile_model
     cfg = validate({"data": {"format": "image_folder", "dir": digits_dir, "image_size": 16},
@@ -433,7 +433,7 @@ def test_every_switch_trains_through_the_real_step_on_two_replicas(digits_dir):
         model = compile_model(cfg, Plan(16, 3, split.num_examples, 0, 10))
     before = [w.numpy().copy() for w in model.trainable_weights]
     ds = runtime.strategy.distribute_datasets_from_function(
-        lambda ctx: train_dataset(split, cfg.data, 16, 0, ctx, num_classes=10))
+        lambda ctx: train_dataset(split, cfg.data, 16, 0, ctx, books=Bookkeeping(num_classes=10)))
     history = model.fit(ds, steps_per_epoch=3, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][-1])
     assert max(float(np.abs(w.numpy() - b).max()) for w, b in zip(model.trainable_weights, before)) > 1e-4

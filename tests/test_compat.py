@@ -63,7 +63,8 @@ def _built_ema_optimizer():
 
 
 # Classes whose relied-on attributes are set on their instances: the instance to look them up on.
-_INSTANCES = {"keras.src.optimizers.base_optimizer.BaseOptimizer": _built_ema_optimizer}
+_INSTANCES = {"keras.src.optimizers.base_optimizer.BaseOptimizer": _built_ema_optimizer,
+              "keras.src.layers.layer.Layer": lambda: __import__("keras").layers.Dense(1)}
 
 
 def _resolve(dotted: str):
@@ -103,6 +104,15 @@ def test_keras_still_calls_the_ema_hook_tfdp_overrides():
     from keras.src.optimizers.base_optimizer import BaseOptimizer
     assert "self._update_model_variables_moving_average(" in inspect.getsource(BaseOptimizer._backend_apply_gradients), \
         "tfdp/optimizers.py's EmaWarmup is no longer called by Keras: re-check it"
+
+
+def test_keras_still_decays_through_the_hook_the_per_layer_rates_override():
+    """tfdp/finetune.py moves weight decay from `_apply_weight_decay` (a no-op there) into `update_step`, scaled per
+    layer: right only while Keras' apply decays through that hook and asks `_use_weight_decay` per variable."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    assert "self._apply_weight_decay(" in inspect.getsource(BaseOptimizer._backend_apply_gradients), \
+        "tfdp/finetune.py's ScaledLearningRates: Keras no longer decays through _apply_weight_decay; re-check it"
+    assert "self._use_weight_decay(" in inspect.getsource(BaseOptimizer._apply_weight_decay)
 
 
 def test_the_reasons_for_the_replaced_steps_still_hold():

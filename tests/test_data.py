@@ -8,7 +8,7 @@ import tensorflow as tf
 from tfdp.data import digits as digits_lib
 from tfdp.config import DataConfig
 from tfdp.data import build_source
-from tfdp.data.pipeline import StreamPosition, eval_dataset, train_dataset
+from tfdp.data.pipeline import Bookkeeping, StreamPosition, eval_dataset, train_dataset
 from tfdp.errors import UserError
 
 
@@ -139,7 +139,7 @@ def replica_batches(split, cfg, steps: int, seed: int = 3, start=(0, 0), positio
     from conftest import CPU_DEVICES
     strategy = tf.distribute.MirroredStrategy(CPU_DEVICES)
     ds = strategy.distribute_datasets_from_function(
-        lambda ctx: train_dataset(split, cfg, 8, seed, ctx, start=start, position=position))
+        lambda ctx: train_dataset(split, cfg, 8, seed, ctx, books=Bookkeeping(start=start, position=position)))
     stream = iter(ds)
     out = []
     for _ in range(steps):

@@ -26,7 +26,7 @@ from conftest import REPO, assert_one_line_error, last_line, read_jsonl, run_tfd
 from tfdp.config import DataConfig, load_config
 from tfdp.data import build_source
 from tfdp.data import service as service_lib
-from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors
+from tfdp.data.pipeline import Bookkeeping, CorruptCounter, StreamPosition, data_errors
 from tfdp.errors import UserError
 
 # The demo's recipe (its learning rate and warmup: a higher rate makes single runs diverge now and then)
@@ -167,8 +167,8 @@ def test_corrupt_images_are_counted_through_the_service(service, small_dir, tmp_
                      shuffle_buffer=1, max_bad_fraction=0.1)
     split = file_labelled(build_source(cfg).split("train"))
     corrupt, position = CorruptCounter(), StreamPosition()
-    ds = service_lib.train_dataset(split, cfg, 1, seed=0, input_context=trainer(0, 1), job_name=job(), epochs=1,
-                                   corrupt=corrupt, position=position)
+    ds = service_lib.train_dataset(split, cfg, 1, seed=0, input_context=trainer(0, 1),
+                                   books=Bookkeeping(position=position, corrupt=corrupt), job_name=job(), epochs=1)
     seen = read_all([ds])[0]
     assert len(seen) == 37 and set(seen.values()) == {1}
     assert corrupt.value() == 3

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tests.conftest import REPO, assert_one_line_error, run_tfdp
 from tfdp.config import validate
 from tfdp.data import build_source
-from tfdp.data.pipeline import StreamPosition, streams_dataset, train_dataset
+from tfdp.data.pipeline import Bookkeeping, StreamPosition, streams_dataset, train_dataset
 from tfdp.elastic import plan_streams
 
 GLOBAL = 64
@@ -49,7 +49,7 @@ def original_layout(split, data, steps, position=None):
     for s in range(2):
         ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=s, num_replicas_in_sync=2)
         pos = StreamPosition()
-        per_stream.append((steps_of(train_dataset(split, data, GLOBAL, 5, ctx, position=pos), 1, steps), pos))
+        per_stream.append((steps_of(train_dataset(split, data, GLOBAL, 5, ctx, Bookkeeping(position=pos)), 1, steps), pos))
     merged = [a + b for a, b in zip(per_stream[0][0], per_stream[1][0])]
     return merged, [pos for _, pos in per_stream]
 
@@ -66,8 +66,8 @@ def test_two_streams_read_by_one_worker_hold_the_same_global_batches(small_dir, 
     stopped = [pos.after(2) for pos in positions]  # what the checkpoint after step 2 records
     assert stopped == [(32 * 2, 0), (32 * 2, 0)]
     ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=replicas)
-    resumed = streams_dataset(split, data, GLOBAL, 5, 2, (0, 1), tuple(stopped), [StreamPosition(), StreamPosition()],
-                              ctx)
+    resumed = streams_dataset(split, data, GLOBAL, 5, 2, {s: Bookkeeping(start, StreamPosition())
+                                                          for s, start in enumerate(stopped)}, ctx)
     went_on = steps_of(resumed, replicas, epoch_steps)  # the rest of the epoch, and 2 steps of the next
     assert went_on == uninterrupted[2:]
     epoch = sum(uninterrupted[:2] + went_on[:epoch_steps - 2], collections.Counter())

@@ -17,7 +17,7 @@ from pipelines.convert_imagenet import Item, Prepared, convert, image_example
 from support.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
 from tfdp.data import build_source
-from tfdp.data.pipeline import CorruptCounter, StreamPosition, data_errors, eval_dataset, pipeline_share, train_dataset
+from tfdp.data.pipeline import Bookkeeping, CorruptCounter, StreamPosition, data_errors, eval_dataset, pipeline_share, train_dataset
 from tfdp.data.preprocess import random_crop
 from tfdp.data.storage import localize
 from tfdp.errors import UserError
@@ -299,13 +299,13 @@ def test_a_stream_resumed_at_any_position_continues_the_uninterrupted_one(trees)
     split = build_source(cfg).split("train")
     n = split.num_examples
     position = StreamPosition()
-    stream = iter(train_dataset(split, cfg, 4, seed=5, position=position))
+    stream = iter(train_dataset(split, cfg, 4, seed=5, books=Bookkeeping(position=position)))
     batches = [next(stream) for _ in range(3 * n // 4 + 2)]  # three data epochs and a bit
     assert position.after(3) == (12, 0)
     epoch1, epoch2 = [np.concatenate([b[1].numpy() for b in batches[i * n // 4:(i + 1) * n // 4]]) for i in (0, 1)]
     assert sorted(epoch1) == sorted(epoch2) and not np.array_equal(epoch1, epoch2)  # each epoch reshuffled
     for k in (1, n // 4 + 1, 2 * n // 4 + 1):
-        resumed = iter(train_dataset(split, cfg, 4, seed=5, start=(4 * k, 0)))
+        resumed = iter(train_dataset(split, cfg, 4, seed=5, books=Bookkeeping(start=(4 * k, 0))))
         for want in batches[k:k + 2]:
             got = next(resumed)
             assert np.array_equal(got[0].numpy(), want[0].numpy()) and np.array_equal(got[1].numpy(), want[1].numpy())
@@ -323,7 +323,7 @@ def test_a_resumed_stream_reads_no_image_it_skips(trees, tmp_path):
     for path in stream_files(split, cfg, seed=9, count=k):
         os.remove(path)
     corrupt = CorruptCounter()
-    resumed = iter(train_dataset(split, cfg, 4, seed=9, corrupt=corrupt, start=(k, 0)))
+    resumed = iter(train_dataset(split, cfg, 4, seed=9, books=Bookkeeping(start=(k, 0), corrupt=corrupt)))
     for want in batches[k // 4:]:
         assert np.array_equal(next(resumed)[0].numpy(), want[0].numpy())
     assert corrupt.value() == 0  # not one of the removed files was read
@@ -341,7 +341,7 @@ def test_synthetic_format_needs_no_files():
     cfg = DataConfig(format="synthetic", synthetic_examples=100, image_size=16)
     source = build_source(cfg)
     assert source.split("train").num_examples == 100
-    images, labels = next(iter(train_dataset(source.split("train"), cfg, 8, seed=0, num_classes=10)))
+    images, labels = next(iter(train_dataset(source.split("train"), cfg, 8, seed=0, books=Bookkeeping(num_classes=10))))
     assert images.shape == (8, 16, 16, 3) and images.dtype == tf.uint8 and int(tf.reduce_max(labels)) < 10
     batches = list(eval_dataset(source.split("val"), cfg, 8, num_classes=10))
     assert sum(float(tf.reduce_sum(w)) for _, _, w in batches) == source.split("val").num_examples
@@ -355,9 +355,9 @@ def test_synthetic_data_flows_through_the_same_sharding_and_resumable_stream():
     sizes = [pipeline_share(train, tf.distribute.InputContext(2, i, 2))[0].num_examples for i in (0, 1)]
     assert sizes == [50, 50] and not any(pipeline_share(train, tf.distribute.InputContext(2, i, 2))[1] for i in (0, 1))
     position = StreamPosition()
-    whole = list(train_dataset(train, cfg, 8, seed=0, num_classes=10, position=position).take(5))
+    whole = list(train_dataset(train, cfg, 8, seed=0, books=Bookkeeping(position=position, num_classes=10)).take(5))
     assert position.after(3) == (24, 0)
-    resumed = list(train_dataset(train, cfg, 8, seed=0, num_classes=10, start=(24, 0)).take(2))
+    resumed = list(train_dataset(train, cfg, 8, seed=0, books=Bookkeeping(start=(24, 0), num_classes=10)).take(2))
     for (a, la), (b, lb) in zip(whole[3:], resumed):
         assert np.array_equal(a, b) and np.array_equal(la, lb)
 
@@ -493,7 +493,7 @@ def test_corrupt_records_are_counted_and_evaluation_still_counts_each_good_one(t
     assert sum(float(tf.reduce_sum(b[2])) for b in batches) == 17
     assert counter.value() == 3
     counter = CorruptCounter()
-    it = iter(train_dataset(source.split("train"), cfg, 4, seed=0, num_classes=CLASSES, corrupt=counter))
+    it = iter(train_dataset(source.split("train"), cfg, 4, seed=0, books=Bookkeeping(corrupt=counter, num_classes=CLASSES)))
     for _ in range(10):  # 40 images: every record read at least once more than an epoch
         next(it)
     assert counter.value() >= 3
@@ -506,7 +506,7 @@ def test_too_many_corrupt_records_stop_with_a_clear_message(trees, tmp_path):
     with pytest.raises(UserError, match=r"too many corrupt images: \d+ of the first \d+ records could not be decoded "
                                         r"\(data.max_bad_fraction is 0.1\)"):
         with data_errors():
-            for _ in train_dataset(source.split("train"), cfg, 4, seed=0, num_classes=CLASSES).take(20):
+            for _ in train_dataset(source.split("train"), cfg, 4, seed=0, books=Bookkeeping(num_classes=CLASSES)).take(20):
                 pass
 
 

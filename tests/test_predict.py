@@ -18,7 +18,7 @@ from conftest import assert_one_line_error, run_tfdp
 from tfdp.config import validate
 from tfdp.data import build_source
 from tfdp.data.corrupt import LOG as CORRUPT_LOG
-from tfdp.data.pipeline import eval_dataset, train_dataset
+from tfdp.data.pipeline import Bookkeeping, eval_dataset, train_dataset
 from tfdp.evaluate import evaluate
 from tfdp.models import build_model
 from tfdp.predict import predict, read_rows, request
@@ -219,7 +219,7 @@ def test_the_training_stream_names_the_corrupt_image_it_skipped(small_dir, tmp_p
     CORRUPT_LOG.clear()
     import tensorflow as tf
     ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=2)
-    ds = train_dataset(split, cfg, 16, seed=7, input_context=ctx, num_classes=10, start=(500, 0))
+    ds = train_dataset(split, cfg, 16, seed=7, input_context=ctx, books=Bookkeeping(start=(500, 0), num_classes=10))
     for _ in ds.take(2 * 321 // 8 + 2):  # two data epochs from the middle of the second
         pass
     assert list(CORRUPT_LOG.entries) == [str(root / "train" / "0" / "zz-corrupt.jpg")]

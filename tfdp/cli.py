@@ -106,7 +106,16 @@ def config_and_runtime(args: list[str], training: bool = False):
         check_service(cfg.data.service_address, cfg.data.service_timeout)
     console.import_tensorflow()
     from tfdp.strategy import make_runtime
-    return cfg, make_runtime(cfg.distribute)
+    runtime = make_runtime(cfg.distribute)
+    check_model(cfg)
+    return cfg, runtime
+
+
+def check_model(cfg: config_lib.Config) -> None:
+    """The model's name, checked once here, at the edge, before anything is listed or written (the registry
+    is filled by importing the models, which imports Keras: after the strategy, see above)."""
+    from tfdp.models import check_model_name
+    check_model_name(cfg.model.name)
 
 
 def cmd_train(args: list[str]) -> None:
@@ -136,7 +145,9 @@ def cmd_predict(args: list[str]) -> None:
     job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
     console.import_tensorflow()
     from tfdp.strategy import make_runtime
-    predict(cfg, make_runtime(cfg.distribute), FLAGS.checkpoint, job)
+    runtime = make_runtime(cfg.distribute)
+    check_model(cfg)
+    predict(cfg, runtime, FLAGS.checkpoint, job)
 
 
 def cmd_report(args: list[str]) -> None:
@@ -152,6 +163,7 @@ def cmd_benchmark(args: list[str]) -> None:
     _no_positional(args)
     from tfdp.benchmark import benchmark, format_table
     cfg = resolved_config()
+    check_model(cfg)  # this process only starts the probes: Keras' import here splits no device
     out = FLAGS.benchmark_dir or os.path.join(os.path.expanduser(cfg.model_dir), "benchmark")
     result = benchmark(cfg, FLAGS.max_replicas, FLAGS.steps, FLAGS.warmup_steps, out)
     print(format_table(result))

@@ -13,7 +13,6 @@ from tfdp.data import build_source
 from tfdp.data.pipeline import data_errors
 from tfdp.data.sources import require_complete
 from tfdp.errors import UserError
-from tfdp.models import check_model_name
 from tfdp.places import writable_dir
 from tfdp.strategy import Runtime
 from tfdp.task import evaluation_model, serving_model, validation_dataset
@@ -29,7 +28,6 @@ def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
 
 def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> dict:
     """Top-1/top-5 over the whole validation split, spread over the replicas, each image once."""
-    check_model_name(cfg.model.name)
     source = build_source(cfg.data, splits=(cfg.data.val_split,))  # the training split is not even listed
     if source.num_classes and source.num_classes != cfg.model.num_classes:
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
@@ -72,7 +70,6 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
     formats = formats or DEFAULT_FORMATS
     if verify_images is not None and verify_images < 0:
         raise UserError(f"--verify_images must be 0 (the whole validation split) or more, got {verify_images}")
-    check_model_name(cfg.model.name)
     check_packages(formats)
     model_dir = os.path.expanduser(cfg.model_dir)
     out_dir = writable_dir(out_dir or os.path.join(model_dir, "export"), "the export folder")

@@ -187,10 +187,8 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     from tfdp.checkpoints import CheckpointStore, atomic_write_text
     from tfdp.data.preprocess import eval_transform
     from tfdp.evaluate import load_checkpoint
-    from tfdp.models import check_model_name
     from tfdp.task import serving_model
 
-    check_model_name(cfg.model.name)
     if runtime.num_workers > 1:
         raise UserError("predict runs on one host's replicas: use distribute.strategy mirrored or one_device")
     files, top_k = list(job.files), job.top_k

@@ -19,7 +19,8 @@ import tensorflow as tf
 from tfdp.config import Config, TrainConfig
 from tfdp.data import Source
 from tfdp.data import service
-from tfdp.data.pipeline import CorruptCounter, StreamPosition, eval_dataset, streams_dataset, train_dataset
+from tfdp.data.pipeline import (Bookkeeping, CorruptCounter, StreamPosition, eval_dataset, streams_dataset,
+                                train_dataset)
 from tfdp.data.storage import is_remote_url
 from tfdp.errors import UserError
 from tfdp.finetune import scale_learning_rates
@@ -221,16 +222,14 @@ class TrainStream:
             return self._streams_dataset(train, data, starts)
         self.start, self.position = tuple(starts[0]), StreamPosition()
         self.positions = [self.position]
-        start, position = self.start, self.position
+        books = Bookkeeping(self.start, self.position, self.corrupt, plan.num_classes)
         build, extra = train_dataset, {}
         if data.service_address:
             build, extra = service.train_dataset, {"job_name": self._job_name()}
-            if any(start):
-                print(service.resume_note(train, data, start[0], self.runtime.num_workers), flush=True)
+            if any(self.start):
+                print(service.resume_note(train, data, self.start[0], self.runtime.num_workers), flush=True)
         ds = self.runtime.strategy.distribute_datasets_from_function(
-            lambda ctx: build(train, data, plan.global_batch, cfg.train.seed, ctx,
-                              num_classes=plan.num_classes, corrupt=self.corrupt,
-                              start=start, position=position, **extra))
+            lambda ctx: build(train, data, plan.global_batch, cfg.train.seed, ctx, books, **extra))
         self.image_size = data.image_size
         return ds
 
@@ -239,10 +238,10 @@ class TrainStream:
         self.starts = [tuple(p) for p in starts]
         self.positions = [StreamPosition() for _ in self.streams.mine]
         cfg, plan, streams = self.cfg, self.plan, self.streams
-        ds = self.runtime.strategy.distribute_datasets_from_function(
-            lambda ctx: streams_dataset(train, data, plan.global_batch, cfg.train.seed, streams.count, streams.mine,
-                                        tuple(self.starts), self.positions, ctx, num_classes=plan.num_classes,
-                                        corrupt=self.corrupt))
+        books = {stream: Bookkeeping(start, position, self.corrupt if i == 0 else None, plan.num_classes)
+                 for i, (stream, start, position) in enumerate(zip(streams.mine, self.starts, self.positions))}
+        ds = self.runtime.strategy.distribute_datasets_from_function(  # corrupt images: counted on the first stream
+            lambda ctx: streams_dataset(train, data, plan.global_batch, cfg.train.seed, streams.count, books, ctx))
         self.image_size = data.image_size
         return ds
 

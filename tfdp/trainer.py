@@ -36,7 +36,6 @@ from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
 from tfdp.lease import writer_lease
 from tfdp.metrics_file import METRICS_FILE, read_metrics
-from tfdp.models import check_model_name
 from tfdp.places import writable_tree
 from tfdp.preemption import PreemptionWatch
 from tfdp.replica_state import decorrelate_random_streams, state_averager
@@ -83,7 +82,6 @@ def size_line(data: DataConfig, epoch: int, epochs: int) -> str:
 
 def train(cfg: Config, runtime: Runtime) -> dict:
     """Trains (or resumes) the run described by `cfg`; returns the final summary."""
-    check_model_name(cfg.model.name)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
         print("tfdp: deterministic: TensorFlow op determinism on, seeded input; an op without a "

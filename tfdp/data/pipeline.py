@@ -92,55 +92,67 @@ class StreamPosition:
         return position, bad
 
 
+@dataclasses.dataclass(frozen=True)
+class Bookkeeping:
+    """The trainer's side of one training stream: where it starts and what it keeps count of.
+
+    `start` is (records consumed, corrupt images so far) of the stream;
+    `position`, if given, records where each batch ended (what a checkpoint
+    stores); `corrupt` is the run's running total of corrupt images (None:
+    not counted here); labels are checked against `num_classes` (0: not).
+    """
+    start: tuple[int, int] = (0, 0)
+    position: StreamPosition | None = None
+    corrupt: CorruptCounter | None = None
+    num_classes: int = 0
+
+
 def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
-                  input_context: tf.distribute.InputContext | None = None, *,
-                  num_classes: int = 0, corrupt: CorruptCounter | None = None,
-                  start: tuple[int, int] = (0, 0), position: StreamPosition | None = None) -> tf.data.Dataset:
+                  input_context: tf.distribute.InputContext | None = None,
+                  books: Bookkeeping = Bookkeeping()) -> tf.data.Dataset:
     """Endless shuffled, cropped batches of this input pipeline's share of `split`.
 
     The record stream is a pure function of (`seed`, position): data epoch `e`
     is the share shuffled with a seed derived from (`seed`, `e`), and under
     `data.deterministic` every crop window is drawn from (`seed`, the record's
-    position). A run resumed at `start` = (records consumed, corrupt images so
-    far) therefore continues with exactly the batches the uninterrupted run
-    would have trained on, and reaches that point by skipping whole data
-    epochs and then records, before any image is read or decoded. `position`,
-    if given, records where each batch ended.
+    position). A run resumed at `books.start` = (records consumed, corrupt
+    images so far) therefore continues with exactly the batches the
+    uninterrupted run would have trained on, and reaches that point by
+    skipping whole data epochs and then records, before any image is read or
+    decoded. `books.position`, if given, records where each batch ended.
     """
     ctx = input_context or tf.distribute.InputContext()
     share, data_shard = pipeline_share(split, ctx)
     share_size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
-    consumed, bad = start
+    consumed, bad = books.start
     first_epoch, offset = divmod(consumed, max(share_size, 1))
     ds = epoch_payloads(share, cfg, ctx, data_shard, seed, first_epoch, share_size).skip(offset)
     transform = train_transform(cfg, seed)
-    ds = decoded_examples(ds, share, cfg, transform, num_classes, first=consumed)
+    ds = decoded_examples(ds, share, cfg, transform, books.num_classes, first=consumed)
     names = StreamNames.of_training(share, cfg, ctx, data_shard, seed, share_size)
     ds = _replica_batches(ds, cfg, ctx, global_batch, first=consumed, on_gap=corrupt_namer(names, cfg, transform))
-    tally = Tally(num_classes, cfg.max_bad_fraction, share_size, corrupt, position)
+    tally = Tally(books.num_classes, cfg.max_bad_fraction, share_size, books.corrupt, books.position)
     return checked(ds, tally, start=(consumed, bad)).prefetch(AUTOTUNE)
 
 
 def streams_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int, count: int,
-                    mine: tuple[int, ...], starts: tuple[tuple[int, int], ...], positions: list[StreamPosition],
-                    input_context: tf.distribute.InputContext, *, num_classes: int = 0,
-                    corrupt: CorruptCounter | None = None) -> tf.data.Dataset:
+                    streams: dict[int, Bookkeeping], input_context: tf.distribute.InputContext) -> tf.data.Dataset:
     """This worker's per-replica batches read from several of the run's `count` input streams (`tfdp.elastic`).
 
     Stream s is exactly the pipeline worker s of a `count`-worker run builds
     (file share s, its seeded order and crops, its position), batched by
     global_batch / count: one block per step. Each step joins one block of
-    every stream in `mine` and cuts the result into this worker's
-    per-replica batches, so the step holds the examples it holds on the
-    layout the streams were made for. Corrupt images are counted on the
-    first stream only (`corrupt` is one running total).
+    every stream in `streams` (stream → its bookkeeping, in the order they
+    are joined) and cuts the result into this worker's per-replica batches,
+    so the step holds the examples it holds on the layout the streams were
+    made for. Give the corrupt-image counter to one stream's books: it is
+    one running total.
     """
     blocks = []
-    for i, (stream, start) in enumerate(zip(mine, starts)):
+    for stream, books in streams.items():
         ctx = tf.distribute.InputContext(num_input_pipelines=count, input_pipeline_id=stream,
                                          num_replicas_in_sync=count)
-        blocks.append(train_dataset(split, cfg, global_batch, seed, ctx, num_classes=num_classes,
-                                    corrupt=corrupt if i == 0 else None, start=start, position=positions[i]))
+        blocks.append(train_dataset(split, cfg, global_batch, seed, ctx, books))
     joined = tf.data.Dataset.zip(tuple(blocks)).map(
         lambda *parts: tuple(tf.concat([p[j] for p in parts], 0) for j in range(2)))
     per_replica = input_context.get_per_replica_batch_size(global_batch)

@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.data import readers
-from tfdp.data.pipeline import (AUTOTUNE, MAX_EPOCHS, CorruptCounter, StreamPosition, Tally, checked,
+from tfdp.data.pipeline import (AUTOTUNE, MAX_EPOCHS, Bookkeeping, Tally, checked,
                                 decoded_examples, epoch_payloads, pipeline_share, share_sizes, tallied)
 from tfdp.data.preprocess import train_transform
 from tfdp.data.sources import Split
@@ -51,26 +51,25 @@ DISTRIBUTED = "distributed_epoch"
 
 
 def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
-                  input_context: tf.distribute.InputContext | None = None, *, job_name: str,
-                  num_classes: int = 0, corrupt: CorruptCounter | None = None,
-                  start: tuple[int, int] = (0, 0), position: StreamPosition | None = None,
-                  epochs: int | None = None) -> tf.data.Dataset:
+                  input_context: tf.distribute.InputContext | None = None, books: Bookkeeping = Bookkeeping(), *,
+                  job_name: str, epochs: int | None = None) -> tf.data.Dataset:
     """This trainer's training batches through the service at `cfg.service_address`, counted here.
 
-    The counterpart of `pipeline.train_dataset`, with the same arguments.
-    `start` is this trainer's (records consumed, corrupt so far); it sets the
-    running totals and where the service's stream restarts. `epochs` ends
-    the stream after that many data epochs (for tests; training's is endless).
+    The counterpart of `pipeline.train_dataset`, with the same arguments and
+    the service's job. `books.start` is this trainer's (records consumed,
+    corrupt so far); it sets the running totals and where the service's
+    stream restarts. `epochs` ends the stream after that many data epochs
+    (for tests; training's is endless).
     """
     ctx = input_context or tf.distribute.InputContext()
-    sent = sent_batches(split, cfg, global_batch, seed, ctx, num_classes, start, epochs)
+    sent = sent_batches(split, cfg, global_batch, seed, ctx, books.num_classes, books.start, epochs)
     compression = "AUTO" if cfg.service_compression == "auto" else None
     served = sent.apply(tf.data.experimental.service.distribute(
         processing_mode=cfg.service_mode, service=cfg.service_address, job_name=job_name,
         compression=compression))
     share = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
-    tally = Tally(num_classes, cfg.max_bad_fraction, share, corrupt, position)
-    return checked(served, tally, start).prefetch(AUTOTUNE)
+    tally = Tally(books.num_classes, cfg.max_bad_fraction, share, books.corrupt, books.position)
+    return checked(served, tally, books.start).prefetch(AUTOTUNE)
 
 
 def sent_batches(split: Split, cfg: DataConfig, global_batch: int, seed: int, ctx: tf.distribute.InputContext,

@@ -52,9 +52,25 @@ RELIED_ON = {
         "keras.src.optimizers.base_optimizer.BaseOptimizer._update_model_variables_moving_average",
         "keras.src.optimizers.base_optimizer.BaseOptimizer._get_variable_index",
         "keras.src.optimizers.base_optimizer.BaseOptimizer._use_weight_decay",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._trainable_variables",  # set by build()
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._model_variables_moving_average",
     ),
     "callbacks": (
         "keras.src.optimizers.base_optimizer.BaseOptimizer._model_variables_moving_average",  # set by build()
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._trainable_variables",
+    ),
+    # Per-layer learning rates: the decay moves from the hook Keras' apply calls into `update_step`, which looks
+    # up each variable's scale by Keras' index; frozen variables are laid out over what the optimizer was built on.
+    "finetune": (
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._apply_weight_decay",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._get_variable_index",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._use_weight_decay",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._trainable_variables",
+    ),
+    # Weight import reads and writes a layer's own variables in the order Keras saves them.
+    "models/weights": (
+        "keras.src.layers.layer.Layer._trainable_variables",  # set by __init__
+        "keras.src.layers.layer.Layer._non_trainable_variables",
     ),
 }
 # ... and attributes of a compiled model and of a Keras variable they use (set at construction, so checked on one).

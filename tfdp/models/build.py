@@ -12,7 +12,7 @@ import keras
 
 from tfdp.config import DataConfig, ModelConfig
 from tfdp.errors import UserError
-from tfdp.models.registry import DROP_PATH, FIXED_SIZE, MIN_INPUT_SIZE, MODELS, check_model_name
+from tfdp.models.registry import DROP_PATH, FIXED_SIZE, MIN_INPUT_SIZE, MODELS
 from tfdp.resolution import image_sizes, variable_size
 
 
@@ -43,7 +43,6 @@ def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
     (docs/benchmarks.md). It is active only in training and draws per image.
     `model_cfg.dropout` None means the model's own default (see the registry).
     """
-    check_model_name(model_cfg.name)
     check_image_sizes(model_cfg.name, data_cfg)
     if model_cfg.drop_path and model_cfg.name not in DROP_PATH:
         raise UserError(f"model.drop_path: model '{model_cfg.name}' has no residual blocks to drop "
