@@ -212,3 +212,17 @@ def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp
     resumed = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", again.stdout))
     assert resumed == prints  # bit-identical to the run never stopped
     assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_after_one_preempted_exit_the_launcher_lets_the_others_exit_on_their_own():
+    """Workers that saved at an agreed step end a moment apart. The first one's status 75 must not get the
+    others a SIGTERM while they finish (their preemption handler is gone by then, so it would kill them
+    before they say where they saved): each says its line and ends with 75 itself."""
+    from tfdp.launch import _wait
+    finishing = ("import sys, time; time.sleep({}); print('saved at step 7', flush=True); sys.exit(75)")
+    procs = [subprocess.Popen([sys.executable, "-c", finishing.format(delay)], stdout=subprocess.PIPE, text=True)
+             for delay in (0.0, 1.5)]
+    index, code = _wait(procs)
+    assert (index, code) == (0, 75)
+    assert [p.wait() for p in procs] == [75, 75]
+    assert [p.stdout.read() for p in procs] == ["saved at step 7\n"] * 2

@@ -171,11 +171,22 @@ def _wait(procs: list[subprocess.Popen]) -> tuple[int | None, int]:
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
+            if failed[0][1] == PREEMPTED_EXIT_CODE:
+                _let_exit(procs, GRACE_SECONDS)
             _stop(procs)
             return failed[0]
         if all(c == 0 for c in codes):
             return None, 0
         time.sleep(0.2)
+
+
+def _let_exit(procs: list[subprocess.Popen], seconds: float) -> None:
+    """Waits up to `seconds` for the workers to end on their own. After a save at an agreed step every
+    worker is on its way out with the same status; a SIGTERM now would find its preemption handler gone
+    and end it before it says where it saved."""
+    deadline = time.time() + seconds
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.05)
 
 
 def _explain(code: int, mark: str, forwarded: set[int]) -> tuple[int, str]:
