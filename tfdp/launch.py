@@ -48,6 +48,7 @@ import time
 from tfdp import watchdog
 from tfdp.cluster import free_ports, workers_tf_config
 from tfdp.errors import PREEMPTED_EXIT_CODE, UserError
+from tfdp.lease import process_exists
 
 GRACE_SECONDS = 10.0
 SCRATCH_PREFIX = "tfdp-launch-"
@@ -236,15 +237,5 @@ def _remove_stale_scratch() -> None:
         path = os.path.join(root, name)
         pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
         with contextlib.suppress(OSError, ValueError):
-            if os.stat(path).st_uid == os.getuid() and not _alive(int(pid)):
+            if os.stat(path).st_uid == os.getuid() and not process_exists(int(pid)):
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

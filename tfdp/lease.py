@@ -93,6 +93,11 @@ def process_alive(pid: int, start: int | None) -> bool:
     """Whether process `pid` on this host is the one that started at `start`."""
     if os.path.isdir("/proc/self"):
         return start is not None and process_start(pid) == start
+    return process_exists(pid)
+
+
+def process_exists(pid: int) -> bool:
+    """Whether some process `pid` runs on this host (another user's counts: signal 0 is refused, not failed)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
