@@ -21,12 +21,40 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_DEVICES = split_cpu(2)
 
 
+DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help="write each test file's total seconds to tests/durations.json (the schedule's order)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with the most slow tests first, each file's own order kept. The suite is split over two
-    processes file by file (`--dist loadfile`): the longest files start early and the short ones fill
-    the gaps at the end, instead of one process finishing a long file alone."""
-    slow = collections.Counter(str(item.fspath) for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[str(item.fspath)])
+    """Longest files first, each file's own order kept (longest-processing-time-first scheduling).
+
+    The suite is split over worker processes file by file (`--dist loadfile --no-loadscope-reorder`): the
+    longest files start at once and the short ones fill the gaps at the end, instead of one process
+    running a long file alone while the others idle. The seconds come from tests/durations.json (refresh
+    with `--store-durations`); a file missing from it counts as 60 s, a typical file with a training run.
+    """
+    with open(DURATIONS, encoding="utf-8") as f:
+        seconds = json.load(f)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 60))
+
+
+_file_seconds: collections.Counter = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    """Sums each file's setup, call and teardown seconds (in the controller, from every worker)."""
+    _file_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--store-durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(DURATIONS, "w", encoding="utf-8") as f:
+            json.dump({k: round(v) for k, v in _file_seconds.most_common()}, f, indent=1)
+            f.write("\n")
 
 
 @pytest.fixture(scope="session")
