@@ -40,6 +40,14 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, config, extra, message):
     assert_one_line_error(result, message)
 
 
+def test_bucket_model_dir_is_one_line_and_writes_no_local_folder_named_after_it(tmp_path):
+    """`os.path` would make gs://bucket/run a local folder 'gs:/bucket/run': the run's output not where asked."""
+    for command in ("train", "evaluate", "export"):
+        result = run_tfdp(command, "--model_dir=gs://bucket/run", cwd=str(tmp_path), timeout=60)
+        assert_one_line_error(result, "model_dir gs://bucket/run: tfdp writes runs to a path on a local or mounted")
+    assert os.listdir(tmp_path) == []
+
+
 def test_missing_data_directory(tmp_path):
     result = run_tfdp("train", "--data_format=image_folder", f"--data_dir={tmp_path}/nope",
                       f"--model_dir={tmp_path}/run", timeout=120)

@@ -78,6 +78,40 @@ def test_ema_after_k_steps_is_the_closed_form_with_warmup(replicas):
     assert not np.allclose(expected, kernels[-1], atol=1e-4)  # the average really lags the weights
 
 
+def test_with_an_ema_a_run_split_into_two_fits_trains_as_one_fit():
+    """tfdp runs one `fit` per segment (progressive sizes, freeze phases, a resumed remainder). Keras swaps the
+    EMA into the weights at the end of `fit`; the second fit would then train on from the average, parting
+    from one uninterrupted fit and from a run resumed from a checkpoint. Nothing is swapped: the model holds
+    the trained weights after `fit`, and two fits end where one does."""
+    import keras
+
+    def fit(splits):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=build_optimizer(OptimizerConfig(name="sgd", momentum=0.9, ema_decay=0.9), 0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(1)
+        x, y = rng.normal(size=(BATCH * STEPS, 8)).astype("float32"), rng.integers(0, 3, BATCH * STEPS)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+        raw = []
+
+        class Record(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                raw[:] = [w.numpy().copy() for w in model.weights]
+        for first, last in splits:
+            model.fit(ds, initial_epoch=first, epochs=last, steps_per_epoch=STEPS, verbose=0, callbacks=[Record()])
+            for w, r in zip(model.weights, raw):
+                np.testing.assert_array_equal(w.numpy(), r, err_msg=w.path)  # the trained weights, not the EMA
+        return model
+
+    one, two = fit([(0, 4)]), fit([(0, 2), (2, 4)])
+    averages = one.optimizer._model_variables_moving_average
+    assert any(not np.allclose(a.numpy(), w.numpy()) for a, w in zip(averages, one.trainable_variables))
+    for a, b in zip(one.weights + one.optimizer.variables, two.weights + two.optimizer.variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+
+
 def test_lars_step_is_the_trust_ratio_closed_form():
     w0, g = np.array([3.0, 4.0], "float32"), np.array([0.6, 0.8], "float32")   # ||w|| = 5, ||g|| = 1
     import keras

@@ -384,6 +384,7 @@ def _listify(node: Any) -> Any:
 
 
 def _check_cross_field(cfg: Config) -> None:
+    _check_model_dir(cfg.model_dir)
     d = cfg.data
     if d.min_crop_area > d.max_crop_area:
         raise UserError("data.min_crop_area must not exceed data.max_crop_area")
@@ -416,6 +417,16 @@ def _check_cross_field(cfg: Config) -> None:
         _check_service(cfg)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run
+
+
+def _check_model_dir(model_dir: str) -> None:
+    """Checkpoints, metrics and TensorBoard logs are written with local file APIs: a bucket URL would
+    become a local folder named after it ('gs:/bucket/run'), the run's output silently not where asked."""
+    if "://" in model_dir:
+        scheme = model_dir.split("://", 1)[0]
+        raise UserError(f"model_dir {model_dir}: tfdp writes runs to a path on a local or mounted file system, "
+                        f"not to {scheme}:// (mount a bucket, e.g. with gcsfuse or mountpoint-s3, and give the "
+                        f"mounted path)")
 
 
 def _check_fine_tuning(cfg: Config) -> None:

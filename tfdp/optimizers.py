@@ -150,16 +150,15 @@ class EmaWarmup:
                 average.assign(d * average + (1 - d) * var)
 
     def finalize_variable_values(self, var_list):
-        """Keras' swap of the weights for their averages at the end of `fit`, for `var_list` (what trained) only.
+        """Leaves the trained weights in the model: Keras would swap in their averages at the end of every `fit`.
 
-        Keras pairs `var_list` with the averages of every variable the optimizer was built with, which frozen
-        layers (train.freeze, tfdp/finetune.py) make a shorter list; a frozen weight keeps its exact value.
+        tfdp runs one `fit` per segment (a progressive-resizing size, a freeze phase, a resumed remainder),
+        so Keras' swap would make the next segment train on from the average, which a run resumed from a
+        checkpoint (holding the trained weights) would not: the two would part. The average stays where
+        timm keeps its `model_ema`, beside the weights: evaluated each epoch (`val_ema_*`), saved in every
+        checkpoint with the optimizer, and the best checkpoint's weights when `train.best_metric` is a
+        `val_ema_*` metric (tfdp/callbacks.py).
         """
-        if not self.use_ema:
-            return
-        averages = {id(v): a for v, a in zip(self._trainable_variables, self._model_variables_moving_average)}
-        for variable in var_list:
-            variable.assign(averages[id(variable)])
 
 
 def _sgd(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
