@@ -14,15 +14,12 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import assert_one_line_error, run_tfdp
+from support.fixed_steps import train_fixed_batches
 from tfdp.batching import batch_layout
 from tfdp.config import validate
-from tfdp.data import build_source
-from tfdp.data.pipeline import eval_dataset
 from tfdp.errors import UserError
 from tfdp.keras_patches import train_step as train_step_module
 from tfdp.replica_state import replica_copies
-from tfdp.strategy import make_runtime
-from tfdp.task import Plan, compile_model
 
 STEPS = 4
 GLOBAL_BATCH = 32
@@ -47,20 +44,7 @@ def train_steps(digits_dir, replicas, accum, start=None, **kwargs):
     The data is the same whatever `accum`: each replica gets GLOBAL_BATCH / replicas images per step, which
     the accumulating step cuts into `accum` micro-batches."""
     cfg = make_cfg(digits_dir, replicas, accum, **kwargs)
-    runtime = make_runtime(cfg.distribute)
-    assert runtime.num_replicas == replicas
-    split = build_source(cfg.data).split("train")
-    plan = Plan(GLOBAL_BATCH, STEPS, split.num_examples, 0, 10, accum_steps=accum)
-    tf.keras.utils.set_random_seed(cfg.train.seed)
-    with runtime.strategy.scope():
-        model = compile_model(cfg, plan)
-    if start is not None:
-        model.set_weights(start)
-    initial = [w.numpy() for w in model.weights]
-    ds = runtime.strategy.distribute_datasets_from_function(
-        lambda ctx: eval_dataset(split, cfg.data, GLOBAL_BATCH, ctx).repeat())
-    model.fit(ds, steps_per_epoch=STEPS, epochs=1, verbose=0, shuffle=False)
-    return model, initial
+    return train_fixed_batches(cfg, STEPS, GLOBAL_BATCH, start)[1:]
 
 
 def state(model):

@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from support.fixed_steps import train_fixed_batches
 from tfdp.checkpoints import CheckpointStore
 from tfdp.config import DistributeConfig, validate
-from tfdp.data import build_source
-from tfdp.data.pipeline import eval_dataset
 from tfdp.replica_state import ReplicaSnapshot, replica_copies, state_averager
 from tfdp.strategy import make_runtime
 from tfdp.task import Plan, compile_model
@@ -30,28 +29,8 @@ def make_cfg(digits_dir, replicas, model="simple_cnn", jit_compile=False, lr=0.4
 
 
 def train_steps(digits_dir, replicas, start=None, **kwargs):
-    """Trains STEPS steps on the same fixed sequence of global batches, from the weights `start` if given;
-    returns (runtime, model, initial weights).
-
-    Runs compared with each other start from the same weights by copying them: the seed alone does not
-    guarantee it in a test process, where a thread left by an earlier test (an fsspec event loop, say)
-    may draw from Python's global random generator between the seed and the initializers."""
-    cfg = make_cfg(digits_dir, replicas, **kwargs)
-    runtime = make_runtime(cfg.distribute)
-    assert runtime.num_replicas == replicas
-    split = build_source(cfg.data).split("train")
-    plan = Plan(GLOBAL_BATCH, STEPS, split.num_examples, 0, 10)
-    tf.keras.utils.set_random_seed(cfg.train.seed)
-    with runtime.strategy.scope():
-        model = compile_model(cfg, plan)
-    if start is not None:
-        model.set_weights(start)
-    initial = [w.numpy() for w in model.weights]
-    # Deterministic input (no shuffle, no random crop): replica r gets the r-th slice of each global batch.
-    ds = runtime.strategy.distribute_datasets_from_function(
-        lambda ctx: eval_dataset(split, cfg.data, GLOBAL_BATCH, ctx).repeat())
-    model.fit(ds, steps_per_epoch=STEPS, epochs=1, verbose=0, shuffle=False)
-    return runtime, model, initial
+    """STEPS steps on a fixed sequence of global batches (`train_fixed_batches`); (runtime, model, initial)."""
+    return train_fixed_batches(make_cfg(digits_dir, replicas, **kwargs), STEPS, GLOBAL_BATCH, start)
 
 
 @pytest.fixture(scope="module")
