@@ -50,11 +50,18 @@ def pytest_runtest_logreport(report):
     _file_seconds[report.nodeid.split("::")[0]] += report.duration
 
 
-def pytest_sessionfinish(session):
-    if session.config.getoption("--store-durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
-        with open(DURATIONS, "w", encoding="utf-8") as f:
-            json.dump({k: round(v) for k, v in _file_seconds.most_common()}, f, indent=1)
-            f.write("\n")
+def pytest_sessionfinish(session, exitstatus):
+    """With `--store-durations`, after a passing run: the files it ran get their new seconds, the others keep theirs."""
+    if not session.config.getoption("--store-durations") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if exitstatus != 0 or not _file_seconds:
+        return
+    with open(DURATIONS, encoding="utf-8") as f:
+        seconds = json.load(f)
+    seconds.update({k: round(v) for k, v in _file_seconds.items()})
+    with open(DURATIONS, "w", encoding="utf-8") as f:
+        json.dump(dict(sorted(seconds.items(), key=lambda kv: -kv[1])), f, indent=1)
+        f.write("\n")
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ def test_bucket_model_dir_is_one_line_and_writes_no_local_folder_named_after_it(
     """`os.path` would make gs://bucket/run a local folder 'gs:/bucket/run': the run's output not where asked."""
     for command in ("train", "evaluate", "export"):
         result = run_tfdp(command, "--model_dir=gs://bucket/run", cwd=str(tmp_path), timeout=60)
-        assert_one_line_error(result, "model_dir gs://bucket/run: tfdp writes runs to a path on a local or mounted")
+        assert_one_line_error(result, "model_dir gs://bucket/run: tfdp writes runs to a path on a local or shared")
     assert os.listdir(tmp_path) == []
 
 

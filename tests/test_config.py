@@ -59,8 +59,9 @@ def test_ints_are_accepted_for_float_fields():
     ({"augment": {"rand_augment": "rand-m9", "trivial_augment": True}},
      "augment.rand_augment and augment.trivial_augment exclude each other"),
     ({"augment": {"erasing_area": [0.4, 0.1]}}, "augment.erasing_area must be [min, max] with min <= max"),
-    ({"model_dir": "gs://bucket/run"}, "model_dir gs://bucket/run: tfdp writes runs to a path on a local or mounted"),
-    ({"model_dir": "s3://bucket/run"}, "not to s3:// (mount a bucket"),
+    ({"model_dir": "gs://bucket/run"}, "model_dir gs://bucket/run: tfdp writes runs to a path on a local or shared"),
+    ({"model_dir": "s3://bucket/run"}, "(NFS, Filestore, EFS), not to s3://"),
+    ({"model_dir": "file:///data/run"}, "model_dir file:///data/run: give the path without file://"),
 ])
 def test_bad_values_name_the_field(raw, message):
     with pytest.raises(UserError) as err:

@@ -20,7 +20,7 @@ from tfdp.errors import PREEMPTED_EXIT_CODE, Preempted, Restartable, UserError
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "YAML config file (see configs/). Defaults apply to anything it leaves out.")
 flags.DEFINE_multi_string("set", [], "Override any config field: --set=optimizer.lr=0.2 (value parsed as YAML; repeatable).")
-flags.DEFINE_string("model_dir", None, "Override model_dir: checkpoints, logs and the resolved config go here.")
+flags.DEFINE_string("model_dir", None, "Override model_dir: checkpoints, logs and the resolved config go here (a local or shared file system path).")
 flags.DEFINE_integer("epochs", None, "Override train.epochs.")
 flags.DEFINE_integer("batch_size_per_replica", None, "Override train.batch_size_per_replica (images per replica per micro-batch; see train.global_batch).")
 flags.DEFINE_string("strategy", None, "Override distribute.strategy: one_device | mirrored | multi_worker.")

@@ -292,7 +292,7 @@ class AugmentConfig:
 @dataclasses.dataclass
 class Config:
     __pydantic_config__ = _FORBID
-    model_dir: Str = "runs/default"   # checkpoints, metrics.jsonl and the resolved config.yaml go here
+    model_dir: Str = "runs/default"   # checkpoints, metrics.jsonl, config.yaml: a local or shared file system path
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -420,13 +420,16 @@ def _check_cross_field(cfg: Config) -> None:
 
 
 def _check_model_dir(model_dir: str) -> None:
-    """Checkpoints, metrics and TensorBoard logs are written with local file APIs: a bucket URL would
-    become a local folder named after it ('gs:/bucket/run'), the run's output silently not where asked."""
-    if "://" in model_dir:
-        scheme = model_dir.split("://", 1)[0]
-        raise UserError(f"model_dir {model_dir}: tfdp writes runs to a path on a local or mounted file system, "
-                        f"not to {scheme}:// (mount a bucket, e.g. with gcsfuse or mountpoint-s3, and give the "
-                        f"mounted path)")
+    """Checkpoints, metrics and TensorBoard logs are written with local file APIs (atomic renames, an flock'd
+    lease): a bucket URL would become a local folder named after it ('gs:/bucket/run'), the run's output
+    silently not where asked. FUSE bucket mounts lack the atomic rename and the cross-host lock."""
+    if "://" not in model_dir:
+        return
+    scheme = model_dir.split("://", 1)[0]
+    if scheme == "file":
+        raise UserError(f"model_dir {model_dir}: give the path without file://")
+    raise UserError(f"model_dir {model_dir}: tfdp writes runs to a path on a local or shared POSIX file system "
+                    f"(NFS, Filestore, EFS), not to {scheme}://")
 
 
 def _check_fine_tuning(cfg: Config) -> None:

@@ -52,7 +52,6 @@ RELIED_ON = {
         "keras.src.optimizers.base_optimizer.BaseOptimizer._update_model_variables_moving_average",
         "keras.src.optimizers.base_optimizer.BaseOptimizer._get_variable_index",
         "keras.src.optimizers.base_optimizer.BaseOptimizer._use_weight_decay",
-        "keras.src.optimizers.base_optimizer.BaseOptimizer._trainable_variables",  # set by build()
         "keras.src.optimizers.base_optimizer.BaseOptimizer._model_variables_moving_average",
     ),
     "callbacks": (
