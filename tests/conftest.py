@@ -15,13 +15,25 @@ import sys
 import pytest
 
 import tfdp  # noqa: F401  (sets TensorFlow's environment defaults before TF loads)
-from tfdp.strategy import split_cpu
+from tfdp import allocator
+from tfdp.console import import_tensorflow
+
+import_tensorflow()  # as tfdp's own processes import it (tfdp.tf_setup), before anything else does
+from tfdp.strategy import split_cpu  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_DEVICES = split_cpu(2)
 
 
 DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+
+
+def pytest_configure(config):
+    """The test processes xdist starts, and what they start, run on the allocator tfdp's own processes use
+    (`tfdp.allocator`); this one, already running, keeps its own."""
+    env = allocator.with_tcmalloc(os.environ)
+    if env is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.update(env)
 
 
 def pytest_addoption(parser):

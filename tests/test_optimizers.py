@@ -14,18 +14,27 @@ from tfdp.config import DistributeConfig
 STEPS, BATCH = 5, 16
 
 
+def seeded(seed: int):
+    import keras
+    return keras.initializers.GlorotUniform(seed=seed)
+
+
 def toy_fit(name: str, replicas: int, jit: bool, precision: str = "float32", **opt):
     """A small conv net with batch norm trained STEPS steps on fixed data; returns (model, the classifier's kernel
     after each step). No bias before batch norm (as in ResNets): its gradient is rounding noise, which Adam's
-    normalisation would amplify into the update."""
+    normalisation would amplify into the update. The initializers carry their own seeds: runs compared with each
+    other must start from the same weights, and the global seed alone does not guarantee it in a test process,
+    where a thread left by an earlier test (an fsspec event loop, say) may draw from Python's global random
+    generator between the seed and the initializers."""
     import keras
     strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=replicas)).strategy
     keras.utils.set_random_seed(0)
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(precision)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, use_bias=False), keras.layers.BatchNormalization(),
-                                  keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5)])
+        model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, use_bias=False, kernel_initializer=seeded(1)),
+                                  keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                                  keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5, kernel_initializer=seeded(2))])
         model.compile(optimizer=build_optimizer(OptimizerConfig(name=name, **opt), 0.05),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         if jit:

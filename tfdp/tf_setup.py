@@ -1,0 +1,53 @@
+"""A faster start of TensorFlow in every tfdp process (docs/benchmarks.md, "Start-up and allocator").
+
+Every tfdp process that trains, evaluates, exports or serves data imports
+TensorFlow, and a test suite or a cluster job starts many of them. Two costs
+at start-up buy tfdp nothing:
+
+* `import keras` imports scikit-learn, and with it SciPy, for Keras'
+  scikit-learn wrappers (`keras.wrappers`), which tfdp does not use. The
+  import is made to find no scikit-learn; a later `import sklearn` (the digits
+  demo's data) works as usual.
+* AutoGraph rewrites every Python function handed to `tf.data` (and each
+  one a `tf.function` calls) into graph code, parsing its source, before
+  tracing it.
+  tfdp's own functions need no rewriting: they branch on tensors with
+  `tf.cond` / `tf.where` and loop with `tf.data`, never with a Python `if`
+  or `for` over a tensor, so they are traced as written, as TensorFlow's and
+  Keras' own functions are. A Python `if` on a tensor in tfdp code therefore
+  fails at tracing ("using a `tf.Tensor` as a Python `bool`"), in every test
+  that reaches it, rather than being converted.
+
+The second uses a private TensorFlow name, listed in
+`tfdp.keras_patches.RELIED_ON` and checked by tests/test_compat.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+# The package whose functions AutoGraph leaves as they are (its own rule matches submodules too).
+OWN_PACKAGE = "tfdp"
+
+
+@contextlib.contextmanager
+def without_scikit_learn():
+    """Inside the block `import sklearn` fails as if it were not installed (unless it is already imported)."""
+    if "sklearn" in sys.modules:
+        yield
+        return
+    sys.modules["sklearn"] = None  # the import system's own "not importable" marker
+    try:
+        yield
+    finally:
+        if sys.modules.get("sklearn", False) is None:
+            del sys.modules["sklearn"]
+
+
+def trace_own_functions_as_written() -> None:
+    """AutoGraph leaves tfdp's functions unconverted (idempotent)."""
+    from tensorflow.python.autograph.core import config
+    rule = config.DoNotConvert(OWN_PACKAGE)
+    if not any(isinstance(r, config.DoNotConvert) and r.matches(OWN_PACKAGE) for r in config.CONVERSION_RULES):
+        config.CONVERSION_RULES = (rule, *config.CONVERSION_RULES)
