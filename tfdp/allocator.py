@@ -62,4 +62,7 @@ def preload_tcmalloc() -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:
+        return  # not replaced (the interpreter cannot be executed again): this process goes on as it is
