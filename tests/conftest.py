@@ -30,9 +30,10 @@ DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
 
 def pytest_configure(config):
     """The test processes xdist starts, and what they start, run on the allocator tfdp's own processes use
-    (`tfdp.allocator`); this one, already running, keeps its own."""
+    (`tfdp.allocator`); this one, already running, keeps its own. (In a worker it is already preloaded, so
+    nothing changes there.)"""
     env = allocator.with_tcmalloc(os.environ)
-    if env is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if env is not None:
         os.environ.update(env)
 
 
