@@ -149,7 +149,7 @@ def test_sigterm_on_one_host_saves_where_it_is_and_loses_no_step(tmp_path, small
     deadline = time.time() + 300
     while not (tmp_path / "run" / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
         time.sleep(0.02)
-    time.sleep(1.0)  # into epoch 2
+    time.sleep(0.5)  # into epoch 2, whose 5 steps now take about a second (1.0 s reached its end once)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-2000:]
