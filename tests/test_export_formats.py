@@ -83,7 +83,7 @@ def agreement(name, got, logits, want):
 
 
 AGREEMENT_LINE = re.compile(r"tfdp: export: (\w+): .*: top-1 agrees with the Keras model on (\d+)/(\d+) validation "
-                            r"images \(([\d.]+)%\), max \|(\w+) difference\| (\S+)$")
+                            r"images \(([\d.]+)%\), max \|(\w+) difference\| / max \|\w+\| (\S+) \((\S+) of (\S+)\)$")
 
 
 def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, tmp_path):
@@ -97,6 +97,7 @@ def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, tmp_path
     for name, m in printed.items():
         assert int(m[3]) == 360 and int(m[2]) >= MIN_AGREEMENT * 360, m[0]
         assert m[5] == ("logit" if name in ("onnx", "litert") else "probability")
+        assert float(m[6]) == pytest.approx(float(m[7]) / float(m[8]), rel=2e-2, abs=1e-30)  # relative to the scale
 
     # The same, measured here, apart from tfdp's own check.
     model, images, files, logits = keras_reference(cfg)
@@ -205,9 +206,8 @@ def test_bad_export_requests_are_one_line(small_dir, tmp_path):
 
 
 def test_a_model_onnx_cannot_take_is_named_and_leaves_no_file(digits_dir, tmp_path):
-    """A grouped convolution (resnext50_32x4d's), which Keras' TensorFlow backend runs as an XLA-compiled
-    function that tf2onnx cannot inline: one line naming the op and the layer, and no broken model.onnx."""
-    from tfdp.errors import UserError
+    """An op tf2onnx has no conversion for (lgamma): one line naming the op and the layer, and no broken
+    model.onnx; the SavedModel asked for in the same call is written all the same."""
     from tfdp.export import export
     from tfdp.models.build import Standardize
     cfg = validate({"model_dir": str(tmp_path), "model": {"name": "simple_cnn", "num_classes": 10},
@@ -215,13 +215,88 @@ def test_a_model_onnx_cannot_take_is_named_and_leaves_no_file(digits_dir, tmp_pa
     inputs = keras.Input((16, 16, 3), dtype="uint8")
     x = Standardize(cfg.data.mean, cfg.data.std)(inputs)
     x = keras.layers.Conv2D(4, 3, name="stem")(x)
-    x = keras.layers.Conv2D(4, 3, groups=2, name="grouped")(x)
+    x = keras.layers.Lambda(lambda t: tf.math.lgamma(tf.abs(t) + 1.0), name="lgamma")(x)
     model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x)))
-    with pytest.raises(UserError) as raised:
-        export(model, cfg, tuple(map(str, range(10))), str(tmp_path / "out"), ("onnx",))
-    message = str(raised.value)
+    written = export(model, cfg, tuple(map(str, range(10))), str(tmp_path / "out"), ("onnx", "saved_model"))
+    message = written.failed["onnx"]
     print(message)
     assert message.startswith("--format=onnx: Keras' exporter cannot convert model 'simple_cnn': tf2onnx cannot "
-                              "convert 1 TensorFlow op(s) (StatefulPartitionedCall), the first in ")
-    assert "grouped" in message and "\n" not in message
+                              "convert 1 TensorFlow op(s) (Lgamma), the first in ")
+    assert "lgamma" in message and "\n" not in message
     assert not os.path.exists(tmp_path / "out" / "model.onnx")
+    assert sorted(written.paths) == ["classes", "saved_model"]
+    assert "(written: saved_model)" in written.failure_line()
+    assert os.path.exists(tmp_path / "out" / "saved_model" / "saved_model.pb")
+
+
+def test_one_format_that_cannot_be_written_does_not_cost_the_others(trained_run, tmp_path):
+    """A folder where model.onnx should go (a real write failure): the other three formats are written and
+    checked, then one line names the failed format and the written ones, and the exit status is 2."""
+    args, _ = trained_run
+    out = tmp_path / "export"
+    (out / "model.onnx").mkdir(parents=True)
+    result = run_tfdp("export", *args, "--format=saved_model,keras,onnx,litert", f"--export_dir={out}",
+                      "--verify_images=32", timeout=600)
+    line = assert_one_line_error(result, 2, "--format=onnx: cannot write", "model.onnx",
+                                 "(written: saved_model, keras, litert)")
+    print(line)
+    printed = {m[1] for m in (AGREEMENT_LINE.match(line) for line in result.stdout.splitlines()) if m}
+    assert printed == {"saved_model", "keras", "litert"}, result.stdout
+    assert (out / "model.tflite").is_file() and (out / "model.keras").is_file()
+    assert (out / "saved_model" / "saved_model.pb").is_file() and (out / "classes.json").is_file()
+
+
+def test_the_difference_is_printed_relative_to_the_logits_scale(small_dir, tmp_path, capsys):
+    """Logits of about 1e7 (the classifier's weights scaled up): the absolute difference of float32 rounding is
+    large, the printed relative one is what rounding gives, and it is the absolute one over the largest logit."""
+    from tfdp.evaluate import export_checkpoint
+    cfg = validate({"model_dir": str(tmp_path), "model": {"name": "resnet18_small", "num_classes": 10},
+                    "data": {"format": "image_folder", "dir": small_dir, "image_size": 16, "eval_crop_fraction": 1.0}})
+    keras.utils.set_random_seed(1)
+    model = serving_model(cfg)
+    head = model.get_layer("resnet18_small_backbone").get_layer("logits")
+    kernel, bias = head.get_weights()
+    head.set_weights([kernel * 1e7, bias])
+    path = str(tmp_path / "big.weights.h5")
+    model.save_weights(path)
+    paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), path, str(tmp_path / "out"),
+                              ("onnx", "litert"), verify_images=0)
+    lines = [AGREEMENT_LINE.match(line) for line in capsys.readouterr().out.splitlines()]
+    lines = {m[1]: m for m in lines if m}
+    assert sorted(lines) == ["litert", "onnx"]
+    for name, m in lines.items():
+        a = paths["agreement"][name]
+        print(m[0])
+        relative, absolute, scale = float(m[6]), float(m[7]), float(m[8])
+        assert scale > 1e5 and scale == pytest.approx(a.scale, rel=1e-2)
+        assert absolute == pytest.approx(a.max_difference, rel=1e-2, abs=1e-30)
+        assert relative == pytest.approx(absolute / scale, rel=2e-2, abs=1e-30)
+        assert relative < 1e-4  # rounding, at any scale of the logits
+
+
+def test_onnx_weights_above_the_inline_limit_go_to_external_data(small_dir, tmp_path, monkeypatch):
+    """Above `ONNX_INLINE_BYTES` the weights are written to model.onnx.data (ONNX external data, how a model
+    past protobuf's 2 GiB is stored); onnxruntime loads the pair and agrees with Keras. The limit is lowered to 0
+    here so that the demo's ResNet takes that path."""
+    import onnx
+
+    import tfdp.export
+    from tfdp.export import weight_bytes
+    monkeypatch.setattr(tfdp.export, "ONNX_INLINE_BYTES", 0)
+    cfg = validate({"model_dir": str(tmp_path), "model": {"name": "resnet18_small", "num_classes": 10},
+                    "data": {"format": "image_folder", "dir": small_dir, "image_size": 16, "eval_crop_fraction": 1.0}})
+    keras.utils.set_random_seed(3)
+    model = serving_model(cfg)
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), path, str(tmp_path / "out"),
+                              ("onnx",), verify_images=0)
+    data = tmp_path / "out" / "model.onnx.data"
+    weights = weight_bytes(inference_network(model))
+    assert data.stat().st_size >= 0.99 * weights  # the large tensors are there (small ones stay inline)
+    assert os.path.getsize(paths["onnx"]) < weights / 10
+    header = onnx.load(paths["onnx"], load_external_data=False)
+    assert {e.value for t in header.graph.initializer for e in t.external_data if e.key == "location"} == \
+        {"model.onnx.data"}
+    a = paths["agreement"]["onnx"]
+    assert a.images == 40 and a.agreeing == 40 and a.relative_difference < 1e-4

@@ -191,8 +191,9 @@ def test_evaluation_and_export_run_at_the_evaluation_size(small_dir, tmp_path):
     real = np.concatenate([w.numpy() for _, _, w in batches]) > 0
     images = np.concatenate([x.numpy() for x, _, _ in batches])[real]
     expected = model.predict(images, verbose=0)
-    paths = export(model, cfg, tuple(str(d) for d in range(10)), str(tmp_path / "export"))
-    reloaded = keras.saving.load_model(paths["keras"])  # the any-size backbone survives saving
+    written = export(model, cfg, tuple(str(d) for d in range(10)), str(tmp_path / "export"))
+    assert not written.failed
+    reloaded = keras.saving.load_model(written.paths["keras"])  # the any-size backbone survives saving
     assert reloaded.get_layer("decode").image_size == 24
     data_bytes = tf.constant([open(f, "rb").read() for f in split.files])
     probabilities = reloaded.predict(data_bytes, verbose=0)

@@ -8,14 +8,29 @@ class probabilities: `saved_model/` (TensorFlow Serving; signature `serve`,
 input `image_bytes`) and `model.keras`. ONNX and LiteRT have no JPEG decoder
 op, so `model.onnx` and `model.tflite` take the uint8 NHWC batch of
 evaluation-size crops and return logits, as timm's and torchvision's ONNX
-exports do. All four are written by Keras' own exporters
-(`keras.Model.export`), from the network rebuilt for inference: without its
-training-only random flip and in float32 whatever `train.precision` trained
-it in. docs/export.md is the user's guide.
+exports do. SavedModel, Keras and LiteRT are written by Keras' own exporters
+(`keras.Model.export`); ONNX by tf2onnx in its large-model mode (below). All
+come from the network rebuilt for inference: without its training-only
+random flip, with grouped convolutions split into plain ones
+(`tfdp.models.layers`), in float32 whatever `train.precision` trained it in.
+docs/export.md is the user's guide.
+
+Memory of the ONNX conversion: tf2onnx copies every weight into a protobuf
+message on each of its optimizer passes (a dozen optimizers, repeated until
+nothing changes), and protobuf's upb runtime frees a message's memory only
+with the message, so through Keras' ONNX export the memory grows by the
+weights' size on every pass, and TensorFlow's freezing in the mode Keras
+uses holds several copies more. Here the freezing keeps the weights out of
+the GraphDef (`large_model=True`), each pass writes the node into a fresh
+message (`_fresh_node_protos`), and the weights go straight from tf2onnx's
+tensor store into the file: the conversion needs a bounded multiple of the
+weights (`onnx_memory_bound`), checked against the memory available before
+it starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -31,6 +46,7 @@ import tensorflow as tf
 from tfdp.config import Config
 from tfdp.data.preprocess import center_crop
 from tfdp.errors import UserError, first_line
+from tfdp.models.layers import split_grouped_convolutions
 from tfdp.resolution import eval_image_size
 
 
@@ -67,19 +83,21 @@ class Format:
     load: Callable
 
 
-def inference_network(model: keras.Model) -> keras.Model:
+def inference_network(model: keras.Model, portable: bool = True) -> keras.Model:
     """`build_model`'s chain (uint8 image → standardize → backbone → float32 logits) without its random flip.
 
     Keras' exporters call the model with `training` unset, and a Keras
     preprocessing layer's default is `training=True`: left in, the flip
     would mirror half of every served batch at random. The layers (and so
-    the weights) are the model's own.
+    the weights) are the model's own, except that `portable` swaps each
+    grouped convolution for `SplitGroupsConv2D` (same weights, copied): what
+    is exported. The check compares it with `portable=False`, Keras' own.
     """
     inputs = keras.Input(model.input_shape[1:], dtype="uint8", name="image")
     x = inputs
     for layer in model.layers[1:]:
         if not isinstance(layer, keras.layers.RandomFlip):
-            x = layer(x)
+            x = (split_grouped_convolutions(layer) if portable else layer)(x)
     return keras.Model(inputs, x, name=model.name)
 
 
@@ -106,18 +124,115 @@ def _write_keras(network, served, cfg, path):
     served.save(path)
 
 
+# Weights above this many bytes go into `model.onnx.data` beside `model.onnx` (ONNX external data, as timm's large
+# exports do): one protobuf file cannot exceed 2 GiB, and onnx/onnxruntime read the pair as one model.
+ONNX_INLINE_BYTES = 1 << 30
+# The ONNX conversion's peak resident memory above what the process holds before it, as a multiple of the float32
+# weights' bytes plus a fixed part (benchmarks/export_memory.py measures it; docs/export.md states the bound).
+ONNX_MEMORY_PER_WEIGHT_BYTE = 10
+ONNX_MEMORY_FIXED_BYTES = 1 << 30
+
+
+# The peak resident memory of a whole `tfdp export` process (TensorFlow, the model, every format written and loaded
+# back in its runtime for the check), as a fixed part plus a multiple of the weights' bytes: docs/export.md's bound,
+# which tests/test_export_zoo.py holds every zoo family to.
+EXPORT_MEMORY_FIXED_BYTES = 3 << 30
+EXPORT_MEMORY_PER_WEIGHT_BYTE = 16
+
+
+def export_memory_bound(weights: int) -> int:
+    """Bytes a `tfdp export` of every format, with its check, may hold at its peak for `weights` bytes of weights."""
+    return EXPORT_MEMORY_FIXED_BYTES + EXPORT_MEMORY_PER_WEIGHT_BYTE * weights
+
+
+def weight_bytes(network: keras.Model) -> int:
+    """Bytes of the network's weights in float32, as every export stores them."""
+    return 4 * sum(int(np.prod(v.shape)) for v in network.weights)
+
+
+def onnx_memory_bound(weights: int) -> int:
+    """Bytes the ONNX conversion of a network with `weights` bytes of weights may add to the process at its peak."""
+    return ONNX_MEMORY_FIXED_BYTES + ONNX_MEMORY_PER_WEIGHT_BYTE * weights
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (what can be allocated without swapping), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _write_onnx(network, served, cfg, path):
+    weights = weight_bytes(network)
+    need, free = onnx_memory_bound(weights), available_memory()
+    if free is not None and need > free:  # refused before the conversion allocates anything
+        raise UserError(f"--format=onnx: converting model '{cfg.model.name}' ({weights / 2**30:.2f} GiB of weights) "
+                        f"needs up to {need / 2**30:.1f} GiB more memory, and {free / 2**30:.1f} GiB is available")
+    model, storage = _convert_onnx(network, pixel_signature(cfg))
+    _check_onnx_ops(model.graph)
+    _name_onnx_output(model.graph, "logits")
+    _save_onnx(model, storage, path, external=weights > ONNX_INLINE_BYTES)
+
+
+def _convert_onnx(network, signature):
+    """tf2onnx's conversion of the network (uint8 image → logits): the ModelProto, its weights held apart."""
+    import tf2onnx
+    from keras.src.export.tf2onnx_lib import patch_tf2onnx  # tf2onnx 1.17's numpy-2 gaps, as Keras' export does
+
+    @tf.function(input_signature=signature, autograph=False)
+    def serve(image):
+        return network(image, training=False)
+
     quiet = logging.getLogger("tf2onnx")
     level, quiet.level = quiet.level, logging.CRITICAL  # it logs every op it folds; what it cannot convert is
-    # found in the written graph (`_check_onnx_ops`) and reported as one line
+    # found in the converted graph (`_check_onnx_ops`) and reported as one line
     try:
-        with warnings.catch_warnings():  # Keras' numpy-2 patch of tf2onnx probes np.object
-            warnings.simplefilter("ignore", FutureWarning)
-            network.export(path, format="onnx", input_signature=pixel_signature(cfg), verbose=False)
+        with warnings.catch_warnings(), _fresh_node_protos():
+            warnings.simplefilter("ignore", FutureWarning)  # Keras' numpy-2 patch of tf2onnx probes np.object
+            patch_tf2onnx()
+            return tf2onnx.convert.from_function(serve, signature, large_model=True)
     finally:
         quiet.setLevel(level)
-    _check_onnx_ops(path)
-    _name_onnx_output(path, "logits")
+
+
+@contextlib.contextmanager
+def _fresh_node_protos():
+    """tf2onnx's `Node.update_proto` writes a node's attributes into a fresh NodeProto while it runs.
+
+    Upstream it clears the node's NodeProto and appends the attributes again
+    on every optimizer pass; protobuf's upb runtime keeps a cleared field's
+    memory in the message's arena until the message itself is freed, so each
+    pass added a copy of every weight. A fresh message per update frees the
+    previous one whole.
+    """
+    import onnx
+    from tf2onnx.graph import Node
+    upstream = Node.update_proto
+
+    def update_proto(self, external_tensor_storage=None):
+        fresh = onnx.NodeProto()
+        for field, value in self._op.ListFields():
+            if field.name == "attribute":  # rewritten from the node's own attributes by upstream
+                continue
+            if hasattr(value, "extend"):
+                getattr(fresh, field.name).extend(value)
+            elif hasattr(value, "CopyFrom"):
+                getattr(fresh, field.name).CopyFrom(value)
+            else:
+                setattr(fresh, field.name, value)
+        self._op = fresh
+        return upstream(self, external_tensor_storage)
+
+    Node.update_proto = update_proto
+    try:
+        yield
+    finally:
+        Node.update_proto = upstream
 
 
 # TensorFlow ops tf2onnx leaves in a graph unconverted → what they usually are in a tfdp model.
@@ -127,30 +242,66 @@ UNCONVERTED_HINTS = {
 }
 
 
-def _check_onnx_ops(path: str) -> None:
-    """tf2onnx writes a graph even when it cannot convert some TensorFlow ops: it keeps them as they are, and
-    onnxruntime then refuses the file. Such a file is deleted and the ops named."""
+def _check_onnx_ops(graph) -> None:
+    """tf2onnx converts a graph even when it cannot convert some TensorFlow ops: it keeps them as they are, and
+    onnxruntime would then refuse the file. Such a graph is not written; the ops are named."""
     import onnx
-    graph = onnx.load(path).graph
     left = [n for n in graph.node if not n.domain and not onnx.defs.has(n.op_type)]
     if left:
-        os.remove(path)
         kinds = sorted({n.op_type for n in left})
         hints = "; ".join(f"{k}: {UNCONVERTED_HINTS[k]}" for k in kinds if k in UNCONVERTED_HINTS)
         raise ValueError(f"tf2onnx cannot convert {len(left)} TensorFlow op(s) ({', '.join(kinds)}), the first in "
                          f"{left[0].name.rsplit('/', 1)[0]}" + (f" ({hints})" if hints else ""))
 
 
-def _name_onnx_output(path: str, name: str) -> None:
+def _name_onnx_output(graph, name: str) -> None:
     """tf2onnx names the output after the traced function's (`Identity:0`); a client reads `logits`."""
-    import onnx
-    model = onnx.load(path)
-    old = model.graph.output[0].name
-    for node in model.graph.node:
+    old = graph.output[0].name
+    for node in graph.node:
         node.output[:] = [name if o == old else o for o in node.output]
         node.input[:] = [name if i == old else i for i in node.input]
-    model.graph.output[0].name = name
-    onnx.save(model, path)
+    graph.output[0].name = name
+
+
+def _save_onnx(model, storage, path: str, external: bool) -> None:
+    """Writes the ModelProto with its weights taken out of tf2onnx's store one tensor at a time: inside the
+    file, or (`external`) appended to `<path>.data`, which each tensor then points into (ONNX external data)."""
+    import onnx
+    data_path = path + ".data"
+    tensors = [t for t in _graph_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
+    with contextlib.ExitStack() as stack:
+        data = stack.enter_context(open(data_path, "wb")) if external else None
+        for tensor in tensors:
+            raw = storage.name_to_tensor_data.pop({e.key: e.value for e in tensor.external_data}["location"])
+            del tensor.external_data[:]
+            if data is None:
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                tensor.raw_data = raw
+                continue
+            offset = data.tell()
+            data.write(raw)
+            for key, value in (("location", os.path.basename(data_path)), ("offset", str(offset)),
+                               ("length", str(len(raw)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+    if not external and os.path.exists(data_path):
+        os.remove(data_path)  # a previous, larger export's weights: not this model's
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+
+
+def _graph_tensors(graph):
+    """Every TensorProto of a graph: its initializers and the tensors in its nodes' attributes, subgraphs too."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _graph_tensors(attribute.g)
+            for sub in attribute.graphs:
+                yield from _graph_tensors(sub)
 
 
 def _write_litert(network, served, cfg, path):
@@ -225,27 +376,54 @@ def check_packages(formats: tuple[str, ...]) -> None:
                                 f"not installed: pip install 'tfdp[{extra}]'") from None
 
 
+@dataclasses.dataclass
+class Written:
+    """What `export` wrote (format or "classes" → path) and, format → one-line reason, what it could not."""
+    paths: dict[str, str]
+    failed: dict[str, str]
+
+    def failure_line(self) -> str:
+        """The failed formats, each with its reason, and the ones written: one line."""
+        wrote = [n for n in self.paths if n in FORMATS]
+        return "; ".join(self.failed.values()) + f" (written: {', '.join(wrote) if wrote else 'no format'})"
+
+
 def export(model: keras.Model, cfg: Config, class_names: tuple[str, ...], out_dir: str,
-           formats: tuple[str, ...] = DEFAULT_FORMATS) -> dict[str, str]:
-    """Writes each format (and `classes.json`) into `out_dir`; returns name → path."""
+           formats: tuple[str, ...] = DEFAULT_FORMATS) -> Written:
+    """Writes each format (and `classes.json`) into `out_dir`.
+
+    A format its converter cannot make, that would not fit in memory or
+    whose file cannot be written is recorded with its one-line reason, and
+    the next format is written all the same: one model tf2onnx cannot take
+    should not cost its LiteRT file. The TensorFlow formats take every tfdp
+    model, so a conversion error there is a bug and keeps its traceback.
+    """
     check_packages(formats)
     os.makedirs(out_dir, exist_ok=True)
     network = inference_network(model)
     served = bytes_model(network, cfg)
-    paths = {}
+    written = Written({}, {})
     for name in formats:
-        paths[name] = os.path.join(out_dir, FORMATS[name].filename)
+        path = os.path.join(out_dir, FORMATS[name].filename)
         try:
-            FORMATS[name].write(network, served, cfg, paths[name])
-        except (ValueError, TypeError, NotImplementedError, RuntimeError, tf.errors.OpError) as e:
+            FORMATS[name].write(network, served, cfg, path)
+        except UserError as e:
+            written.failed[name] = str(e)
+            continue
+        except OSError as e:  # the file or folder cannot be made there (a folder in the way, a full disk)
+            written.failed[name] = f"--format={name}: cannot write {path}: {e.strerror or first_line(e)}"
+            continue
+        except (ValueError, TypeError, NotImplementedError, RuntimeError, tf.errors.OpError, MemoryError) as e:
             if name in DEFAULT_FORMATS:
-                raise  # the TensorFlow formats take every tfdp model: a failure there is a bug
-            raise UserError(f"--format={name}: Keras' exporter cannot convert model '{cfg.model.name}': "
-                            f"{first_line(e, 400)}") from None
-    paths["classes"] = os.path.join(out_dir, "classes.json")
-    with open(paths["classes"], "w", encoding="utf-8") as f:
+                raise
+            written.failed[name] = (f"--format={name}: Keras' exporter cannot convert model '{cfg.model.name}': "
+                                    f"{first_line(e, 400)}")
+            continue
+        written.paths[name] = path
+    written.paths["classes"] = os.path.join(out_dir, "classes.json")
+    with open(written.paths["classes"], "w", encoding="utf-8") as f:
         json.dump(list(class_names), f)
-    return paths
+    return written
 
 
 # --- verification -------------------------------------------------------------
@@ -257,10 +435,18 @@ class Agreement:
     agreeing: int        # images whose top-1 class is the Keras model's
     max_difference: float
     compared: str        # "logit" or "probability"
+    scale: float = 1.0   # the largest |output| of the Keras model over the same images
 
     @property
     def percent(self) -> float:
         return 100.0 * self.agreeing / max(self.images, 1)
+
+    @property
+    def relative_difference(self) -> float:
+        """max |difference| / max |Keras output|: float32 rounding is about 1e-6 of the outputs' scale whatever
+        that scale is, so this tells rounding from a broken graph where the absolute figure cannot (a logit
+        difference of 40 is rounding on logits of 1e8, and a broken graph on logits of 10)."""
+        return self.max_difference / self.scale if self.scale > 0 else (0.0 if self.max_difference == 0 else np.inf)
 
 
 def verification_batches(cfg: Config, split, limit: int, batch: int = 64):
@@ -293,7 +479,7 @@ def verify(network: keras.Model, cfg: Config, split, paths: dict[str, str], form
     runners = {name: FORMATS[name].load(paths[name]) for name in formats}
     if split.kind == "synthetic":  # no encoded images to feed the bytes formats
         runners = {n: r for n, r in runners.items() if FORMATS[n].takes == "pixels"}
-    tally = {name: [0, 0, 0.0] for name in runners}
+    tally = {name: [0, 0, 0.0, 0.0] for name in runners}
     for data, images in verification_batches(cfg, split, limit):
         logits = keras.ops.convert_to_numpy(network(images, training=False)).astype(np.float32)
         probabilities = keras.ops.convert_to_numpy(keras.ops.softmax(logits, axis=-1))
@@ -303,12 +489,17 @@ def verify(network: keras.Model, cfg: Config, split, paths: dict[str, str], form
             want = probabilities if bytes_in else logits
             t = tally[name]
             t[0] += len(images)
-            t[1] += int(np.sum(np.argmax(got, axis=1) == np.argmax(logits, axis=1)))
+            # top-1 of like against like: probabilities of near-tied logits can be equal in float32
+            t[1] += int(np.sum(np.argmax(got, axis=1) == np.argmax(want, axis=1)))
             t[2] = max(t[2], float(np.max(np.abs(got - want))))
-    return {name: Agreement(n, agree, diff, "probability" if FORMATS[name].takes == "bytes" else "logit")
-            for name, (n, agree, diff) in tally.items()}
+            t[3] = max(t[3], float(np.max(np.abs(want))))
+    return {name: Agreement(n, agree, diff, "probability" if FORMATS[name].takes == "bytes" else "logit", scale)
+            for name, (n, agree, diff, scale) in tally.items()}
 
 
 def agreement_line(name: str, path: str, a: Agreement) -> str:
+    """One format's agreement: top-1, then the largest difference relative to the outputs' scale (the absolute
+    difference and the largest |output| in brackets)."""
     return (f"tfdp: export: {name}: {path}: top-1 agrees with the Keras model on {a.agreeing}/{a.images} validation "
-            f"images ({a.percent:.2f}%), max |{a.compared} difference| {a.max_difference:.2e}")
+            f"images ({a.percent:.2f}%), max |{a.compared} difference| / max |{a.compared}| "
+            f"{a.relative_difference:.2e} ({a.max_difference:.2e} of {a.scale:.2e})")

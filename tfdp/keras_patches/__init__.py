@@ -71,6 +71,12 @@ RELIED_ON = {
         "keras.src.layers.layer.Layer._trainable_variables",  # set by __init__
         "keras.src.layers.layer.Layer._non_trainable_variables",
     ),
+    # The ONNX export runs Keras' numpy-2 patch of tf2onnx (as Keras' own ONNX export does) and has tf2onnx write
+    # each node into a fresh NodeProto on every optimizer pass (`_fresh_node_protos`: bounded memory).
+    "export": (
+        "keras.src.export.tf2onnx_lib.patch_tf2onnx",
+        "tf2onnx.graph.Node.update_proto",
+    ),
     # AutoGraph leaves tfdp's functions unconverted: one more rule in TensorFlow's list of packages it does not
     # convert (tests/test_startup.py checks the effect).
     "tf_setup": (

@@ -1,0 +1,87 @@
+"""Every family of the model zoo exports to every format, each checked in its own runtime, within the stated memory.
+
+Each model is randomly initialised (no training: what is checked is the
+conversion, not accuracy), at a small image size and 10 classes, saved as a
+checkpoint and exported by the real `tfdp export` in a fresh process, whose
+peak resident memory is read back (`ru_maxrss` of the finished child) and held
+to `tfdp.export.export_memory_bound` for the model's weights (docs/export.md).
+One model per family runs by default, ResNeXt (grouped convolutions) among
+them; the larger ones are `slow`. EfficientNetV2-L is measured by
+benchmarks/export_memory.py but not checked here: with random weights its
+activations grow to ~1e4 and the rounding differences of Keras' own eager
+and graph execution alone change its top-1 (no format can agree with that).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import pytest
+
+from conftest import REPO
+from tfdp.config import validate
+from tfdp.export import FORMATS, export_memory_bound, inference_network, weight_bytes
+from tfdp.task import serving_model
+
+# Reports the peak resident memory of the command it runs (its only child) on its last stderr line.
+MEASURED = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+            "print('peak_rss_bytes', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, file=sys.stderr); "
+            "sys.exit(rc)")
+LINE = re.compile(r"tfdp: export: (\w+): .*: top-1 agrees with the Keras model on (\d+)/(\d+) validation images "
+                  r"\(([\d.]+)%\), max \|(\w+) difference\| / max \|\w+\| (\S+) \((\S+) of (\S+)\)$")
+# float32 rounding is ~1e-6 of the outputs' scale; a broken graph is off by a whole share of it
+MAX_RELATIVE_DIFFERENCE = 1e-4
+IMAGES = 24
+
+ZOO = [  # (registry name, image size): one per family, then the rest of the large ones
+    ("simple_cnn", 8),
+    ("squeezenet1_1", 32),
+    ("resnext50_32x4d", 32),
+    ("mobilenet_v2", 32),
+    pytest.param("vgg11_bn", 32, marks=pytest.mark.slow),
+    pytest.param("resnet50_v1_5", 32, marks=pytest.mark.slow),
+    pytest.param("efficientnetv2_b0", 32, marks=pytest.mark.slow),
+    pytest.param("inception_v3", 75, marks=pytest.mark.slow),
+]
+
+
+def export_measured(args, timeout=900):
+    result = subprocess.run([sys.executable, "-c", MEASURED, sys.executable, "-m", "tfdp", "export", *args],
+                            capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    peak = int(re.findall(r"^peak_rss_bytes (\d+)$", result.stderr, re.M)[-1])
+    return result, peak
+
+
+@pytest.mark.parametrize("name,size", ZOO)
+def test_zoo_model_exports_to_every_format_within_the_memory_bound(name, size, digits_dir, tmp_path):
+    cfg = validate({"model_dir": str(tmp_path), "model": {"name": name, "num_classes": 10},
+                    "data": {"format": "image_folder", "dir": digits_dir, "image_size": size,
+                             "eval_crop_fraction": 1.0}})
+    keras.utils.set_random_seed(0)
+    model = serving_model(cfg)
+    weights = weight_bytes(inference_network(model, portable=False))
+    checkpoint = str(tmp_path / "random.weights.h5")
+    model.save_weights(checkpoint)
+    del model
+    out = tmp_path / "export"
+    result, peak = export_measured(
+        ("--config=configs/digits.yaml", "--data_format=image_folder", f"--data_dir={digits_dir}",
+         f"--model_dir={tmp_path}", f"--model={name}", f"--set=data.image_size={size}", f"--checkpoint={checkpoint}",
+         "--format=saved_model,keras,onnx,litert", f"--export_dir={out}", f"--verify_images={IMAGES}"))
+    print(f"{name} at {size} px: {weights / 2**20:.1f} MiB of weights, `tfdp export` in all four formats peaked at "
+          f"{peak / 2**30:.2f} GiB (bound {export_memory_bound(weights) / 2**30:.2f} GiB)")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = {m[1]: m for m in map(LINE.match, result.stdout.splitlines()) if m}
+    assert sorted(lines) == sorted(FORMATS), result.stdout
+    for fmt, m in lines.items():
+        print(m[0])
+        assert int(m[3]) == IMAGES and int(m[2]) >= IMAGES - 1, m[0]  # a near tie of random logits may flip one
+        assert float(m[6]) < MAX_RELATIVE_DIFFERENCE, m[0]
+        assert float(m[6]) == pytest.approx(float(m[7]) / float(m[8]), rel=0.02, abs=1e-12), m[0]
+    for fmt in FORMATS:
+        assert os.path.exists(out / FORMATS[fmt].filename), fmt
+    # No XLA-compiled function (Keras' grouped convolution) in the served graph: runs without XLA too.
+    assert b"_XlaMustCompile" not in (out / "saved_model" / "saved_model.pb").read_bytes()
+    assert peak <= export_memory_bound(weights)
