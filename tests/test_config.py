@@ -1,4 +1,5 @@
 import pytest
+import yaml
 
 from tfdp import config as config_lib
 from tfdp.errors import UserError
@@ -125,3 +126,10 @@ def test_augmentations_are_off_by_default_and_a_recipe_loads():
     assert (timm.rand_augment, timm.mix_prob, timm.switch_prob, timm.erasing_mode) == (
         "rand-m9-mstd0.5-inc1", 1.0, 0.5, "pixel")
     assert config_lib.validate({"augment": {"erasing_area": [0.1, 0.2]}}).augment.erasing_area == (0.1, 0.2)
+
+
+def test_channel_order_is_rgb_or_bgr_and_the_config_keeps_it():
+    with pytest.raises(UserError, match=r"config field 'data.channel_order': .*'rgb' or 'bgr'"):
+        config_lib.validate({"data": {"channel_order": "grb"}})
+    cfg = config_lib.validate({"data": {"channel_order": "bgr"}})
+    assert config_lib.validate(yaml.safe_load(config_lib.dump_yaml(cfg))).data.channel_order == "bgr"

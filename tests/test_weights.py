@@ -13,12 +13,14 @@ import h5py
 import keras
 import numpy as np
 import pytest
+import yaml
 
 from conftest import CPU_DEVICES, assert_one_line_error, run_tfdp
 from tfdp.config import validate
 from tfdp.errors import UserError
 from tfdp.models import build_model
-from tfdp.models.weights import SOURCES, init_from, keras_cache_dir, layers_with_weights, load_into, read_source
+from tfdp.models.weights import (MIRROR_ENV, SOURCES, init_from, keras_cache_dir, layers_with_weights, load_into,
+                                 read_source)
 from tfdp.strategy import make_runtime
 from tfdp.task import model_in_precision
 
@@ -26,6 +28,8 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 SQUEEZENET = os.path.join(FIXTURES, "squeezenet1_1.safetensors")
 # float32 logits against torchvision's (the differences measured are in docs/pretrained-weights.md)
 LOGITS_ATOL = 1e-5
+# keras.applications' weights from a loopback port nothing listens on: tests never download
+OFFLINE_MIRROR = "http://127.0.0.1:9/"
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +106,12 @@ def test_imagenet_reads_keras_own_file_from_keras_home(tmp_path, monkeypatch):
     """A file in Keras' legacy h5 format under the name keras.applications gives it, in a temporary KERAS_HOME."""
     from keras.src.legacy.saving.legacy_h5_format import save_weights_to_hdf5_group
     monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    monkeypatch.setenv(MIRROR_ENV, OFFLINE_MIRROR)  # a server that is not there (downloads: test_imagenet_download.py)
     cfg = validate({"model": {"name": "mobilenet_v2", "num_classes": 10, "init_from": "imagenet"},
                     "data": {"image_size": 32}})
-    with pytest.raises(UserError, match=r"put mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224.h5 \(from "
-                                        r"https://storage.googleapis.com/.*\) into " + str(tmp_path) + "/models/"):
+    with pytest.raises(UserError, match=r"cannot be reached: put mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_"
+                                        r"224.h5 \(from " + OFFLINE_MIRROR + r"mobilenet_v2/.*\) into " + str(tmp_path)
+                                        + "/models/"):
         read_source("imagenet", cfg.model, cfg.data)
     keras.utils.set_random_seed(3)
     imagenet = keras.applications.MobileNetV2(weights=None, input_shape=(224, 224, 3), classes=1000)
@@ -178,6 +184,48 @@ def test_a_fresh_run_starts_from_a_run_directory(trained_run, small_dir, tmp_pat
             in fresh.stdout), fresh.stdout[-2000:]
 
 
+def standardize_config(keras_file) -> dict:
+    """The Standardize layer's config inside a .keras file (its mean, std and channel order)."""
+    import zipfile
+    with zipfile.ZipFile(keras_file) as archive:
+        text = archive.read("config.json").decode()
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("class_name") == "Standardize":
+                found.append(node["config"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(json.loads(text))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_the_weights_preprocessing_reaches_config_yaml_and_the_export(trained_run, small_dir, tmp_path):
+    """A run whose config.yaml says BGR and its own mean/std (as a Keras ResNet's would): a fresh run from it
+    takes them, says so in one line, records them in its config.yaml, and its export (no --init_from) builds them."""
+    source = tmp_path / "source"
+    shutil.copytree(trained_run, source)
+    saved = yaml.safe_load((source / "config.yaml").read_text())
+    saved["data"].update(mean=[120.0, 110.0, 100.0], std=[60.0, 50.0, 40.0], channel_order="bgr")
+    (source / "config.yaml").write_text(yaml.safe_dump(saved))
+    run = tmp_path / "run"
+    fresh = run_tfdp(*train_args(small_dir, run, f"--init_from={source}"), timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert (f"tfdp: preprocessing from the weights of run {source}: BGR, mean 120,110,100, std 60,50,40 (R,G,B), "
+            f"eval crop 1; set data.mean/std/channel_order/eval_crop_fraction to override") in fresh.stdout
+    data = yaml.safe_load((run / "config.yaml").read_text())["data"]
+    assert (data["mean"], data["std"], data["channel_order"]) == ([120.0, 110.0, 100.0], [60.0, 50.0, 40.0], "bgr")
+    exported = run_tfdp("export", *train_args(small_dir, run)[1:], "--format=keras", "--verify=false", timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    layer = standardize_config(run / "export" / "model.keras")
+    assert (layer["mean"], layer["std"], layer["channel_order"]) == ([120.0, 110.0, 100.0], [60.0, 50.0, 40.0], "bgr")
+
+
 # ---------------------------------------------------------------- bad input: one line, exit 2
 
 
@@ -196,8 +244,8 @@ def bad_input_cases(trained_run, tmp_path):
         "missing file": (["--init_from=/no/such/dir/w.weights.h5"],
                          ["no such file or directory: /no/such/dir/w.weights.h5"]),
         "offline imagenet": (["--model=mobilenet_v2", "--set=data.image_size=32", "--init_from=imagenet"],
-                             ["imagenet weights for 'mobilenet_v2' are not in Keras' cache",
-                              "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224.h5",
+                             ["imagenet weights for 'mobilenet_v2' are not in Keras' cache and 127.0.0.1:9 cannot "
+                              "be reached", "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224.h5",
                               f"{tmp_path}/keras/models/"]),
         "unknown kind": (["--init_from=imagenet21k"], ["unknown kind of weights 'imagenet21k'"]),
         "no torchvision layout": (["--model=resnet18_small", f"--init_from={SQUEEZENET}"],
@@ -211,7 +259,7 @@ def bad_input_cases(trained_run, tmp_path):
 def test_bad_weights_are_one_line_each(trained_run, small_dir, tmp_path):
     for case, (args, fragments) in bad_input_cases(trained_run, tmp_path).items():
         result = run_tfdp(*train_args(small_dir, tmp_path / case.replace(" ", "_"), *args), timeout=300,
-                          env_extra={"KERAS_HOME": str(tmp_path / "keras")})
+                          env_extra={"KERAS_HOME": str(tmp_path / "keras"), MIRROR_ENV: OFFLINE_MIRROR})
         line = assert_one_line_error(result, 2, "tfdp: error: ", *fragments)
         assert case and line
 

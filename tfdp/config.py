@@ -67,7 +67,8 @@ class DataConfig:
     min_crop_area: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.08
     max_crop_area: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0   # ... its largest fraction
     hflip: Bool = True   # random horizontal flip in training, on the device
-    # Evaluation crops this fraction of the shorter side around the centre.
+    # Evaluation crops this fraction of the shorter side around the centre. Unset, with model.init_from:
+    # the weights' own where they carry one (a timm pretrained cfg's crop_pct, a tfdp run's).
     eval_crop_fraction: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.875
     # Test-time crop side (FixRes: evaluate above the training size, e.g. train 176, test 224); 0 = image_size.
     eval_image_size: NonNegInt = 0
@@ -85,9 +86,14 @@ class DataConfig:
     # the images k times each, each copy cropped and augmented on its own, the copies of one image dealt
     # to different replicas of a step; an epoch keeps its length. 1: off.
     repeated_augmentation: PosInt = 1
-    # Per-channel statistics in 0..255 pixel units, applied on the device.
+    # Per-channel (R, G, B) statistics in 0..255 pixel units, applied on the device. Unset, with
+    # model.init_from: those the weights were trained with (Keras' per family, a tfdp run's, a timm file's,
+    # torchvision's), else ImageNet's; see docs/pretrained-weights.md.
     mean: tuple[Annotated[float, Strict()], ...] = IMAGENET_MEAN
     std: tuple[PosFloat, ...] = IMAGENET_STD   # ... and their standard deviations
+    # The channel order the model's first layer sees, after normalisation: rgb, or bgr (Keras' caffe-style
+    # ResNet ImageNet weights). Unset, with model.init_from: the weights' order.
+    channel_order: Literal["rgb", "bgr"] = "rgb"
     # A tf.data service dispatcher (grpc://host:port, see `tfdp data-service`) that runs the training
     # pipeline on its workers, so input scales past this host's CPUs; "" = the local pipeline.
     # Evaluation always reads locally.
@@ -186,7 +192,8 @@ class TrainConfig:
     grad_accum_steps: PosInt = 1
     # The images per optimizer step on any hardware (the recipe's batch; the learning rate scales with it):
     # replicas x per-replica batch x accumulation is derived from it on the devices found. 0: the global batch
-    # is batch_size_per_replica x replicas x grad_accum_steps.
+    # is batch_size_per_replica x replicas x grad_accum_steps, and a resumed run keeps its checkpoint's
+    # (cut on the devices found, whatever their number; docs/global-batch.md).
     global_batch: NonNegInt = 0
     label_smoothing: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0   # mass spread evenly over all classes
     # softmax: cross-entropy over the classes; bce: a sigmoid per class (one-vs-all binary cross-entropy, timm's
@@ -355,6 +362,11 @@ def validate(raw: dict[str, Any]) -> Config:
     except pydantic.ValidationError as e:
         raise UserError(_describe(e.errors()[0])) from None
     _check_cross_field(cfg)
+    from tfdp.pretrained import resolve  # imports this module
+    data = raw.get("data") or {}
+    # the weights' preprocessing, where the user set none (a DataConfig given whole counts as set)
+    resolve(cfg, set_by_user=set(data) if isinstance(data, dict)
+            else {f.name for f in dataclasses.fields(cfg.data)})
     return cfg
 
 

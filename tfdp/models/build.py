@@ -1,9 +1,9 @@
 """`build_model`: a registry backbone wrapped with what every model shares.
 
 The wrapper takes uint8 images, flips them on the device (training only),
-normalises them and returns float32 logits. Where a run feeds more than one
-image size (progressive resizing, a separate evaluation size), its input
-takes any height and width.
+normalises them (in the channel order the weights expect) and returns
+float32 logits. Where a run feeds more than one image size (progressive
+resizing, a separate evaluation size), its input takes any height and width.
 """
 
 from __future__ import annotations
@@ -16,27 +16,40 @@ from tfdp.models.registry import DROP_PATH, FIXED_SIZE, MIN_INPUT_SIZE, MODELS
 from tfdp.resolution import image_sizes, variable_size
 
 
+# channel order the backbone sees → the input's (RGB) channels in that order
+CHANNELS = {"rgb": None, "bgr": [2, 1, 0]}
+
+
 @keras.saving.register_keras_serializable(package="tfdp")
 class Standardize(keras.layers.Layer):
-    """(x - mean) / std on the device, so the input pipeline can ship uint8."""
+    """(x - mean) / std on the device, so the input pipeline can ship uint8; then the channels in the order
+    the weights were trained on (`data.channel_order`: Keras' caffe-style ResNets take BGR).
 
-    def __init__(self, mean, std, **kwargs):
+    mean and std are per R, G, B input channel: reordering after normalising gives exactly Keras'
+    `preprocess_input` (BGR, minus the BGR mean). A gather, not a reverse, so every export format has it.
+    """
+
+    def __init__(self, mean, std, channel_order="rgb", **kwargs):
         super().__init__(**kwargs)
         self.mean = tuple(float(m) for m in mean)
         self.std = tuple(float(s) for s in std)
+        self.channel_order = channel_order
 
     def call(self, inputs):
         x = keras.ops.cast(inputs, self.compute_dtype)
         mean = keras.ops.convert_to_tensor(self.mean, self.compute_dtype)
         inv_std = keras.ops.convert_to_tensor([1.0 / s for s in self.std], self.compute_dtype)
-        return (x - mean) * inv_std
+        x = (x - mean) * inv_std
+        order = CHANNELS[self.channel_order]
+        return x if order is None else keras.ops.take(x, order, axis=-1)
 
     def get_config(self):
-        return {**super().get_config(), "mean": self.mean, "std": self.std}
+        return {**super().get_config(), "mean": self.mean, "std": self.std, "channel_order": self.channel_order}
 
 
 def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
-    """uint8 images → [random flip] → Standardize → backbone → logits (float32 whatever the precision policy).
+    """uint8 images → [random flip] → Standardize (mean, std, channel order) → backbone → logits (float32
+    whatever the precision policy).
 
     The training flip is a layer, not an input-pipeline step, so it runs on
     the accelerator: on the host it cost a share of the pipeline's throughput
@@ -56,7 +69,7 @@ def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
     x = keras.layers.RandomFlip("horizontal", name="hflip")(inputs) if data_cfg.hflip else inputs
     if model_cfg.sync_bn:
         synchronize_batch_norm(backbone)
-    logits = backbone(Standardize(data_cfg.mean, data_cfg.std, name="standardize")(x))
+    logits = backbone(Standardize(data_cfg.mean, data_cfg.std, data_cfg.channel_order, name="standardize")(x))
     logits = keras.layers.Activation("linear", dtype="float32", name="logits_float32")(logits)
     return keras.Model(inputs, logits, name=model_cfg.name)
 

@@ -6,8 +6,9 @@ values in Keras' variable order), by the reader its kind names in `SOURCES`;
 
 - imagenet: Keras' own ImageNet files for the keras.applications models, read
   from Keras' cache (`$KERAS_HOME/models`, default `~/.keras/models`) under the
-  names Keras itself gives them. Nothing is downloaded: a missing file is one
-  line naming it and where to put it.
+  names Keras itself gives them, downloaded there first (keras.utils.get_file,
+  keras.applications' hash checked) where the network allows; where it does
+  not, one line names the file, its URL and the folder, within seconds.
 - a tfdp run directory (its best checkpoint, else its newest), a checkpoint
   folder (`checkpoints/epoch-0003`), a `.weights.h5` file (from `tfdp train`, or
   a legacy Keras `.h5`) or a `.keras` file (from `tfdp export` or `model.save`).
@@ -26,11 +27,18 @@ or variable as initialised. One line reports what was loaded and what is new.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import io
 import os
 import re
+import shutil
+import socket
+import tempfile
+import threading
+import urllib.parse
+import urllib.request
 import zipfile
 from typing import Callable
 
@@ -39,8 +47,9 @@ import keras
 import numpy as np
 
 from tfdp.checkpoints import STATE, WEIGHTS, CheckpointStore
+from tfdp import pretrained
 from tfdp.config import DataConfig, ModelConfig
-from tfdp.errors import UserError
+from tfdp.errors import UserError, first_line
 
 
 @dataclasses.dataclass
@@ -158,19 +167,112 @@ def keras_cache_dir() -> str:
     return os.path.join(os.path.expanduser(os.environ.get("KERAS_HOME") or os.path.join("~", ".keras")), "models")
 
 
+# Where keras.applications downloads every zoo model's file from; TFDP_KERAS_WEIGHTS_URL replaces it with a
+# mirror of the same layout (an internal server; the tests' loopback one): MIRROR_ENV/resnet/<file>, ...
+KERAS_WEIGHTS_BASE = "https://storage.googleapis.com/tensorflow/keras-applications/"
+MIRROR_ENV = "TFDP_KERAS_WEIGHTS_URL"
+# Seconds to reach the server (or proxy) before the run stops with the offline line: a machine without network
+# must not wait for TCP's own minutes-long timeout.
+CONNECT_TIMEOUT = 3.0
+# Seconds any one read of the download may stall (urllib's urlretrieve, which get_file uses, has no timeout of
+# its own; the default socket timeout bounds it).
+READ_TIMEOUT = 30.0
+
+
+def weights_url(url: str) -> str:
+    """keras.applications' URL, or the same file on the mirror TFDP_KERAS_WEIGHTS_URL names."""
+    mirror = os.environ.get(MIRROR_ENV, "")
+    if not mirror:
+        return url
+    if urllib.parse.urlsplit(mirror).scheme not in ("http", "https"):
+        raise UserError(f"{MIRROR_ENV}={mirror}: a mirror of keras.applications' weights must be an http(s) URL")
+    return mirror.rstrip("/") + "/" + url.removeprefix(KERAS_WEIGHTS_BASE)
+
+
+def reachable(url: str, timeout: float) -> bool:
+    """Whether a TCP connection to `url`'s host (or the proxy urllib would use for it) opens within `timeout`
+    seconds, name lookup included (in a thread, since getaddrinfo takes no timeout)."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme, 443)
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(host or ""):
+        via = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = via.hostname, via.port or 80
+    opened = []
+
+    def probe():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            opened.append(True)
+        except (OSError, UnicodeError):
+            pass
+    thread = threading.Thread(target=probe, name="tfdp-reachable", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(opened)
+
+
+@contextlib.contextmanager
+def _download_settings():
+    """Keras' download messages off (tfdp prints its own line) and every socket read bounded, restored after."""
+    timeout, interactive = socket.getdefaulttimeout(), keras.config.is_interactive_logging_enabled()
+    socket.setdefaulttimeout(READ_TIMEOUT)
+    keras.config.disable_interactive_logging()
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(timeout)
+        if interactive:
+            keras.config.enable_interactive_logging()
+
+
+def download(model: str, file: str, url: str, file_hash: str, where: str) -> str:
+    """keras.utils.get_file into a private folder beside the cache, then renamed in: another process (a local
+    worker of the same run) never reads a partial file, and a failed or mismatching download leaves nothing."""
+    host = urllib.parse.urlsplit(url).netloc
+    missing = f"model.init_from: imagenet weights for '{model}' are not in Keras' cache and"
+    put = f"put {file} (from {url}) into {where}/"
+    if not reachable(url, CONNECT_TIMEOUT):
+        raise UserError(f"{missing} {host} cannot be reached: {put}")
+    try:
+        os.makedirs(where, exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix=f".{file}.", dir=where)
+    except OSError as e:
+        raise UserError(f"model.init_from: cannot write Keras' cache {where}/ ({e.strerror}): put {file} "
+                        f"(from {url}) into a KERAS_HOME/models/ that can be written") from None
+    checked = f"{'sha256' if len(file_hash) == 64 else 'md5'} {file_hash}" if file_hash else "no hash: Keras lists none"
+    print(f"tfdp: init_from: downloading {file} from {url} into {where}/ ({checked})", flush=True)
+    try:
+        with _download_settings():
+            fetched = keras.utils.get_file(file, url, file_hash=file_hash or None, cache_subdir=scratch)
+        path = os.path.join(where, file)
+        os.replace(fetched, path)
+        return path
+    except ValueError as e:
+        if "hash" not in str(e):
+            raise
+        raise UserError(f"model.init_from: {file} downloaded from {url} does not have keras.applications' hash "
+                        f"({checked}); nothing kept in {where}/") from None
+    except Exception as e:  # get_file's "URL fetch failure on ...", a stalled read, a full disk
+        reason = first_line(e).replace(f"URL fetch failure on {url}: ", "")
+        raise UserError(f"{missing} the download from {host} failed ({reason}), nothing kept: {put}") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def read_imagenet(model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
+    """Keras' file from its cache (as it is: a file put there by hand is not hash-checked), else downloaded."""
     files = _imagenet_files()
     if model_cfg.name not in files:
         raise UserError(f"model.init_from: imagenet weights come with the keras.applications models only "
                         f"({', '.join(sorted(files))}), not '{model_cfg.name}'; for a torchvision-layout model "
                         f"use a .safetensors state dict")
-    file, url, _ = files[model_cfg.name](data_cfg.image_size)
+    file, url, file_hash = files[model_cfg.name](data_cfg.image_size)
     where = keras_cache_dir()
     candidates = [os.path.join(where, file), os.path.join("/tmp", ".keras", "models", file)]  # Keras' fallback
     path = next((p for p in candidates if os.path.exists(p)), None)
     if path is None:
-        raise UserError(f"model.init_from: imagenet weights for '{model_cfg.name}' are not in Keras' cache and tfdp "
-                        f"downloads nothing: put {file} (from {url}) into {where}/")
+        path = download(model_cfg.name, file, weights_url(url), file_hash, where)
     # The preprocessing layers keras.applications builds when include_preprocessing is on; tfdp normalises itself.
     return dataclasses.replace(read_weights_file(path, f"imagenet weights {path}"),
                                optional=frozenset({"normalization*", "rescaling*"}))
@@ -443,3 +545,6 @@ def init_from(model: keras.Model, model_cfg: ModelConfig, data_cfg: DataConfig, 
     loaded, new = load_into(model, weights, model_cfg)
     print(f"tfdp: init_from: loaded {len(loaded)} of {len(loaded) + len(new)} layers from {weights.what}; "
           f"new: {', '.join(new) if new else 'none'}", flush=True)
+    said = pretrained.line(model_cfg, data_cfg)  # resolved with the config (tfdp/pretrained.py); said here, once
+    if said:
+        print(said, flush=True)

@@ -1,0 +1,263 @@
+"""Each weight set's preprocessing (timm's `pretrained_cfg`): what the weights were trained to see.
+
+Pretrained weights only give their accuracy on input normalised as in their
+training: Keras' ResNets take BGR with the ImageNet mean subtracted ("caffe"),
+Keras' Inception and MobileNets pixels scaled to [-1, 1] ("tf"), torchvision's
+and timm's RGB with ImageNet's mean and std. So the weights carry their
+preprocessing, and `resolve` fills the preprocessing fields of the data config
+(`PREPROCESSING`) that the user did not set, once, where the config is
+validated: the run's config.yaml then records the values used, and resume,
+evaluate, export and predict build the same model input.
+
+Where the values come from, first found wins:
+
+1. the config itself: a field the user set is never replaced;
+2. the run's own checkpoints (`model_dir` holds `checkpoints/` and its
+   config.yaml): a resumed, evaluated or exported run keeps the preprocessing
+   its weights were trained with, whatever `model.init_from` says now;
+3. `model.init_from`'s weights (`from_weights`): Keras' per family, a tfdp
+   run's config.yaml, a timm file's pretrained cfg, torchvision's ImageNet;
+4. the field's default (ImageNet's RGB mean and std, crop 0.875).
+
+Means and standard deviations are always per R, G, B channel of the decoded
+image (0..255 units), whatever `channel_order` the model's first layer sees,
+so the augmentations that fill with the mean colour need no reordering.
+
+No TensorFlow or Keras here: the config is validated before TensorFlow loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import TYPE_CHECKING, Callable, Collection
+
+import yaml
+
+from tfdp.config import IMAGENET_MEAN, IMAGENET_STD
+from tfdp.errors import UserError
+
+if TYPE_CHECKING:
+    from tfdp.config import Config, DataConfig, ModelConfig
+
+# The data config's fields that belong to the weights.
+PREPROCESSING = ("mean", "std", "channel_order", "eval_crop_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+    """What one set of weights expects; None: the weights say nothing about that field."""
+    what: str                                   # names the weights in the console line
+    mean: tuple[float, ...] | None = None       # R, G, B, 0..255 units
+    std: tuple[float, ...] | None = None
+    channel_order: str | None = None            # rgb | bgr: what the model's first layer sees
+    eval_crop_fraction: float | None = None     # timm's crop_pct
+    interpolation: str | None = None            # timm's; reported, tfdp resizes bilinearly
+
+    def values(self) -> dict[str, object]:
+        return {f: getattr(self, f) for f in PREPROCESSING if getattr(self, f) is not None}
+
+
+# keras.applications' preprocessing modes (keras/src/applications/imagenet_utils.py `preprocess_input`, and the
+# Rescaling/Normalization layers the newer families build in) in tfdp's terms.
+KERAS_MODES: dict[str, dict] = {
+    # RGB → BGR, then the BGR mean (103.939, 116.779, 123.68) subtracted, no scaling
+    "caffe": {"mean": (123.68, 116.779, 103.939), "std": (1.0, 1.0, 1.0), "channel_order": "bgr"},
+    # x / 127.5 - 1
+    "tf": {"mean": (127.5,) * 3, "std": (127.5,) * 3, "channel_order": "rgb"},
+    # x / 255, then ImageNet's mean and std
+    "torch": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, "channel_order": "rgb"},
+    # Rescaling(1/128, offset=-1), EfficientNetV2-S/M/L's built-in preprocessing
+    "x/128-1": {"mean": (128.0,) * 3, "std": (128.0,) * 3, "channel_order": "rgb"},
+}
+# zoo model → the mode its Keras ImageNet weights were trained with. ResNets and Inception/MobileNetV2 through
+# their module's preprocess_input; MobileNetV3 and EfficientNetV2 build theirs into the model (tfdp builds them
+# with include_preprocessing=False and normalises on the device instead): MobileNetV3 Rescaling(1/127.5, -1),
+# EfficientNetV2-B* Rescaling(1/255) + Normalization(ImageNet), -S/M/L Rescaling(1/128, -1).
+KERAS_IMAGENET: dict[str, str] = {
+    "resnet50": "caffe", "resnet101": "caffe", "resnet152": "caffe",
+    "inception_v3": "tf", "mobilenet_v2": "tf", "mobilenet_v3_large": "tf",
+    **{f"efficientnetv2_{v}": "torch" for v in ("b0", "b1", "b2", "b3")},
+    **{f"efficientnetv2_{v}": "x/128-1" for v in ("s", "m", "l")},
+}
+# torchvision's ImageNet weights (its transforms' Normalize); timm's default where a file says nothing
+TORCHVISION = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, "channel_order": "rgb"}
+
+
+def keras_imagenet(model_cfg: ModelConfig) -> Preprocessing | None:
+    mode = KERAS_IMAGENET.get(model_cfg.name)
+    if mode is None:  # no Keras weights for it: model.init_from's reader says so
+        return None
+    return Preprocessing(f"imagenet weights (keras {model_cfg.name}, {mode})", **KERAS_MODES[mode])
+
+
+def run_dir_of(path: str) -> str | None:
+    """The tfdp run `path` belongs to (a run directory, its checkpoint folders and files, its export): the
+    nearest of it and its three parents that holds config.yaml and checkpoints/."""
+    path = os.path.abspath(path)
+    for _ in range(4):
+        if os.path.isfile(os.path.join(path, "config.yaml")) and os.path.isdir(os.path.join(path, "checkpoints")):
+            return path
+        path = os.path.dirname(path)
+    return None
+
+
+def run_config(run_dir: str, what: str) -> Preprocessing | None:
+    """The preprocessing a tfdp run trained with, from its resolved config.yaml (older runs: rgb)."""
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
+            data = (yaml.safe_load(f) or {}).get("data") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    found = {k: data[k] for k in PREPROCESSING if k in data}
+    if "mean" in found or "std" in found:
+        found.setdefault("channel_order", "rgb")
+    return checked(Preprocessing(what, **_as_tuples(found)), os.path.join(run_dir, "config.yaml"))
+
+
+def tfdp_run(spec: str, model_cfg: ModelConfig) -> Preprocessing | None:
+    run = run_dir_of(spec)
+    return run_config(run, f"the weights of run {run}") if run else None
+
+
+def _safetensors_metadata(path: str) -> dict[str, str]:
+    """The header's `__metadata__` (str → str); the header is 8 bytes of length, then JSON."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(size, 100_000_000)))
+        return header.get("__metadata__") or {}
+    except (OSError, ValueError, struct.error, AttributeError):
+        return {}  # the reader says what is wrong with the file
+
+
+def _timm_cfg(path: str) -> dict | None:
+    """timm's pretrained cfg for a .safetensors file: in the file's metadata (`pretrained_cfg` as JSON, or
+    `mean`/`std`), or in the `config.json` beside it (the Hugging Face Hub layout timm saves)."""
+    metadata = _safetensors_metadata(path)
+    try:
+        if "pretrained_cfg" in metadata:
+            return json.loads(metadata["pretrained_cfg"])
+        if "mean" in metadata and "std" in metadata:
+            return {k: json.loads(v) for k, v in metadata.items() if k in ("mean", "std", "crop_pct")}
+    except ValueError:
+        raise UserError(f"model.init_from: {path}: its metadata's pretrained cfg is not JSON") from None
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    try:
+        with open(beside, encoding="utf-8") as f:
+            cfg = json.load(f).get("pretrained_cfg")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def torch_file(spec: str, model_cfg: ModelConfig) -> Preprocessing:
+    cfg = _timm_cfg(spec)
+    if cfg is None:
+        return Preprocessing(f"{os.path.basename(spec)} (torchvision's ImageNet normalisation)", **TORCHVISION)
+    try:
+        found = {"mean": tuple(255 * float(m) for m in cfg["mean"]), "std": tuple(255 * float(s) for s in cfg["std"]),
+                 "channel_order": "rgb"}
+        if cfg.get("crop_pct") is not None:
+            found["eval_crop_fraction"] = float(cfg["crop_pct"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"model.init_from: {spec}: its pretrained cfg has no usable mean and std "
+                        f"(got {str(cfg)[:120]})") from None
+    return checked(Preprocessing(f"{os.path.basename(spec)} (its timm pretrained cfg)",
+                                 interpolation=cfg.get("interpolation"), **found), spec)
+
+
+def _as_tuples(found: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in found.items()}
+
+
+def checked(p: Preprocessing, where: str) -> Preprocessing:
+    """Values read from a file hold what the config's validation would ask of them."""
+    bad = ((p.mean is not None and (len(p.mean) != 3 or not all(isinstance(m, (int, float)) for m in p.mean)))
+           or (p.std is not None and (len(p.std) != 3 or not all(isinstance(s, (int, float)) and s > 0
+                                                                  for s in p.std)))
+           or p.channel_order not in (None, "rgb", "bgr")
+           or (p.eval_crop_fraction is not None and not 0 < p.eval_crop_fraction <= 1))
+    if bad:
+        raise UserError(f"model.init_from: {where}: its preprocessing (mean {p.mean}, std {p.std}, channel order "
+                        f"{p.channel_order}, crop {p.eval_crop_fraction}) is not 3 means, 3 positive stds, rgb|bgr "
+                        f"and a crop in (0, 1]; set data.mean, data.std, data.channel_order, data.eval_crop_fraction")
+    return dataclasses.replace(p, mean=tuple(float(m) for m in p.mean) if p.mean else None,
+                               std=tuple(float(s) for s in p.std) if p.std else None,
+                               eval_crop_fraction=float(p.eval_crop_fraction) if p.eval_crop_fraction else None)
+
+
+def _is_file(*suffixes: str) -> Callable[[str], bool]:
+    return lambda spec: os.path.isfile(spec) and spec.lower().endswith(suffixes)
+
+
+# kind of model.init_from (as tfdp/models/weights.py SOURCES reads them) → (matches, its preprocessing); a kind
+# not listed (a .weights.h5 or .keras file outside a tfdp run) says nothing: the config's values stay.
+SOURCES: dict[str, tuple[Callable[[str], bool], Callable[[str, ModelConfig], Preprocessing | None]]] = {
+    "imagenet": (lambda spec: spec == "imagenet", lambda spec, model_cfg: keras_imagenet(model_cfg)),
+    "safetensors": (_is_file(".safetensors"), torch_file),
+    "tfdp_run": (lambda spec: os.path.exists(spec) and run_dir_of(spec) is not None, tfdp_run),
+}
+
+
+def from_weights(model_cfg: ModelConfig) -> Preprocessing | None:
+    """The preprocessing `model.init_from`'s weights were trained with, where they say."""
+    spec = model_cfg.init_from
+    if not spec or "://" in spec:
+        return None
+    path = spec if spec == "imagenet" else os.path.expanduser(spec)
+    for matches, read in SOURCES.values():
+        if matches(path):
+            return read(path, model_cfg)
+    return None
+
+
+def own_run(model_dir: str) -> Preprocessing | None:
+    """The run in `model_dir`, when it has checkpoints to continue from (or evaluate, export, predict with)."""
+    path = os.path.abspath(os.path.expanduser(model_dir))
+    checkpoints = os.path.join(path, "checkpoints")
+    if "://" in model_dir or not os.path.isdir(checkpoints) or not os.listdir(checkpoints):
+        return None
+    return run_config(path, f"the run's own checkpoints in {path}") if os.path.isfile(
+        os.path.join(path, "config.yaml")) else None
+
+
+def resolve(cfg: Config, set_by_user: Collection[str]) -> None:
+    """Fills `cfg.data`'s preprocessing fields not in `set_by_user` from the weights the run starts from."""
+    found = own_run(cfg.model_dir) or from_weights(cfg.model)
+    if found is None:
+        return
+    for field, value in found.values().items():
+        if field not in set_by_user:
+            setattr(cfg.data, field, value)
+
+
+def _numbers(values) -> str:
+    return ",".join(f"{v:.4g}" for v in values)
+
+
+def line(model_cfg: ModelConfig, data_cfg: DataConfig) -> str | None:
+    """The one console line saying what the data config took from `model.init_from`'s weights; None where that
+    is nothing but the defaults (torchvision's ImageNet statistics are tfdp's own)."""
+    found = from_weights(model_cfg)
+    if found is None:
+        return None
+    taken = {f: v for f, v in found.values().items() if getattr(data_cfg, f) == v}
+    defaults = {f.name: f.default for f in dataclasses.fields(data_cfg)}
+    if all(v == defaults[f] for f, v in taken.items()):  # nothing the config would not have had anyway
+        return None
+    parts = [str(taken["channel_order"]).upper()] if "channel_order" in taken else []
+    parts += [f"{name} {_numbers(taken[name])}" for name in ("mean", "std") if name in taken]
+    if "mean" in taken or "std" in taken:
+        parts[-1] += " (R,G,B)"
+    if "eval_crop_fraction" in taken:
+        parts.append(f"eval crop {taken['eval_crop_fraction']:.4g}")
+    own = [f"data.{f}" for f in found.values() if f not in taken]
+    kept = f"; {', '.join(own)} from the config" if own else ""
+    interpolation = (f"; the weights' {found.interpolation} interpolation is not applied (tfdp resizes bilinearly)"
+                     if found.interpolation and found.interpolation != "bilinear" else "")
+    fields = "/".join(f for f in ("mean", "std", "channel_order", "eval_crop_fraction") if f in found.values())
+    return (f"tfdp: preprocessing from {found.what}: {', '.join(parts)}{kept}{interpolation}; "
+            f"set data.{fields} to override")
