@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tests.conftest import assert_one_line_error, run_tfdp
 from support.fixed_steps import train_fixed_batches
-from tfdp.batching import batch_layout
+from tfdp.batching import CheckpointBatch, batch_layout, resumed_layout
 from tfdp.config import validate
 from tfdp.errors import UserError
 from tfdp.keras_patches import train_step as train_step_module
@@ -144,6 +144,54 @@ def test_global_batch_that_cannot_divide_is_one_line(train, replicas, fragments)
     with pytest.raises(UserError) as e:
         batch_layout(validate({"train": train}).train, replicas)
     assert "\n" not in str(e.value) and all(f in str(e.value) for f in fragments)
+
+
+# A checkpoint of global batch 64 written on 2 replicas x 32 x 1 micro-batch, as its state.json records it.
+CHECKPOINT = CheckpointBatch.of({"global_batch": 64, "path": "/run/checkpoints/step-000000003",
+                                 "layout": {"workers": 1, "replicas": 2, "per_replica": 32, "accum_steps": 1}})
+
+
+@pytest.mark.parametrize("train,replicas,expected,line", [
+    ({"batch_size_per_replica": 32}, 2, (64, 32, 2, 1), ""),                         # the checkpoint's own cut
+    ({"batch_size_per_replica": 32}, 1, (64, 32, 1, 2),                              # accumulation makes up
+     "tfdp: resuming at the checkpoint's global batch 64: 1 replica x 32 x 2 micro-batches "
+     "(the checkpoint's: 2 replicas x 32 x 1 micro-batch)"),
+    ({"batch_size_per_replica": 32}, 4, (64, 16, 4, 1),                              # the per-replica batch shrinks
+     "tfdp: resuming at the checkpoint's global batch 64: 4 replicas x 16 x 1 micro-batch "
+     "(the checkpoint's: 2 replicas x 32 x 1 micro-batch)"),
+    ({"batch_size_per_replica": 16}, 2, (64, 16, 2, 2),                              # never above what fits
+     "tfdp: resuming at the checkpoint's global batch 64: 2 replicas x 16 x 2 micro-batches "
+     "(the checkpoint's: 2 replicas x 32 x 1 micro-batch)"),
+    ({"batch_size_per_replica": 16, "grad_accum_steps": 2}, 1, (64, 16, 1, 4),       # the config's k gives 32
+     "tfdp: resuming at the checkpoint's global batch 64: 1 replica x 16 x 4 micro-batches "
+     "(the checkpoint's: 2 replicas x 32 x 1 micro-batch)"),
+    ({"global_batch": 64, "batch_size_per_replica": 32}, 1, (64, 32, 1, 2),          # set explicitly, the same
+     "tfdp: resuming at the checkpoint's global batch 64: 1 replica x 32 x 2 micro-batches "
+     "(the checkpoint's: 2 replicas x 32 x 1 micro-batch)"),
+])
+def test_a_resume_keeps_the_checkpoints_global_batch_on_any_replicas(train, replicas, expected, line):
+    """The schedule, steps per epoch and stream position of a checkpoint are counted in its global batch, so a
+    job requeued on other hardware keeps it: replicas, per-replica batch (at most batch_size_per_replica) and
+    accumulation are cut from it as for an explicit train.global_batch, and one line says how."""
+    layout, said = resumed_layout(validate({"train": train}).train, replicas, CHECKPOINT)
+    assert (layout.global_batch, layout.per_replica, layout.replicas, layout.accum_steps) == expected
+    assert said == line
+    fresh, said = resumed_layout(validate({"train": train}).train, replicas, None)  # no checkpoint: the config's
+    assert fresh == batch_layout(validate({"train": train}).train, replicas) and said == ""
+
+
+@pytest.mark.parametrize("train,replicas,fragments", [
+    ({"global_batch": 32}, 1, ("the checkpoint step-000000003 was trained at global batch 64 (32 per replica x 2 "
+                               "replica(s) x 1 accumulation step(s))", "train.global_batch is 32",
+                               "train.global_batch=64 or 0", "a new model_dir")),
+    ({"batch_size_per_replica": 32}, 3, ("step-000000003 was trained at global batch 64", "3 replicas",
+                                         "divides 64 (1, 2, 4, 8, 16, 32, 64)", "a new model_dir")),
+    ({"global_batch": 64}, 3, ("global batch 64", "3 replicas", "divides 64")),
+])
+def test_a_resume_that_cannot_keep_the_checkpoints_global_batch_is_one_line(train, replicas, fragments):
+    with pytest.raises(UserError) as e:
+        resumed_layout(validate({"train": train}).train, replicas, CHECKPOINT)
+    assert "\n" not in str(e.value) and all(f in str(e.value) for f in fragments), str(e.value)
 
 
 def test_global_batch_not_a_multiple_of_the_accumulation_is_a_config_error(tmp_path):

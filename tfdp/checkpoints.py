@@ -112,8 +112,9 @@ class CheckpointStore:
     def __init__(self, model_dir: str):
         self.root = os.path.join(model_dir, "checkpoints")
 
-    def checkpoints(self) -> list[tuple[int, int, str]]:
-        """Complete checkpoints as (global step, 1 for an epoch checkpoint else 0, path), oldest first."""
+    def checkpoints(self, warn: bool = True) -> list[tuple[int, int, str]]:
+        """Complete checkpoints as (global step, 1 for an epoch checkpoint else 0, path), oldest first; one whose
+        state cannot be read is left out, with a warning if `warn`."""
         if not os.path.isdir(self.root):
             return []
         found = []
@@ -123,12 +124,29 @@ class CheckpointStore:
                 step = _read_step(os.path.join(self.root, name))
                 if step is not None:
                     found.append((step, int(m.group(1) == "epoch"), os.path.join(self.root, name)))
-                else:
+                elif warn:
                     _warn(f"skipping checkpoint {os.path.join(self.root, name)}: its {STATE} cannot be read")
         return sorted(found)
 
     def completed_epochs(self) -> list[int]:
         return sorted(int(os.path.basename(p).split("-")[1]) for _, is_epoch, p in self.checkpoints() if is_epoch)
+
+    def newest_state(self) -> dict[str, Any] | None:
+        """The state.json of the newest checkpoint that has a readable one (its `path` added), weights unread;
+        None if there is none.
+
+        A resumed run is sized by its checkpoint (the global batch, `tfdp.task.make_plan`) before its model
+        exists to load weights into, so this reads the state alone, quietly: `restore_latest` warns about
+        what it skips. Should it go back past this checkpoint to an older one, every checkpoint of a run
+        holds the same global batch, and `tfdp.run.Run.build` checks it.
+        """
+        for _, _, path in reversed(self.checkpoints(warn=False)):
+            try:
+                with open(os.path.join(path, STATE), encoding="utf-8") as f:
+                    return {**json.load(f), "path": path}
+            except (OSError, ValueError):
+                continue
+        return None
 
     def restore_latest(self, model: keras.Model) -> dict[str, Any] | None:
         """Loads weights and optimizer state of the newest readable checkpoint; None if there is none.

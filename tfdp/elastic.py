@@ -9,8 +9,8 @@ and every global batch holds the examples it would have held on the old
 layout: none skipped, none repeated, in this epoch and every later one.
 The replicas and the accumulation may change freely (the per-replica and
 micro-batch cut of a worker's share of the step is the trainer's business);
-the global batch may not: the checkpoint records it, and a config whose
-global batch differs is refused with the setting that resumes it.
+the global batch may not: the checkpoint records it, and the resumed run
+keeps it (`tfdp.batching.resumed_layout`, decided in the run's Plan).
 
 Where this is impossible one line says what happens instead: S streams
 cannot be dealt evenly to W' workers (more workers than streams, or not a
@@ -48,17 +48,15 @@ def run_facts(layout: BatchLayout, workers: int, streams: int) -> dict:
 
 
 def check_global_batch(state: dict | None, layout: BatchLayout) -> None:
-    """A resumed run must keep the checkpoint's global batch (its schedule, learning rate and steps per
-    epoch are counted in it); a one-line UserError says which setting resumes it."""
+    """The restored checkpoint must hold the global batch the run was sized by, the newest checkpoint's
+    (`tfdp.batching.resumed_layout`): its schedule, learning rate and steps per epoch are counted in it. They
+    differ only where the restore went back past a damaged checkpoint to one of another run in the same
+    model_dir; a one-line UserError says so."""
     if not state or not state.get("global_batch") or state["global_batch"] == layout.global_batch:
         return
-    old, was = state["global_batch"], state.get("layout", {})
-    how = (f" ({was['per_replica']} per replica x {was['replicas']} replica(s) x {was['accum_steps']} "
-           f"accumulation step(s))" if was else "")
-    raise UserError(f"the checkpoint {os.path.basename(state['path'])} was trained at global batch {old}{how}, this "
-                    f"run's config gives {layout.global_batch} ({layout.per_replica} per replica x "
-                    f"{layout.replicas} replica(s) x {layout.accum_steps}); set train.global_batch={old} to resume "
-                    f"it on this hardware (gradient accumulation makes up for fewer replicas)")
+    raise UserError(f"the checkpoint {os.path.basename(state['path'])} was trained at global batch "
+                    f"{state['global_batch']}, not the {layout.global_batch} of the newer checkpoint this run was "
+                    f"sized by: its checkpoints are of two runs; use a new model_dir")
 
 
 def plan_streams(state: dict | None, workers: int, worker: int, steps_done: int, global_batch: int,

@@ -26,7 +26,7 @@ from tfdp.errors import UserError
 from tfdp.finetune import scale_learning_rates
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
 from tfdp.augment import build_batch_augment
-from tfdp.batching import BatchLayout, batch_layout
+from tfdp.batching import BatchLayout, CheckpointBatch, batch_layout, resumed_layout
 from tfdp.elastic import Streams
 from tfdp.keras_patches.train_step import augment_before_step, compile_train_step, use_xla
 from tfdp.losses import BinaryCrossEntropy, SparseSmoothedCrossentropy, Top1, TopK
@@ -53,18 +53,25 @@ class Plan:
     # Whole-step XLA, on or off, and why (`use_xla` on the run's devices): decided here, once per run.
     # None in a Plan built by hand: `compile_model` then decides on the devices of the scope it runs in.
     xla: tuple[bool, str] | None = None
+    # The line a resume prints where its global batch, the checkpoint's, is cut differently ('' otherwise).
+    resume_line: str = ""
 
     def micro_batch(self) -> int:
         """Images per micro-batch over all replicas: what one forward pass sees, and the evaluation batch."""
         return self.global_batch // self.accum_steps
 
 
-def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
-    """The run's sizes and the two decisions every later part reads: the batch layout and XLA."""
+def make_plan(cfg: Config, source: Source, runtime: Runtime, checkpoint: dict | None = None) -> Plan:
+    """The run's sizes and the two decisions every later part reads: the batch layout and XLA.
+
+    `checkpoint` is the state of the checkpoint the run resumes (None: a fresh
+    run). A resume keeps its global batch whatever the hardware found
+    (`tfdp.batching.resumed_layout`), so the schedule, steps per epoch and
+    stream position built from this Plan are the checkpoint's."""
     if source.num_classes and source.num_classes != cfg.model.num_classes:  # 0: unknown until labels are read
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
     train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
-    layout = batch_layout(cfg.train, runtime.num_replicas)
+    layout, resume_line = resumed_layout(cfg.train, runtime.num_replicas, CheckpointBatch.of(checkpoint))
     global_batch = layout.global_batch
     steps = train.num_examples // global_batch
     if steps == 0:
@@ -75,7 +82,7 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime) -> Plan:
                 train.lost_records + val.lost_records,
                 tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n),
                 accum_steps=layout.accum_steps, layout=layout,
-                xla=use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn))
+                xla=use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn), resume_line=resume_line)
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:

@@ -97,10 +97,12 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
     """`train` once model_dir is checked and, on the chief, leased to this run."""
     keras.utils.set_random_seed(cfg.train.seed)
     source = build_source(cfg.data)
-    plan = make_plan(cfg, source, runtime)
+    plan = make_plan(cfg, source, runtime, CheckpointStore(model_dir).newest_state())  # a resume: its global batch
     for split in (cfg.data.train_split, cfg.data.val_split):
         check_lost(source.split(split), cfg.data.max_bad_fraction)
     print(plan.layout.line() + f", {runtime.num_workers} worker(s)", flush=True)
+    if plan.resume_line:
+        print(plan.resume_line, flush=True)
     print(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
           f"global batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch", flush=True)
     run = Run.build(cfg, runtime, source, plan, model_dir)  # the model, restored or filled from init_from
