@@ -2,11 +2,12 @@
 
 import os
 import re
+import sys
 
 import pytest
 import yaml
 
-from conftest import assert_one_line_error, last_line, read_jsonl, run_tfdp
+from conftest import REPO, assert_one_line_error, last_line, read_jsonl, run_tfdp
 
 FAST = ["--model=simple_cnn", "--set=data.image_size=16", "--batch_size_per_replica=32"]
 
@@ -157,3 +158,34 @@ def test_console_shows_what_a_person_needs_and_verbosity_brings_back_the_rest(tm
     loud = run_tfdp(*args, f"--model_dir={tmp_path}/loud", "--verbosity=1", timeout=300)
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert [line for line in (loud.stdout + loud.stderr).splitlines() if TF_INTERNALS.search(line)]
+
+
+FILTERED_PROCESS = """
+import os, sys, time
+sys.argv = ["tfdp"]
+from tfdp import console
+console.filter_native_stderr()
+os.write(2, b"Improper call to JPEG library in state 201\\n")
+os.write(2, b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\\n")
+os.write(2, b"tfdp: a line of its own\\n")
+os.write(2, b"Corrupt JPEG data: 3 extraneous bytes before marker 0xd9\\n")
+if sys.argv[-1] == "term":
+    os.killpg(0, 15)   # the whole process group, as Slurm or a pod's stop does; this process ignores it
+os.write(2, b"tfdp: the last line, just before os._exit\\n")
+os._exit(3)
+"""
+
+
+@pytest.mark.parametrize("group_signal", [False, True])
+def test_native_library_lines_are_filtered_and_the_last_line_survives_os_exit(group_signal):
+    """The stderr filter drops what libjpeg and LiteRT print on their own and passes every other line, including
+    one written just before `os._exit` and one written after the process group got SIGTERM."""
+    import subprocess
+    code = FILTERED_PROCESS
+    if group_signal:
+        code = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + code
+    proc = subprocess.run([sys.executable, "-c", code, "term" if group_signal else "plain"], capture_output=True,
+                          timeout=60, cwd=REPO, start_new_session=True,
+                          env={k: v for k, v in os.environ.items() if k != "TFDP_STDERR_FILTER"})
+    assert proc.returncode == 3
+    assert proc.stderr.decode().splitlines() == ["tfdp: a line of its own", "tfdp: the last line, just before os._exit"]

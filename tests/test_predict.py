@@ -17,6 +17,7 @@ from PIL import Image
 from conftest import assert_one_line_error, run_tfdp
 from tfdp.config import validate
 from tfdp.data import build_source
+from tfdp.errors import UserError
 from tfdp.data.corrupt import LOG as CORRUPT_LOG
 from tfdp.data.pipeline import Bookkeeping, eval_dataset, train_dataset
 from tfdp.evaluate import evaluate
@@ -166,6 +167,18 @@ def test_bad_requests_are_one_line(trained, odd_folder, tmp_path, case):
     assert not os.path.exists(tmp_path / "p.jsonl")
 
 
+def test_top_k_defaults_to_five_or_every_class_of_a_smaller_model(odd_folder, tmp_path):
+    """As timm's inference script: no flag on a 3-class model gives its 3 classes, on a 10-class one 5; a top_k
+    the user asks for beyond the classes is still refused."""
+    root = odd_folder[0]
+    out = str(tmp_path / "p.jsonl")
+    three = validate({**settings(root, tmp_path / "m"), "model": {"name": "simple_cnn", "num_classes": 3}})
+    assert request(three, root, out).top_k == 3
+    assert request(validate(settings(root, tmp_path / "m")), root, out).top_k == 5
+    with pytest.raises(UserError, match="--top_k=5 must be between 1 and the model's 3 classes"):
+        request(three, root, out, top_k=5)
+
+
 def test_images_in_a_bucket(trained, odd_folder, gcs_bucket, tmp_path):
     cfg, _, weights = trained
     root, good, bad = odd_folder
@@ -244,6 +257,40 @@ def test_a_training_run_names_corrupt_images_and_ignored_files(small_dir, tmp_pa
     assert set(listed) == {str(train_bad), str(val_bad)}
     assert "Unknown image file format" in listed[str(val_bad)] or "GIF" in listed[str(val_bad)]
     assert json.loads((model_dir / "metrics.jsonl").read_text().splitlines()[-1])["corrupt_images"] == 1
+
+
+def test_the_console_says_each_corrupt_image_once_and_nothing_from_library_internals(small_dir, tmp_path):
+    """Train (two epochs: every corrupt image is met twice), evaluate and predict on folders with an empty and a
+    truncated JPEG, and export (LiteRT's check): stderr holds tfdp's own lines only (no libjpeg message, no Keras
+    warning with its source line, no LiteRT delegate note), one warning per corrupt image and command."""
+    root = corrupt_copy(small_dir, tmp_path / "data")
+    empty, truncated = root / "train" / "2" / "empty.jpg", root / "train" / "3" / "truncated.jpg"
+    good = sorted((root / "train" / "3").iterdir())[0].read_bytes()
+    empty.write_bytes(b"")
+    truncated.write_bytes(good[:len(good) // 2])
+    val_truncated = root / "val" / "2" / "a-truncated.jpg"   # not the last file of the split: named mid-stream
+    val_truncated.write_bytes(good[:len(good) // 2])
+    config_file = tmp_path / "config.yaml"
+    raw = settings(str(root), tmp_path / "run", max_bad_fraction=0.05)
+    config_file.write_text(yaml.safe_dump({**raw, "train": {**raw["train"], "epochs": 2}}))
+    train_bad = [root / "train" / "0" / "zz-corrupt.jpg", empty, truncated]
+    val_bad = [root / "val" / "1" / "zz-corrupt.jpg", val_truncated]
+    val_last = root / "val" / "9" / "zz-last.jpg"   # the split's last file: no later image shows its gap
+    val_last.write_bytes(b"")
+    commands = {
+        "train": (("train",), train_bad + val_bad),
+        "evaluate": (("evaluate",), val_bad + [val_last]),
+        "predict": (("predict", f"--input={root / 'train'}", f"--output={tmp_path / 'p.jsonl'}"), train_bad),
+        "export": (("export", "--format=saved_model,litert", "--verify_images=30"), []),
+    }
+    for name, (args, bad) in commands.items():
+        result = run_tfdp(*args, f"--config={config_file}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert all(line.startswith("tfdp: ") for line in lines), (name, lines)
+        for path in bad:
+            assert sum(line.startswith(f"tfdp: warning: corrupt image {path}: ") for line in lines) == 1, (name, lines)
+        assert len(lines) == len(bad), (name, lines)
 
 
 def test_the_corrupt_list_names_the_first_few_and_keeps_every_one(tmp_path, capsys):

@@ -41,7 +41,8 @@ flags.DEFINE_string("checkpoint", None, "evaluate/export/predict: weights file t
 flags.DEFINE_string("input", None, "predict: the images: a folder (recursive), a file, a quoted glob pattern, or a "
                     "gs:// / s3:// prefix.")
 flags.DEFINE_string("output", None, "predict: where the rows go: FILE.jsonl or FILE.csv (written atomically).")
-flags.DEFINE_integer("top_k", 5, "predict: classes (with probabilities) per image.")
+flags.DEFINE_integer("top_k", None, "predict: classes (with probabilities) per image (default: 5, or all the "
+                     "model's classes when it has fewer).")
 flags.DEFINE_string("export_dir", None, "export: output directory (default: model_dir/export).")
 flags.DEFINE_string("format", "saved_model,keras", "export: comma list of formats to write: saved_model, keras, "
                     "onnx, litert (see docs/export.md).")
@@ -208,6 +209,7 @@ def main(argv: list[str]) -> None:
         got = f" '{argv[1]}'" if len(argv) > 1 else ""
         raise app.UsageError(f"expected a command{got}: one of {', '.join(COMMANDS)}")
     console.set_python_logging()
+    console.filter_native_stderr()
     try:
         COMMANDS[argv[1]](argv[2:])
     except UserError as e:
@@ -236,7 +238,7 @@ Commands:
   export     the model for serving: --format=saved_model,keras (default; encoded JPEG/PNG bytes in),
              onnx, litert (uint8 pixels in); each checked against Keras on the validation split
   predict    top-k classes of every image in a folder, file, pattern or bucket prefix, as JSONL or CSV:
-             tfdp predict --config=... --input=DIR --output=predictions.jsonl [--top_k=5]
+             tfdp predict --config=... --input=DIR --output=predictions.jsonl [--top_k=K]
   report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR
   benchmark  scaling analysis over 1..N replicas: images/s, efficiency, input- or compute-bound
   launch     start an N-worker cluster on this host: tfdp launch --workers=2 -- train --config=...

@@ -17,10 +17,61 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
+import warnings
 
 VERBOSE_ENV = "TFDP_VERBOSE"
 TF_LOGGER = "tensorflow"  # the name tf.get_logger() uses
+# The stderr pipe of a filter this process or its parent started: "device:inode" (see filter_native_stderr).
+FILTER_ENV = "TFDP_STDERR_FILTER"
+# What native libraries write straight to file descriptor 2, past every logger. libjpeg's messages about a corrupt
+# JPEG (TensorFlow's decoder keeps libjpeg's default output_message; the texts of jerror.h a decoder can meet, printf
+# fields as wildcards). tfdp names each corrupt image itself, once, with TensorFlow's reason (tfdp.data.corrupt);
+# these lines would only repeat it, unnamed, every time the image is met. Anything else passes.
+LIBJPEG_MESSAGES = (
+    "Improper call to JPEG library in state %d", "Input file read error", "Empty input file",
+    "Premature end of input file", "Premature end of JPEG file", "Not a JPEG file: starts with 0x%02x 0x%02x",
+    "Bogus marker length", "Bogus Huffman table definition", "Bogus JPEG colorspace", "Bogus sampling factors",
+    "Bogus DAC index %d", "Bogus DAC value 0x%x", "Bogus DHT index %d", "Bogus DQT index %d",
+    "Invalid component ID %d in SOS", "DCT coefficient out of range", "Unsupported JPEG data precision %d",
+    "Invalid progressive parameters Ss=%d Se=%d Ah=%d Al=%d", "Sampling factors too large for interleaved scan",
+    "Too many color components: %d, max %d", "Unsupported color conversion request",
+    "Empty JPEG image (DNL not supported)", "Didn't expect more than one scan", "Huffman code size table overflow",
+    "Missing Huffman code table entry", "Maximum supported image dimension is %u pixels",
+    "Huffman table 0x%02x was not defined", "Quantization table 0x%02x was not defined",
+    "JPEG datastream contains no image", "Invalid JPEG file structure: %s", "Unsupported JPEG process: SOF type 0x%02x",
+    "Unsupported marker type 0x%02x", "Image too wide for this implementation", "Insufficient memory (case %d)",
+    "Unknown Adobe color transform code %d", "Inconsistent progression sequence for component %d coefficient %d",
+    "Corrupt JPEG data: %s", "Warning: unknown JFIF revision number %d.%02d", "Invalid SOS parameters for sequential JPEG",
+    "Warning: thumbnail image size does not match data length %u",
+)
+
+
+def _message_pattern(text: str) -> bytes:
+    """A printf format as a regular expression over the line: each field any run of characters."""
+    import re
+    parts = re.split(r"%[0-9]*[duxs]", text)
+    return ".+".join(re.escape(p) for p in parts).encode()
+
+
+# The LiteRT interpreter's note on the CPU delegate it picks, printed once per interpreter (`tfdp export`'s check).
+LITERT_MESSAGES = ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU.",)
+NATIVE_NOISE = tuple(_message_pattern(m) for m in LIBJPEG_MESSAGES + LITERT_MESSAGES)
+# The filter process: forwards its stdin to its stdout line by line, less NATIVE_NOISE. It ignores the signals a
+# job's whole process group gets (Ctrl-C, Slurm's and Kubernetes' SIGTERM): it must outlive the command to pass on
+# its last lines (a preemption's, an error's), and ends when every writer of the pipe has.
+_FILTER_CODE = """
+import os, re, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+noise = re.compile(b"^(?:" + b"|".join(NOISE) + b")\\r?\\n?$")
+out = sys.stdout.buffer
+for line in sys.stdin.buffer:
+    if not noise.match(line):
+        out.write(line)
+        out.flush()
+"""
 
 
 def verbose_requested(argv: list[str]) -> bool:
@@ -39,6 +90,40 @@ def prepare(argv: list[str]) -> None:
             os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
 
 
+def filter_native_stderr() -> None:
+    """Routes file descriptor 2 through a small filter process that drops NATIVE_NOISE (unless verbosity was asked
+    for, or this process's stderr already goes through one, as a launched worker's may).
+
+    C libraries write to the descriptor itself, so no Python setting reaches them. A separate process rather than a
+    thread: lines written just before `os._exit` or a crash are still in the pipe, and only a reader that outlives
+    the writer passes them on.
+    """
+    if verbose_requested(sys.argv) or os.environ.get(FILTER_ENV) == _identity(2):
+        return
+    sys.stderr.flush()
+    read, write = os.pipe()
+    code = f"NOISE = {NATIVE_NOISE!r}\n{_FILTER_CODE}"
+    try:
+        subprocess.Popen([sys.executable, "-S", "-c", code], stdin=read, stdout=2, stderr=subprocess.DEVNULL,
+                         close_fds=True, start_new_session=True)
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return  # no filter: the lines stay, nothing is lost
+    os.close(read)
+    os.dup2(write, 2)
+    os.close(write)
+    os.environ[FILTER_ENV] = _identity(2)
+
+
+def _identity(fd: int) -> str:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def set_python_logging() -> None:
     """absl's threshold: WARNING by default (tfdp prints its own lines), the flag's level on request.
 
@@ -54,6 +139,9 @@ def set_python_logging() -> None:
     if not verbose_requested(sys.argv):
         logging.set_verbosity(logging.WARNING)
         std_logging.getLogger(TF_LOGGER).setLevel(std_logging.ERROR)
+        # Keras says so whenever a finite dataset ends before its `steps`; tfdp's evaluation and training streams
+        # end where they should, and their counts are tfdp's own lines.
+        warnings.filterwarnings("ignore", message=".*ran out of data.*", category=UserWarning)
 
 
 @contextlib.contextmanager

@@ -40,10 +40,30 @@ def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> di
         result = model.evaluate(validation_dataset(cfg, source, runtime), verbose=0, return_dict=True)
     result["examples"] = evaluated_images(model)
     skipped = split.num_examples - result["examples"]
+    if skipped:
+        name_unnamed_corrupt(split, cfg, runtime, skipped)
     print("tfdp: evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
           + f" over {result['examples']} images"
           + (f" ({skipped} of the {split.num_examples} listed could not be decoded)" if skipped else ""), flush=True)
     return result
+
+
+def name_unnamed_corrupt(split, cfg: Config, runtime: Runtime, skipped: int) -> None:
+    """The pipeline names a corrupt image at the next image it decodes; one at the end of a pipeline's share has
+    none, so it is named here, by decoding that share's last files again."""
+    if split.kind != "images":
+        return
+    from tfdp.data.corrupt import LOG, name_trailing
+    from tfdp.data.preprocess import eval_transform
+    from tfdp.data.storage import localize
+    named = sum(path in LOG.entries for path in split.files)
+    if named >= skipped:
+        return
+    pipelines = runtime.num_workers if len(split.files) >= runtime.num_workers else 1
+    for k in range(pipelines):
+        share = list(split.files[k::pipelines])
+        tail = share[-(skipped - named + 1):]
+        name_trailing(localize(tail, cfg.data.cache_dir), skipped - named, eval_transform(cfg.data), LOG)
 
 
 def evaluated_images(model: keras.Model) -> int:
@@ -65,7 +85,10 @@ def evaluated_images(model: keras.Model) -> int:
 def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out_dir: str | None,
                       formats: tuple[str, ...] | None = None, verify_images: int | None = 1000) -> dict:
     """Writes the export formats, then (`verify_images` not None; 0: the whole split) runs that many validation
-    images through each, loaded back in its own runtime, and prints its agreement with the Keras model."""
+    images through each, loaded back in its own runtime, and prints its agreement with the Keras model.
+
+    A format that could not be written does not stop the others: they are written and checked first, then
+    its reason is raised as one line naming the formats that were written."""
     from tfdp.export import DEFAULT_FORMATS, agreement_line, check_packages, export, inference_network, verify
     formats = formats or DEFAULT_FORMATS
     if verify_images is not None and verify_images < 0:
@@ -77,13 +100,20 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
     # Exports are float32 whatever the training precision (ONNX's exporter requires it; the weights are float32).
     model = serving_model(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="float32")))
     load_checkpoint(model, checkpoint or CheckpointStore(model_dir).best_weights, cfg)
-    paths = export(model, cfg, source.class_names, out_dir, formats)
-    print(f"tfdp: export: wrote {', '.join(paths[f] for f in formats)} and {paths['classes']}", flush=True)
-    if verify_images is not None:
+    written = export(model, cfg, source.class_names, out_dir, formats)
+    paths = written.paths
+    made = [f for f in formats if f in paths]
+    if made:
+        print(f"tfdp: export: wrote {', '.join(paths[f] for f in made)} and {paths['classes']}", flush=True)
+    if verify_images is not None and made:
         split = source.split(cfg.data.val_split)
         with data_errors():
-            agreements = verify(inference_network(model), cfg, split, paths, formats, verify_images)
+            # The reference is Keras' own network (grouped convolutions as Keras runs them, not as exported).
+            agreements = verify(inference_network(model, portable=False), cfg, split, paths, tuple(made),
+                                verify_images)
         for name, agreement in agreements.items():
             print(agreement_line(name, paths[name], agreement), flush=True)
         paths["agreement"] = agreements
+    if written.failed:  # after the others are written and checked: one line, exit status 2
+        raise UserError(written.failure_line())
     return paths

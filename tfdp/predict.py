@@ -55,10 +55,16 @@ class Request:
     top_k: int
 
 
-def request(cfg: Config, inputs: str | None, output: str | None, top_k: int = 5) -> Request:
+DEFAULT_TOP_K = 5
+
+
+def request(cfg: Config, inputs: str | None, output: str | None, top_k: int | None = None) -> Request:
     """The checked request: a writable output of a known format, top_k within the classes, at least one
-    image. No TensorFlow here."""
+    image. No TensorFlow here. Without a top_k, min(5, classes), as timm's inference script: a 3-class model
+    needs no flag; a top_k the user asked for beyond the classes is still refused."""
     write = check_output(output)
+    if top_k is None:
+        top_k = min(DEFAULT_TOP_K, cfg.model.num_classes)
     check_top_k(top_k, cfg.model.num_classes)
     return Request(tuple(list_images(inputs)), os.path.abspath(os.path.expanduser(output)), write, top_k)
 

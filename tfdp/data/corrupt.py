@@ -44,6 +44,22 @@ def decode_error(path: str, transform) -> str:
     return "could not be decoded in the pipeline (decodes when read again: a file changed or an I/O error?)"
 
 
+def name_trailing(files: list[str], missing: int, transform, log: "CorruptLog") -> None:
+    """Names the corrupt images at the end of a finite stream (an evaluation's share), which no later image
+    shows as a gap: from the last file backwards, each that fails to decode is recorded, until one decodes or
+    `missing` are named. At most `missing` + 1 images are decoded again."""
+    import tensorflow as tf
+    for path in reversed(files):
+        if missing <= 0 or path in log.entries:
+            return
+        try:
+            transform(tf.io.read_file(path), tf.constant(0, tf.int64))
+            return
+        except (tf.errors.OpError, ValueError):
+            log.record(path, decode_error(path, transform))
+            missing -= 1
+
+
 class CorruptLog:
     """The corrupt images this process met, in the order met, each once, with the reason."""
 
