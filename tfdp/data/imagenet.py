@@ -26,7 +26,7 @@ import io
 import posixpath
 import re
 
-from tfdp.data.sources import Ignored, Source, Split, class_folder_split, is_image_file
+from tfdp.data.sources import Ignored, Source, Split, class_folder_split, folder_entries, is_image_file
 from tfdp.data.storage import filesystem, url
 from tfdp.errors import UserError
 
@@ -153,10 +153,9 @@ def _labelled_flat_folder(fs, name: str, folder: str, synsets: tuple[str, ...], 
     index = {s: i for i, s in enumerate(synsets)}
     files, labels = [], []
     ignored = Ignored()
-    for entry in sorted(fs.ls(folder, detail=True), key=lambda e: e["name"]):
-        path = entry["name"]
-        if entry["type"] == "directory" or not is_image_file(path):
-            ignored.add(path, entry["type"] == "directory")
+    for path, is_dir in folder_entries(fs, folder):
+        if is_dir or not is_image_file(path):
+            ignored.add(path, is_dir)
             continue
         stem = posixpath.splitext(posixpath.basename(path))[0]
         synset = synset_of(stem)
@@ -164,7 +163,7 @@ def _labelled_flat_folder(fs, name: str, folder: str, synsets: tuple[str, ...], 
             raise UserError(f"{label_file} has no label for {posixpath.basename(path)}")
         if synset not in index:
             raise UserError(f"{label_file} labels {posixpath.basename(path)} as {synset}, which is not a training class")
-        files.append(url(fs, path))
+        files.append(path)
         labels.append(index[synset])
     if not files:
         raise UserError(f"no images in {url(fs, folder)}")

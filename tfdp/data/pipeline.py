@@ -126,12 +126,14 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     share_size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
     consumed, bad = books.start
     first_epoch, offset = divmod(consumed, max(share_size, 1))
-    ds = epoch_payloads(share, cfg, ctx, data_shard, seed, first_epoch, share_size).skip(offset)
+    ds = epoch_payloads(share, cfg, ctx, data_shard, seed, first_epoch, share_size, offset=offset)
     transform = train_transform(cfg, seed)
     ds = decoded_examples(ds, share, cfg, transform, books.num_classes, first=consumed)
     names = StreamNames.of_training(share, cfg, ctx, data_shard, seed, share_size)
-    ds = _replica_batches(ds, cfg, ctx, global_batch, first=consumed, on_gap=corrupt_namer(names, cfg, transform))
-    tally = Tally(books.num_classes, cfg.max_bad_fraction, share_size, books.corrupt, books.position)
+    on_gap = corrupt_namer(names, cfg, transform)
+    ds = _replica_batches(ds, cfg, ctx, global_batch, first=consumed, on_gap=on_gap)
+    tally = Tally(books.num_classes, cfg.max_bad_fraction, share_size, books.corrupt, books.position,
+                  named=on_gap is not None)
     return checked(ds, tally, start=(consumed, bad)).prefetch(AUTOTUNE)
 
 
@@ -192,8 +194,9 @@ def _last_of(counts: tf.Tensor, n: int) -> tf.Tensor:
 
 
 def epoch_payloads(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool,
-                   seed: int | None, first_epoch: int, share_size: int, cache=readers.cached) -> tf.data.Dataset:
-    """Data epochs `first_epoch`, `first_epoch + 1`, ... of the share's payloads, each in an order of its own.
+                   seed: int | None, first_epoch: int, share_size: int, offset: int = 0) -> tf.data.Dataset:
+    """Data epochs `first_epoch`, `first_epoch + 1`, ... of the share's payloads, each in an order of its own,
+    from record `offset` of the first.
 
     Epoch `e` permutes the files (or shards) with a stateless permutation
     drawn from (`seed`, `e`), then shuffles records through a buffer with a
@@ -204,18 +207,57 @@ def epoch_payloads(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContex
     `data.cache` the cached payloads are reshuffled by tf.data per epoch and
     a resumed stream skips through them: in memory that is cheap. A `seed`
     of None draws every epoch's file order at random where the stream runs.
+
+    Image files are one record each, so their epochs are ordered as file
+    numbers (`epoch_numbers`) and a number becomes its (path, label) only
+    after the skip: the paths sit in one tensor, made once and captured by
+    that last map, never a constant of a per-epoch function. Such a constant
+    is copied with every function library tf.data rewrites and instantiates,
+    which made start-up grow with the dataset (docs/benchmarks.md, start-up
+    on a large tree); numbers also make a resume's skip cheap. The order is
+    the one permuting the paths themselves gives.
     """
     buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))
     repeated = _repeated(cfg.repeated_augmentation, share_size)
     if cfg.cache:
-        cached = cache(readers.payloads(share, cfg, ctx, data_shard), share)
+        cached = readers.cached(readers.payloads(share, cfg, ctx, data_shard), share)
         stream = cached.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).apply(repeated).repeat()
-        return stream.skip(first_epoch * share_size)
+        return stream.skip(first_epoch * share_size + offset)
+    if share.kind == "images":
+        mine = image_share(share, ctx, data_shard)
+        numbers = epoch_numbers(len(mine.files), buffer, cfg, seed, first_epoch, share_size).skip(offset)
+        return readers.READERS[mine.kind].of_files(mine, cfg, numbers)
 
     @tf.autograph.experimental.do_not_convert  # plain Python branches on Python values
     def epoch(e):
         order = tf.stack([_seed_or_random(seed), e])
         return readers.payloads(share, cfg, ctx, data_shard, order_seed=order).shuffle(
+            buffer, seed=seed, reshuffle_each_iteration=False).apply(repeated)
+    return tf.data.Dataset.range(first_epoch, MAX_EPOCHS).flat_map(epoch).skip(offset)
+
+
+def image_share(share: Split, ctx: tf.distribute.InputContext, data_shard: bool) -> Split:
+    """The image files this pipeline reads: with data-level sharding (fewer files than pipelines) every
+    n-th one, as `Dataset.shard` would keep of the (path, label) pairs."""
+    if not data_shard:
+        return share
+    return share.subset(range(ctx.input_pipeline_id, len(share.files), ctx.num_input_pipelines))
+
+
+def epoch_numbers(files: int, buffer: int, cfg: DataConfig, seed: int | None, first_epoch: int,
+                  epoch_size: int) -> tf.data.Dataset:
+    """The file numbers of an image share's record stream from data epoch `first_epoch` on: epoch `e` is
+    0..files-1 in the stateless permutation (`seed`, `e`) draws, through a seeded shuffle buffer of `buffer`
+    and repeated augmentation (`epoch_payloads`). Integers only: what a resume skips and what `StreamNames`
+    replays are these, not paths."""
+    repeated = _repeated(cfg.repeated_augmentation, epoch_size)
+
+    @tf.autograph.experimental.do_not_convert  # plain Python branches on Python values
+    def epoch(e):
+        numbers = tf.range(files, dtype=tf.int64)
+        if files > 1:
+            numbers = tf.random.experimental.index_shuffle(numbers, tf.stack([_seed_or_random(seed), e]), files - 1)
+        return tf.data.Dataset.from_tensor_slices(numbers).shuffle(
             buffer, seed=seed, reshuffle_each_iteration=False).apply(repeated)
     return tf.data.Dataset.range(first_epoch, MAX_EPOCHS).flat_map(epoch)
 
@@ -276,8 +318,9 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     transform = eval_transform(cfg)
     ds = decoded_examples(ds, share, cfg, transform, num_classes).batch(batch)
     names = StreamNames.of_evaluation(share, ctx, data_shard)
-    ds = _counted(ds, Tally(num_classes, cfg.max_bad_fraction, sizes[ctx.input_pipeline_id], corrupt),
-                  on_gap=corrupt_namer(names, cfg, transform))
+    on_gap = corrupt_namer(names, cfg, transform)
+    ds = _counted(ds, Tally(num_classes, cfg.max_bad_fraction, sizes[ctx.input_pipeline_id], corrupt,
+                            named=on_gap is not None), on_gap=on_gap)
     blank = tf.zeros([cfg.image_size, cfg.image_size, 3], tf.uint8)
     padding = tf.data.Dataset.from_tensors((blank, 0, 0.0)).repeat()
     ds = ds.unbatch().map(lambda image, label: (image, label, 1.0)).concatenate(padding).take(padded)
@@ -350,6 +393,9 @@ class Tally:
     share_examples: int               # the bound applies to at least this many records
     corrupt: CorruptCounter | None = None
     position: StreamPosition | None = None
+    # Each corrupt image is named in the corrupt-image log as it is met (a local image pipeline): then the count
+    # line would say the same thing twice. Records and the tf.data service cannot name theirs, so they count.
+    named: bool = False
 
 
 def _counted(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0), on_gap=None) -> tf.data.Dataset:
@@ -416,8 +462,9 @@ def checked(ds: tf.data.Dataset, tally: Tally, start: tuple[int, int] = (0, 0)) 
                 tf.cast(bad, tf.float64) <= fraction * tf.cast(tf.maximum(seen, floor), tf.float64),
                 [tf.strings.format("tfdp-data-error: too many corrupt images: {} of the first {} records could not "
                                    "be decoded (data.max_bad_fraction is {})", (bad, seen, fraction))]),
-            tf.cond(gap > 0, lambda: _warn_skipped(gap, bad), lambda: tf.constant(False)),
         ]
+        if not tally.named:
+            checks.append(tf.cond(gap > 0, lambda: _warn_skipped(gap, bad), lambda: tf.constant(False)))
         if tally.num_classes:
             low, high = tf.reduce_min(labels), tf.reduce_max(labels)
             checks.append(tf.debugging.Assert(
@@ -455,26 +502,28 @@ class StreamNames:
                     share_size: int) -> "StreamNames | None":
         if share.kind != "images" or seed is None:
             return None
-        numbered = dataclasses.replace(share, files=tuple(str(i) for i in range(len(share.files))))
+        buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))  # as `epoch_payloads` sizes it
+        files = image_share(share, ctx, data_shard).files
 
         def order(epoch: int) -> tf.data.Dataset:
-            return epoch_payloads(numbered, cfg, ctx, data_shard, seed, epoch, share_size,
-                                  cache=lambda ds, _: ds).take(share_size)
-        return cls(share.files, share_size, order)
+            if cfg.cache:  # the cached payloads in listing order, reshuffled by tf.data every epoch
+                stream = tf.data.Dataset.range(len(files)).shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
+                stream = stream.apply(_repeated(cfg.repeated_augmentation, share_size)).repeat()
+                return stream.skip(epoch * share_size).take(share_size)
+            return epoch_numbers(len(files), buffer, cfg, seed, epoch, share_size).take(share_size)
+        return cls(files, share_size, order)
 
     @classmethod
     def of_evaluation(cls, share: Split, ctx, data_shard: bool) -> "StreamNames | None":
         if share.kind != "images":
             return None
         files = share.files[ctx.input_pipeline_id::ctx.num_input_pipelines] if data_shard else share.files
-        numbers = tf.data.Dataset.range(len(files)).map(lambda i: (tf.strings.as_string(i), 0))
-        return cls(files, len(files), lambda epoch: numbers)
+        return cls(files, len(files), lambda epoch: tf.data.Dataset.range(len(files)))
 
     def __call__(self, position: int) -> str:
         epoch, place = divmod(int(position), self.epoch_size)
         if epoch != self._epoch:
-            batches = self.order(epoch).map(lambda name, label: tf.strings.to_number(name, tf.int64)).batch(65536)
-            self._numbers = np.concatenate([np.zeros([0], np.int64), *batches.as_numpy_iterator()])
+            self._numbers = np.concatenate([np.zeros([0], np.int64), *self.order(epoch).batch(65536).as_numpy_iterator()])
             self._epoch = epoch
         return self.files[int(self._numbers[place])]
 

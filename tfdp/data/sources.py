@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import posixpath
 import sys
 
 import fsspec
 
-from tfdp.data.storage import filesystem, url
+from tfdp.data.storage import filesystem, is_remote, url
 from tfdp.errors import UserError
 
 # Every format `tf.io.decode_image` decodes (TensorFlow 2.21: JPEG, PNG, GIF, BMP, WebP; GIFs and WebPs by their
@@ -187,14 +188,34 @@ def class_folder_split(fs: fsspec.AbstractFileSystem, name: str, split_dir: str,
         folder = posixpath.join(split_dir, cls)
         if not fs.isdir(folder):
             raise UserError(f"class {cls} has no folder in {url(fs, split_dir)}")
-        for entry in sorted(fs.ls(folder, detail=True), key=lambda e: e["name"]):
-            path = entry["name"]
-            if entry["type"] != "directory" and is_image_file(path):
-                files.append(url(fs, path))
-                labels.append(label)
+        found = 0
+        for path, is_dir in folder_entries(fs, folder):
+            if not is_dir and is_image_file(path):
+                files.append(path)
+                found += 1
             else:
-                ignored.add(path, entry["type"] == "directory")
+                ignored.add(path, is_dir)
+        labels += [label] * found  # one int object per class, not one per image
     if not files:
         raise UserError(f"no images ({IMAGE_PATTERNS}) under {url(fs, split_dir)}")
     ignored.report(f"split '{name}' in {url(fs, split_dir)}")
     return Split(name=name, files=tuple(files), labels=tuple(labels))
+
+
+def folder_entries(fs: fsspec.AbstractFileSystem, folder: str) -> list[tuple[str, bool]]:
+    """(path as the user writes it, whether it is a folder) for every entry of `folder`, sorted by name.
+
+    A local folder is read with one `os.scandir`, whose entries already say
+    whether they are folders: fsspec's `ls(detail=True)` stats every file and
+    builds a dict for it, most of what listing a large tree cost
+    (docs/benchmarks.md, start-up on a large tree). A symbolic link is never
+    a folder here, as in fsspec's listing: a linked image is read, a linked
+    folder is not entered.
+    """
+    if is_remote(fs):
+        return [(url(fs, e["name"]), e["type"] == "directory")
+                for e in sorted(fs.ls(folder, detail=True), key=lambda e: e["name"])]
+    with os.scandir(folder) as scan:
+        entries = sorted((entry.name, entry.is_dir(follow_symlinks=False)) for entry in scan)
+    prefix = folder if folder.endswith("/") else folder + "/"
+    return [(prefix + entry, is_dir) for entry, is_dir in entries]

@@ -247,9 +247,9 @@ def cache_paths(urls: list[str] | tuple[str, ...], cache_dir: str) -> list[str]:
 
 
 def is_remote_url(url: str) -> bool:
-    """Whether `url` names a bucket object, from the string alone (no filesystem is built: cheap for a
-    million-image tree)."""
-    return fsspec.utils.get_protocol(url) not in LOCAL_PROTOCOLS
+    """Whether `url` names a bucket object, from the string alone (no filesystem is built, and a plain path,
+    with no protocol separator, is not even parsed: cheap for a million-image tree)."""
+    return ("://" in url or "::" in url) and fsspec.utils.get_protocol(url) not in LOCAL_PROTOCOLS
 
 
 def mirror(prefix_url: str, cache_dir: str) -> tuple[int, int]:
