@@ -6,10 +6,11 @@ checkpoint and exported by the real `tfdp export` in a fresh process, whose
 peak resident memory is read back (`ru_maxrss` of the finished child) and held
 to `tfdp.export.export_memory_bound` for the model's weights (docs/export.md).
 One model per family runs by default, ResNeXt (grouped convolutions) among
-them; the larger ones are `slow`. EfficientNetV2-L is measured by
-benchmarks/export_memory.py but not checked here: with random weights its
-activations grow to ~1e4 and the rounding differences of Keras' own eager
-and graph execution alone change its top-1 (no format can agree with that).
+them; the larger ones are `slow`. VGG is measured by benchmarks/export_memory.py
+(its export needs more memory than a test may take beside the suite's other
+processes), and EfficientNetV2-L too, without an agreement check: with random
+weights its activations grow to ~1e4 and the rounding differences of Keras' own
+eager and graph execution alone change its top-1 (no format can agree with that).
 """
 
 import os
@@ -35,13 +36,11 @@ LINE = re.compile(r"tfdp: export: (\w+): .*: top-1 agrees with the Keras model o
 MAX_RELATIVE_DIFFERENCE = 1e-4
 IMAGES = 24
 
-ZOO = [  # (registry name, image size): one per family, then the rest of the large ones
+ZOO = [  # (registry name, image size): one per family
     ("simple_cnn", 8),
     ("squeezenet1_1", 32),
     ("resnext50_32x4d", 32),
     ("mobilenet_v2", 32),
-    pytest.param("vgg11_bn", 32, marks=pytest.mark.slow),
-    pytest.param("resnet50_v1_5", 32, marks=pytest.mark.slow),
     pytest.param("efficientnetv2_b0", 32, marks=pytest.mark.slow),
     pytest.param("inception_v3", 75, marks=pytest.mark.slow),
 ]

@@ -461,7 +461,9 @@ def verification_batches(cfg: Config, split, limit: int, batch: int = 64):
     data_cfg = dataclasses.replace(cfg.data, cache=False, image_size=size)  # payloads are paths, read here
     example = readers.example_fn(split, data_cfg, cfg.model.num_classes)
     ds = readers.payloads(split, data_cfg, tf.distribute.InputContext(), False)
-    def pair(*element):  # a payload is one tensor (a record) or a tuple (an image's path and label)
+    # a payload is one tensor (a synthetic example's number) or a tuple (a record's shard and offset, an image's path
+    # and label)
+    def pair(*element):
         element = element if len(element) > 1 else element[0]
         if split.kind == "synthetic":
             return tf.constant(b""), example(element, 0, None)[0]
