@@ -16,6 +16,9 @@ variant alike):
   tfdp train (shards, max side N)   the same on the downscaled shards
   tfdp train (gs:// shards, warm)    the full-size shards read from a bucket (a real
                       GCS emulator on loopback), after the first read cached them
+  tfdp train (shards, at REV)   with --baseline=REV: the same shard pipeline as tfdp
+                      at git revision REV builds it, in a process of its own (its
+                      tfdp/ unpacked with `git archive`), timed in the same rounds
 
 The first (cold) read from the bucket is timed separately: it copies the
 shards to the local cache in parallel.
@@ -24,8 +27,10 @@ tfdp's pipeline is the real one (`tfdp.data.pipeline.train_dataset`): random-
 resized crop decoded with decode_and_crop_jpeg, bilinear resize to --size,
 uint8 out, batch --batch, corrupt-image counting; the flip and the
 normalisation happen later, on the device (the model's first layers).
+Beside each rate: the CPU time the process spent per image (least of the
+rounds), which other jobs on the host disturb far less than the rate.
 
-  python benchmarks/input_pipeline.py [--images=768] [--size=224] [--batch=128] [--max_side=256]
+  python benchmarks/input_pipeline.py [--images=768] [--size=224] [--batch=128] [--max_side=256] [--baseline=REV]
 """
 
 from __future__ import annotations
@@ -33,13 +38,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tfdp this process times: this checkout's, or (a --baseline child) one unpacked from another revision.
+TFDP_ROOT_ENV = "TFDP_BENCH_ROOT"
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))   # support.photos, support.gcs_emulator
+sys.path.insert(0, os.environ.get(TFDP_ROOT_ENV, REPO))
+sys.path.insert(1, os.path.join(REPO, "tests"))   # support.photos, support.gcs_emulator
 
 import tfdp  # noqa: E402,F401  (TensorFlow environment defaults)
 
@@ -58,14 +67,15 @@ def make_data(workdir: str, images: int, max_side: int) -> dict[str, str]:
     return {"tree": tree, "shards": shards, "small": small}
 
 
-def rate(dataset, batch: int, batches: int) -> float:
+def rate(dataset, batch: int, batches: int) -> tuple[float, float]:
+    """(images/s, CPU microseconds of this process per image) over `batches` batches after three."""
     iterator = iter(dataset)
     for _ in range(3):
         next(iterator)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(batches):
         next(iterator)
-    return batches * batch / (time.perf_counter() - start)
+    return batches * batch / (time.perf_counter() - start), 1e6 * (time.process_time() - cpu) / (batches * batch)
 
 
 def per_file(files: list[str], image_fn, batch: int):
@@ -98,6 +108,54 @@ def tfdp_train(data_format: str, directory: str, size: int, batch: int, cache_di
     return train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0, books=Bookkeeping(num_classes=1000))
 
 
+class Baseline:
+    """tfdp's shard pipeline as git revision `rev` builds it, timed round by round in a child process.
+
+    The child imports the revision's own tfdp (unpacked with `git archive`, so
+    this checkout is left alone) and builds its pipeline once; each round the
+    parent asks for one measurement and waits, so the two processes never
+    compete for the CPU.
+    """
+
+    def __init__(self, rev: str, shards: str, args, workdir: str):
+        root = os.path.join(workdir, "baseline")
+        os.makedirs(root)
+        archive = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", rev, "tfdp"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+        env = {**os.environ, TFDP_ROOT_ENV: root}
+        command = [sys.executable, os.path.abspath(__file__), "--serve", shards, f"--size={args.size}",
+                   f"--batch={args.batch}", f"--batches={args.batches}"]
+        self.child = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()  # built
+
+    def _answer(self) -> str:
+        while True:
+            line = self.child.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the baseline process ended (exit status {self.child.wait()})")
+            if line.startswith("bench: "):
+                return line.removeprefix("bench: ").strip()
+
+    def rate(self) -> tuple[float, float]:
+        self.child.stdin.write("go\n")
+        self.child.stdin.flush()
+        images_per_sec, cpu_us = self._answer().split()
+        return float(images_per_sec), float(cpu_us)
+
+    def close(self) -> None:
+        self.child.stdin.close()
+        self.child.wait()
+
+
+def serve(shards: str, args) -> None:
+    """The --baseline child: one shard-pipeline measurement per line read from stdin."""
+    ds = tfdp_train("tfrecord", shards, args.size, args.batch)
+    print("bench: ready", flush=True)
+    for _ in sys.stdin:
+        print("bench: {} {}".format(*rate(ds, args.batch, args.batches)), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=768)
@@ -107,7 +165,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=30, help="timed batches per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="", help="also write the results as JSON here")
+    parser.add_argument("--baseline", default="", help="also time the shard pipeline of this git revision")
+    parser.add_argument("--serve", default="", help=argparse.SUPPRESS)   # the --baseline child: shard folder
     args = parser.parse_args()
+    if args.serve:
+        return serve(args.serve, args)
+    load_at_start = os.getloadavg()[0]   # before this script's own work (making the data) adds to it
 
     from tfdp.config import DataConfig
     from tfdp.data import build_source
@@ -138,23 +201,34 @@ def main() -> None:
             "tfdp train (gs:// shards, warm)": lambda: tfdp_train("tfrecord", f"{bucket}/shards", args.size,
                                                                    args.batch, cache),
         }
-        datasets = {name: make() for name, make in variants.items()}
-        best = {name: 0.0 for name in variants}
+        timers = {name: (lambda ds: lambda: rate(ds, args.batch, args.batches))(make())
+                  for name, make in variants.items()}
+        baseline = Baseline(args.baseline, paths["shards"], args, workdir) if args.baseline else None
+        if baseline:
+            timers[f"tfdp train (shards, at {args.baseline})"] = baseline.rate
+        best = {name: 0.0 for name in timers}
+        cpu = {name: float("inf") for name in timers}
+        load_before = os.getloadavg()[0]
         for _ in range(args.rounds):
-            for name, ds in datasets.items():
-                best[name] = max(best[name], rate(ds, args.batch, args.batches))
+            for name, timed in timers.items():
+                images_per_sec, cpu_us = timed()
+                best[name], cpu[name] = max(best[name], images_per_sec), min(cpu[name], cpu_us)
+        if baseline:
+            baseline.close()
     base = best["full decode"]
     print(f"cold read from the bucket: {shard_mb:.0f} MB of shards copied to the local cache in {cold_seconds:.1f} s "
           f"(GCS emulator on loopback)")
     print(f"{len(files)} JPEGs, mean {mean_kb:.0f} KB; {args.size}x{args.size} crops, batch {args.batch}, "
-          f"{os.cpu_count()} CPU cores; best of {args.rounds} rounds")
-    print(f"{'pipeline':42s} {'images/s':>9s} {'vs full decode':>15s}")
+          f"{os.cpu_count()} CPU cores; best of {args.rounds} rounds; 1-minute load average {load_at_start:.2f} "
+          f"at the start, {load_before:.2f} before the rounds, {os.getloadavg()[0]:.2f} after")
+    print(f"{'pipeline':42s} {'images/s':>9s} {'vs full decode':>15s} {'CPU us/image':>13s}")
     for name, value in best.items():
-        print(f"{name:42s} {value:9.0f} {value / base:14.2f}x")
+        print(f"{name:42s} {value:9.0f} {value / base:14.2f}x {cpu[name]:13.0f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"images": len(files), "mean_kb": mean_kb, "images_per_sec": best, "cold_seconds": cold_seconds,
-                       "ratio": {k: v / base for k, v in best.items()}}, f, indent=1)
+                       "ratio": {k: v / base for k, v in best.items()}, "cpu_us_per_image": cpu,
+                       "load_average": [load_at_start, load_before, os.getloadavg()[0]]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -293,9 +293,11 @@ def test_deterministic_pipeline_repeats_its_crops_and_the_seed_changes_them(tree
     assert not np.array_equal(first[0][0], first[1][0])
 
 
-def test_a_stream_resumed_at_any_position_continues_the_uninterrupted_one(trees):
+@pytest.mark.parametrize("data_format", ["imagenet", "tfrecord"])
+def test_a_stream_resumed_at_any_position_continues_the_uninterrupted_one(trees, shards, data_format):
     """Resuming at record k (within an epoch or past several) gives exactly the uninterrupted batches from k."""
-    cfg = DataConfig(format="imagenet", dir=trees["ilsvrc"], image_size=32, deterministic=True, shuffle_buffer=4)
+    cfg = DataConfig(format=data_format, dir=trees["ilsvrc"] if data_format == "imagenet" else shards, image_size=32,
+                     deterministic=True, shuffle_buffer=4)
     split = build_source(cfg).split("train")
     n = split.num_examples
     position = StreamPosition()
@@ -335,6 +337,104 @@ def stream_files(split, cfg, seed, count):
     ctx = tf.distribute.InputContext()
     ds = pipeline.epoch_payloads(split, cfg, ctx, False, seed, 0, split.num_examples).take(count)
     return [path.decode() for path, _ in ds.as_numpy_iterator()]
+
+
+def shards_read_in_order(share, cfg, ctx, data_shard, seed, first_epoch, size, offset):
+    """The record stream's definition: each epoch the shards in the permutation (seed, epoch) draws, read
+    front to back, round robin 16 at a time (every n-th record when sharding by example), through the
+    seeded shuffle buffer and repeated augmentation."""
+    from tfdp.data import pipeline
+    buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))
+    files, n = tf.constant(list(share.files)), len(share.files)
+
+    def epoch(e):
+        order = tf.random.experimental.index_shuffle(tf.range(n, dtype=tf.int64),
+                                                     tf.stack([tf.constant(seed, tf.int64), e]), n - 1)
+        ds = tf.data.Dataset.from_tensor_slices(tf.gather(files, order)).interleave(
+            tf.data.TFRecordDataset, cycle_length=min(n, 16))
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) if data_shard else ds
+        return ds.shuffle(buffer, seed=seed, reshuffle_each_iteration=False).apply(
+            pipeline._repeated(cfg.repeated_augmentation, size))
+    return tf.data.Dataset.range(first_epoch, pipeline.MAX_EPOCHS).flat_map(epoch).skip(offset)
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory):
+    """20 shards (more than one interleave cycle) of 0 to 6 records of different lengths; a Split of them."""
+    from tfdp.data.sources import Split
+    from tfdp.data.tfrecord import IMAGENET_RECORDS
+    root = tmp_path_factory.mktemp("many")
+    files, counts = [], []
+    for s in range(20):
+        files.append(str(root / f"train-{s:05d}-of-00020"))
+        counts.append((s * 7) % 6 if s != 4 else 0)
+        with tf.io.TFRecordWriter(files[-1]) as writer:
+            for r in range(counts[-1]):
+                writer.write(f"shard {s} record {r} ".encode() * (1 + (s + r) % 5))
+    return Split("train", tuple(files), counts=tuple(counts), records=IMAGENET_RECORDS)
+
+
+@pytest.mark.parametrize("shuffle_buffer,repeated", [(7, 1), (1000, 1), (5, 3)])
+@pytest.mark.parametrize("pipelines,index", [(1, 0), (3, 1), (25, 4)])  # 25 > 20 shards: sharded by example
+def test_a_record_stream_is_the_shards_read_in_order_through_the_seeded_buffer(many_shards, shuffle_buffer, repeated,
+                                                                               pipelines, index):
+    """The records the training stream yields, position by position, are those reading the shards themselves
+    gives: the same seed gives the same records as ever, from any epoch and offset."""
+    from tfdp.data import pipeline
+    from tfdp.data.tfrecord import read_record
+    cfg = DataConfig(shuffle_buffer=shuffle_buffer, repeated_augmentation=repeated)
+    ctx = tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=index,
+                                     num_replicas_in_sync=pipelines)
+    share, data_shard = pipeline_share(many_shards, ctx)
+    size = pipeline.share_sizes(many_shards, pipelines)[index]
+    for first_epoch, offset in ((0, 0), (2, min(5, size - 1))):
+        want = list(shards_read_in_order(share, cfg, ctx, data_shard, 9, first_epoch, size, offset)
+                    .take(3 * size).as_numpy_iterator())
+        stream = pipeline.epoch_payloads(share, cfg, ctx, data_shard, 9, first_epoch, size, offset=offset)
+        got = list(stream.take(3 * size).map(read_record).as_numpy_iterator())
+        assert got == want
+
+
+def damage_record(path: str, offset: int) -> None:
+    """Flips a byte inside the data of the record at `offset`: its CRC no longer matches."""
+    with open(path, "r+b") as f:
+        f.seek(offset + 12 + 40)
+        byte = f.read(1)
+        f.seek(offset + 12 + 40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_resumed_record_stream_reads_no_record_it_skips(shards, tmp_path):
+    """Resuming at record k reads only what follows: the k skipped records can even be damaged."""
+    from tfdp.data import pipeline
+    shutil.copytree(shards, tmp_path / "shards")
+    cfg = DataConfig(format="tfrecord", dir=str(tmp_path / "shards"), image_size=32, deterministic=True,
+                     shuffle_buffer=4)
+    split = build_source(cfg).split("train")
+    n, k = split.num_examples, 8
+    uninterrupted = iter(train_dataset(split, cfg, 4, seed=9))
+    batches = [next(uninterrupted) for _ in range(n // 4)]
+    skipped = pipeline.epoch_payloads(split, cfg, tf.distribute.InputContext(), False, 9, 0, n).take(k)
+    for path, offset in skipped.as_numpy_iterator():
+        damage_record(path.decode(), int(offset))
+    corrupt = CorruptCounter()
+    resumed = iter(train_dataset(split, cfg, 4, seed=9, books=Bookkeeping(start=(k, 0), corrupt=corrupt)))
+    for want in batches[k // 4:]:
+        assert np.array_equal(next(resumed)[0].numpy(), want[0].numpy())
+    assert corrupt.value() == 0  # not one of the damaged records was read
+
+
+def test_a_damaged_record_costs_only_itself(trees, tmp_path):
+    """A record failing its CRC is one corrupt image; the records after it in its shard are still read."""
+    from tfdp.data.tfrecord import record_offsets
+    write_records(str(tmp_path / "rec"), trees["ilsvrc"])
+    shard = str(tmp_path / "rec" / "train-00000-of-00001")
+    damage_record(shard, int(record_offsets(shard)[0][5]))
+    cfg = DataConfig(format="tfrecord", dir=str(tmp_path / "rec"), image_size=32, max_bad_fraction=0.5)
+    counter = CorruptCounter()
+    batches = list(eval_dataset(build_source(cfg).split("val"), cfg, 4, num_classes=CLASSES, corrupt=counter))
+    assert sum(float(tf.reduce_sum(b[2])) for b in batches) == 19
+    assert counter.value() == 1
 
 
 def test_synthetic_format_needs_no_files():

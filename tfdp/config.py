@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from typing import Annotated, Any, Literal
 
@@ -53,6 +54,11 @@ class DataConfig:
     tfds_name: Str = ""                 # data.format tfds: the dataset's name, e.g. imagenet2012
     tfds_manual_dir: Str = ""           # ... and where its manually downloaded files are, to prepare it
     cache_dir: Str = DEFAULT_CACHE_DIR        # local copies of files read from a bucket
+    # Most bytes of a bucket's files a training stream keeps in data.cache_dir: "20GB", "500MB", "64GiB" or
+    # a number of bytes. A share that fits is copied once, as a whole; a larger one is streamed, each file
+    # fetched ahead of the reader and deleted once read (docs/data.md, bounded cache). auto: half the free
+    # space of data.cache_dir at start.
+    cache_limit: Annotated[int, Strict()] | Str = "auto"
     # Through the tf.data service, where its workers keep their copies of a bucket's training files
     # (`tfdp data-service worker --mirror=URL --cache_dir=DIR`): the trainer sends these paths and reads
     # none of the training data itself. "": the same as data.cache_dir.
@@ -398,6 +404,7 @@ def _listify(node: Any) -> Any:
 def _check_cross_field(cfg: Config) -> None:
     _check_model_dir(cfg.model_dir)
     d = cfg.data
+    byte_size(d.cache_limit)
     if d.min_crop_area > d.max_crop_area:
         raise UserError("data.min_crop_area must not exceed data.max_crop_area")
     if len(d.mean) != 3 or len(d.std) != 3:
@@ -512,6 +519,25 @@ def _check_service(cfg: Config) -> None:
     if cfg.data.repeated_augmentation > 1:
         raise UserError("data.repeated_augmentation needs the local input pipeline: through the tf.data service "
                         "(data.service_address) the copies of an image could not be dealt to different replicas")
+
+
+AUTO_SIZE = "auto"
+# Decimal units as disks are sold, binary ones as `df -h` counts; case does not matter.
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def byte_size(value: int | str, field: str = "data.cache_limit") -> int | None:
+    """A size such as "20GB", "500 MB", "64GiB" or 1000000 in bytes; None for "auto", which only the
+    cache's own disk can settle. Anything else is a one-line error naming `field`."""
+    if isinstance(value, str) and value.strip().lower() == AUTO_SIZE:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+    unit = match and SIZE_UNITS.get(match.group(2).upper())
+    if not unit or float(match.group(1)) * unit < 1:
+        raise UserError(f"config field '{field}': expected a size such as 20GB, 500MB or 64GiB, a number of "
+                        f"bytes, or {AUTO_SIZE} (got {value!r})")
+    return int(float(match.group(1)) * unit)
 
 
 def _section_at(loc: tuple[str, ...]) -> type | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -27,7 +28,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp.config import DataConfig
-from tfdp.data import readers
+from tfdp.data import readers, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.preprocess import eval_transform, train_transform
 from tfdp.data.sources import Split
@@ -119,18 +120,22 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     images so far) therefore continues with exactly the batches the
     uninterrupted run would have trained on, and reaches that point by
     skipping whole data epochs and then records, before any image is read or
-    decoded. `books.position`, if given, records where each batch ended.
+    decoded. `books.position`, if given, records where each batch ended. A
+    share in a bucket larger than `data.cache_limit` is read through the
+    bounded cache (`tfdp.data.streaming`), example for example the same.
     """
     ctx = input_context or tf.distribute.InputContext()
     share, data_shard = pipeline_share(split, ctx)
     share_size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
     consumed, bad = books.start
     first_epoch, offset = divmod(consumed, max(share_size, 1))
-    ds = epoch_payloads(share, cfg, ctx, data_shard, seed, first_epoch, share_size, offset=offset)
+    ds, stream = streaming.payloads(share, cfg, seed, functools.partial(
+        epoch_payloads, share, cfg, ctx, data_shard, seed, first_epoch, share_size, offset))
     transform = train_transform(cfg, seed)
-    ds = decoded_examples(ds, share, cfg, transform, books.num_classes, first=consumed)
+    ds = stream.examples(decoded_examples(ds, share, stream.decoding(cfg), transform, books.num_classes,
+                                          first=consumed))
     names = StreamNames.of_training(share, cfg, ctx, data_shard, seed, share_size)
-    on_gap = corrupt_namer(names, cfg, transform)
+    on_gap = corrupt_namer(names, cfg, transform, stream)
     ds = _replica_batches(ds, cfg, ctx, global_batch, first=consumed, on_gap=on_gap)
     tally = Tally(books.num_classes, cfg.max_bad_fraction, share_size, books.corrupt, books.position,
                   named=on_gap is not None)
@@ -528,19 +533,21 @@ class StreamNames:
         return self.files[int(self._numbers[place])]
 
 
-def corrupt_namer(names: StreamNames | None, cfg: DataConfig, transform):
+def corrupt_namer(names: StreamNames | None, cfg: DataConfig, transform, stream=streaming.NO_STREAM):
     """`tallied`'s `on_gap`: the files at a batch's missing positions, with TensorFlow's reason, into the
-    corrupt-image log (`tfdp.data.corrupt`); None where there is nothing to name (records, synthetic)."""
+    corrupt-image log (`tfdp.data.corrupt`); None where there is nothing to name (records, synthetic). A
+    bucket's file is read from a local copy (`stream.local_copy`: fetched again if the bounded cache has
+    let it go)."""
     if names is None:
         return None
-    from tfdp.data.storage import localize
 
     def on_gap(last, index) -> np.int64:
         present = set(index.numpy().tolist())
         for position in range(int(last) + 1, int(index.numpy()[-1]) + 1):
             if position not in present:
                 path = names(position)
-                CORRUPT_LOG.record(path, decode_error(localize([path], cfg.cache_dir)[0], transform))
+                with stream.local_copy(path, cfg.cache_dir) as local:
+                    CORRUPT_LOG.record(path, decode_error(local, transform))
         return np.int64(0)
     return on_gap
 

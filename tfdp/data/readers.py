@@ -1,8 +1,8 @@
 """Readers: one per kind of split, each turning its files into examples (Model Garden's Decoder).
 
 A reader has two halves. `payloads` lists this input pipeline's share as a
-dataset of small elements (a serialized record, an image file's path and
-label, a synthetic example's number), in the order a data epoch's seed
+dataset of small elements (a record's shard and byte offset, an image file's
+path and label, a synthetic example's number), in the order a data epoch's seed
 draws. `example` turns one element into (image, label), calling the
 preprocessing function it is given (`tfdp.data.preprocess`) on the encoded
 bytes. `tfdp.data.pipeline` only picks the reader by `Split.kind` and never
@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp.config import DataConfig
+from tfdp.data import streaming
 from tfdp.data.sources import Split
 from tfdp.data.storage import localize
-from tfdp.data.tfrecord import parse_record
+from tfdp.data.tfrecord import parse_record, read_record
 
 AUTOTUNE = tf.data.AUTOTUNE
 INTERLEAVE_CYCLE = 16
@@ -72,42 +74,79 @@ def slot_payloads(split: Split, cfg: DataConfig, seed: int, first_slot: int, end
 
 
 def cached(ds: tf.data.Dataset, share: Split) -> tf.data.Dataset:
-    """`data.cache`: payloads kept in memory after the first pass (image files read here, so the cache
-    holds their bytes). The cached order is the unshuffled one; training shuffles it per epoch."""
+    """`data.cache`: payloads kept in memory after the first pass (image files and records read here, so
+    the cache holds their bytes). The cached order is the unshuffled one; training shuffles it per epoch."""
     if not READERS[share.kind].cacheable:
         return ds
     if share.kind == "images":
         ds = ds.map(lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE)
+    elif share.kind == "records" and isinstance(ds.element_spec, tuple):  # locations: cache the records
+        ds = ds.map(read_record, num_parallel_calls=AUTOTUNE)
     return ds.cache()
 
 
 # --- TFRecord shards --------------------------------------------------------
 
 def _record_payloads(share, cfg, ctx, data_shard, order_seed):
-    """Serialized records, the shards in the permutation `order_seed` draws.
+    """Where each record is, (shard path, byte offset), the shards in the permutation `order_seed` draws.
 
-    Records are read sequentially, round robin over INTERLEAVE_CYCLE shards:
-    reading is far cheaper than decoding, and a parallel interleave burned CPU
-    in synchronisation that decoding needs (docs/benchmarks.md, the input
-    pipeline). Shards are local files by now (`localize`). The order is
-    deterministic, which sharding by example needs: all pipelines see the
-    same sequence.
+    The order is the one reading the shards themselves gives: round robin
+    over INTERLEAVE_CYCLE shards, each front to back, then `Dataset.shard`
+    for sharding by example. It is deterministic, which sharding by example
+    needs: all pipelines see the same sequence. A payload is a location, not
+    the record's ~110 KB, so the training shuffle buffer fills in
+    microseconds at every data epoch (and holds kilobytes, not a gigabyte),
+    a resumed stream skips records without reading them, and the record is
+    read inside the parallel decoding map (`_record_example`), as an image
+    file is (docs/benchmarks.md, input pipeline). Shards are local files by
+    now (`localize`).
+
+    Through the tf.data service (`data.service_address`) the payloads stay
+    the serialized records, read in sequence: the trainer names the service
+    workers' copies of the shards, which it need not hold, so it cannot read
+    their framing.
     """
-    files = localize(share.files, cfg.cache_dir)
-    ds = tf.data.Dataset.from_tensor_slices(_permuted(tf.constant(files), order_seed)).interleave(
-        tf.data.TFRecordDataset, cycle_length=min(len(files), INTERLEAVE_CYCLE))
+    files = streaming.local_files(share.files, cfg)
+    ds = tf.data.Dataset.from_tensor_slices(_permuted(tf.range(len(files), dtype=tf.int64), order_seed)).interleave(
+        _shard_records(files, share.counts, cfg), cycle_length=min(len(files), INTERLEAVE_CYCLE))
     return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) if data_shard else ds
 
 
 def _record_files(split, cfg, numbers):
-    files = tf.constant(localize(split.files, cfg.cache_dir))
-    return numbers.map(lambda i: tf.gather(files, i)).interleave(
-        tf.data.TFRecordDataset, cycle_length=min(len(split.files), INTERLEAVE_CYCLE))
+    return numbers.interleave(_shard_records(localize(split.files, cfg.cache_dir), split.counts, cfg),
+                              cycle_length=min(len(split.files), INTERLEAVE_CYCLE))
+
+
+def _shard_records(files: list[str], counts: tuple[int, ...], cfg: DataConfig) -> Callable[..., tf.data.Dataset]:
+    """shard number → its records front to back: their (path, byte offset) pairs, the first `counts[i]`
+    complete records of shard i (`Split.counts`, what the epoch's size counts); through the tf.data service,
+    the serialized records themselves.
+
+    The offset tables are made eagerly (`init_scope`), so a function that
+    builds the stream (a data epoch's) captures them as inputs rather than
+    holding a constant of a million offsets that tf.data would copy into
+    every function library it rewrites.
+    """
+    with tf.init_scope():
+        paths = tf.constant(files)
+    if cfg.service_address:
+        return lambda number: tf.data.TFRecordDataset(paths[number])
+    offsets = [streaming.record_places(f, count) for f, count in zip(files, counts)]
+    with tf.init_scope():
+        flat = tf.constant(np.concatenate([np.zeros([0], np.int64), *offsets]))
+        bounds = tf.constant(np.cumsum([0] + [len(o) for o in offsets]), tf.int64)
+
+    def locations(number):
+        first, end = bounds[number], bounds[number + 1]
+        return tf.data.Dataset.from_tensor_slices((tf.fill([end - first], paths[number]), flat[first:end]))
+    return locations
 
 
 def _record_example(share, cfg, num_classes):
     def example(element, index, transform):
-        encoded, label = parse_record(element, share.records)
+        # a location (see `_record_payloads`), or the record itself (through the service, or from `cached`)
+        serialized = read_record(*element) if isinstance(element, tuple) else element
+        encoded, label = parse_record(serialized, share.records)
         return transform(encoded, index), label
     return example
 
@@ -117,7 +156,7 @@ def _record_example(share, cfg, num_classes):
 def _image_payloads(share, cfg, ctx, data_shard, order_seed):
     """(image file path, label) pairs; the file is read inside the decoding map, not a map of its own,
     which saves one function call per image (docs/benchmarks.md, input pipeline)."""
-    files, labels = localize(share.files, cfg.cache_dir), share.labels
+    files, labels = streaming.local_files(share.files, cfg), share.labels
     if data_shard:  # as Dataset.shard on the pairs
         files = files[ctx.input_pipeline_id::ctx.num_input_pipelines]
         labels = labels[ctx.input_pipeline_id::ctx.num_input_pipelines]
@@ -126,7 +165,7 @@ def _image_payloads(share, cfg, ctx, data_shard, order_seed):
 
 
 def _image_files(split, cfg, numbers):
-    files, labels = tf.constant(localize(split.files, cfg.cache_dir)), tf.constant(split.labels, tf.int32)
+    files, labels = tf.constant(streaming.local_files(split.files, cfg)), tf.constant(split.labels, tf.int32)
     return numbers.map(lambda i: (tf.gather(files, i), tf.gather(labels, i)))
 
 

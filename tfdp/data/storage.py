@@ -10,7 +10,9 @@ support cannot be pointed at anything but Google's endpoint (no emulator, no
 other stores), so the pipeline never hands TensorFlow a remote path:
 `localize()` copies the files a pipeline reads to a local cache on first use
 (in parallel, each file written under a temporary name and renamed when
-complete), and every later epoch or run reads them at local-disk speed.
+complete), and every later epoch or run reads them at local-disk speed. A
+training share larger than `data.cache_limit` is streamed through a bounded
+cache instead (`tfdp.data.streaming`).
 
 The first `filesystem()` call for a bucket asks its endpoint about it, within
 `data.remote_timeout` seconds, and turns what goes wrong into one line naming
@@ -236,7 +238,7 @@ def localize(urls: list[str] | tuple[str, ...], cache_dir: str) -> list[str]:
         return list(urls)
     local = dict(zip(remote, cache_paths(remote, cache_dir)))
     with concurrent.futures.ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
-        list(pool.map(lambda u: _fetch(u, local[u]), remote))
+        list(pool.map(lambda u: fetch(u, local[u]), remote))
     return [local.get(u, u) for u in urls]
 
 
@@ -271,7 +273,9 @@ def _cache_path(cache_dir: str, remote_url: str) -> str:
     return os.path.join(cache_dir, scheme, rest)
 
 
-def _fetch(remote_url: str, local_path: str) -> None:
+def fetch(remote_url: str, local_path: str) -> None:
+    """Copies one bucket object to `local_path` under a temporary name, renamed when complete (so no reader
+    ever meets half a file); a copy already there at the object's size is kept."""
     fs, path = filesystem(remote_url)
     size = fs.size(path)
     if os.path.exists(local_path) and os.path.getsize(local_path) == size:
@@ -280,6 +284,8 @@ def _fetch(remote_url: str, local_path: str) -> None:
     tmp = f"{local_path}.tmp-{os.getpid()}-{hashlib.sha1(remote_url.encode()).hexdigest()[:8]}"
     try:
         fs.get_file(path, tmp)
+        if os.path.getsize(tmp) != size:   # a connection cut short can leave a short file without an error
+            raise OSError(f"short download of {remote_url}: {os.path.getsize(tmp)} of {size} bytes")
         os.replace(tmp, local_path)
     except FileNotFoundError:
         raise UserError(f"file vanished while copying: {remote_url}") from None

@@ -12,7 +12,10 @@ read: each shard a sequence of tf.train.Example with
 
 Each record is framed as uint64 length, uint32 masked CRC of the length, the
 data, uint32 masked CRC of the data. Counting and checking records reads the
-length headers only (`readable_records`, `count_records`, `first_record`).
+length headers only (`readable_records`, `count_records`, `first_record`);
+the same walk gives each record's byte offset (`record_offsets`), so the
+training stream can shuffle offsets and read each record where it is decoded
+(`read_record`, used by `tfdp.data.readers`).
 
 Readers (`tfdp.data.records`) use `IMAGENET_RECORDS`; the converter
 (`pipelines/convert_imagenet.py`) writes records with `image_example`.
@@ -21,10 +24,12 @@ Readers (`tfdp.data.records`) use `IMAGENET_RECORDS`; the converter
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import posixpath
 import struct
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp.data.sources import RecordFormat
@@ -126,15 +131,29 @@ def count_records(path: str) -> int:
 
 
 def readable_records(path: str) -> tuple[int, str | None]:
-    """(complete records at the start of a local TFRecord file, how the next one is cut short or None).
+    """(complete records at the start of a local TFRecord file, how the next one is cut short or None)."""
+    offsets, cut = record_offsets(path)
+    return len(offsets), cut
+
+
+def record_offsets(path: str) -> tuple[np.ndarray, str | None]:
+    """(byte offset of each complete record at the start of a local TFRecord file, how the next one is cut
+    short or None).
 
     Only the framing is read, one 8-byte length per record at its offset (not
     the payload's CRC): cheap enough to run on every shard whenever a split is
     listed. Read-ahead is turned off, so a cold cache reads one page per
-    record, not the images between the headers.
+    record, not the images between the headers. The walk is kept per file
+    version (path, size, modification time): listing a split walks each shard
+    and building its input pipeline asks again, which then reads nothing.
     """
-    count, offset = 0, 0
-    size = os.path.getsize(path)
+    stat = os.stat(path)
+    return _walk_framing(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8192)   # ImageNet has 1,152 shards; 8 bytes per record kept
+def _walk_framing(path: str, size: int, mtime_ns: int) -> tuple[np.ndarray, str | None]:
+    offsets, offset, cut = [], 0, None
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
@@ -142,14 +161,35 @@ def readable_records(path: str) -> tuple[int, str | None]:
         while offset < size:
             header = os.pread(fd, LENGTH.size, offset)
             if len(header) < LENGTH.size:
-                return count, "header cut short"
-            offset += HEADER_BYTES + LENGTH.unpack(header)[0] + FOOTER_BYTES
-            if offset > size:
-                return count, "runs past the end"
-            count += 1
+                cut = "header cut short"
+                break
+            end = offset + HEADER_BYTES + LENGTH.unpack(header)[0] + FOOTER_BYTES
+            if end > size:
+                cut = "runs past the end"
+                break
+            offsets.append(offset)
+            offset = end
     finally:
         os.close(fd)
-    return count, None
+    result = np.array(offsets, np.int64)
+    result.flags.writeable = False   # shared by every caller
+    return result, cut
+
+
+def read_record(path: tf.Tensor, offset: tf.Tensor) -> tf.Tensor:
+    """The serialized record at byte `offset` of the TFRecord file `path`, its framing and CRCs checked.
+
+    TensorFlow's own reader, started at the offset (`TFRecordDatasetV2`'s
+    byte_offsets) and unbuffered: a few reads of the header, then the data
+    and its footer straight into the result, never the records around it.
+    A CRC mismatch, a record cut short or an offset past the end
+    is an error of this op, which the decoding map counts as a corrupt image.
+    """
+    variant = tf.raw_ops.TFRecordDatasetV2(filenames=tf.reshape(path, [1]), compression_type="",
+                                           buffer_size=tf.constant(0, tf.int64),
+                                           byte_offsets=tf.reshape(tf.cast(offset, tf.int64), [1]))
+    records = tf.data.experimental.from_variant(variant, tf.TensorSpec([], tf.string))
+    return records.take(1).get_single_element()
 
 
 def parse_record(serialized: tf.Tensor, fmt: RecordFormat) -> tuple[tf.Tensor, tf.Tensor]:

@@ -1,0 +1,273 @@
+"""The bounded cache (`data.cache_limit`, tfdp/data/streaming.py) against a real GCS emulator on loopback.
+
+Each dataset is about four times the limit. Every example's label is its own
+number, so a stream's labels say which examples came in which order, and
+which file each came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.config import DataConfig
+from tfdp.data import streaming
+from tfdp.data.pipeline import Bookkeeping, train_dataset
+from tfdp.data.sources import Split
+from tfdp.data.tfrecord import IMAGENET_RECORDS, IMAGE_KEY, LABEL_KEY, LABEL_OFFSET
+from tfdp.errors import UserError
+
+IMAGES = 160            # image files, one example each
+SHARDS, PER_SHARD = 80, 4
+BATCH = 8
+EPOCHS = 3
+
+
+def _jpegs(n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [tf.io.encode_jpeg(rng.integers(0, 256, [16, 16, 3], np.uint8), quality=95).numpy() for _ in range(n)]
+
+
+def _record(image: bytes, label: int) -> bytes:
+    return tf.train.Example(features=tf.train.Features(feature={
+        IMAGE_KEY: tf.train.Feature(bytes_list=tf.train.BytesList(value=[image])),
+        LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[label + LABEL_OFFSET])),
+    })).SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def datasets(gcs_bucket):
+    """{kind: (Split, bytes)}: image files and TFRecord shards of the same images in the emulator's bucket."""
+    import fsspec
+    images = _jpegs(IMAGES, 0)
+    shards = []
+    for s in range(SHARDS):
+        labels = range(s * PER_SHARD, (s + 1) * PER_SHARD)
+        shard, other = b"", 0
+        # The emulator's multipart parser drops an object's last byte when it is a line break: another image
+        # for the last record changes its CRC, the shard's last bytes.
+        while not shard or shard.endswith((b"\n", b"\r")):
+            shard = b"".join(_framed(_record(images[(label + other * (label == labels[-1])) % IMAGES], label))
+                             for label in labels)
+            other += 1
+        shards.append(shard)
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    image_urls = tuple(f"{gcs_bucket}/streamed/images/{i:04d}.jpg" for i in range(IMAGES))
+    shard_urls = tuple(f"{gcs_bucket}/streamed/shards/train-{s:05d}" for s in range(SHARDS))
+    for url, data in zip(image_urls + shard_urls, images + shards):
+        fs.pipe_file(url.removeprefix("gs://"), data)   # one at a time: the emulator is slow with many at once
+        assert fs.size(url.removeprefix("gs://")) == len(data)
+    return {
+        "images": (Split("train", image_urls, labels=tuple(range(IMAGES))), sum(map(len, images))),
+        "records": (Split("train", shard_urls, counts=(PER_SHARD,) * SHARDS, records=IMAGENET_RECORDS),
+                    sum(map(len, shards))),
+    }
+
+
+def _framed(record: bytes) -> bytes:
+    """One TFRecord frame, as tf.io.TFRecordWriter writes it."""
+    import tempfile
+    with tempfile.NamedTemporaryFile() as f:
+        with tf.io.TFRecordWriter(f.name) as w:
+            w.write(record)
+        return open(f.name, "rb").read()
+
+
+@pytest.fixture(autouse=True)
+def closed_streams():
+    """Each test's streams stop with it (their fetchers would go on, against a server that has stopped)."""
+    yield
+    streaming.close_all()
+
+
+def _file_of(kind: str, label: int) -> int:
+    return label if kind == "images" else label // PER_SHARD
+
+
+def _config(cache_dir, limit) -> DataConfig:
+    return DataConfig(format="tfrecord", cache_dir=str(cache_dir), cache_limit=limit, image_size=8,
+                      shuffle_buffer=4, deterministic=True)
+
+
+class DiskPeak:
+    """The most bytes ever seen under a folder, sampled from outside the cache by a thread."""
+
+    def __init__(self, folder):
+        self.folder, self.peak, self._done = str(folder), 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self):
+        while not self._done.is_set():
+            total = 0
+            for where, _, names in os.walk(self.folder):
+                for name in names:
+                    try:
+                        total += os.path.getsize(os.path.join(where, name))
+                    except FileNotFoundError:
+                        pass
+            self.peak = max(self.peak, total)
+            self._done.wait(0.002)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+
+def _labels(split: Split, cfg: DataConfig, batches: int, start: int = 0) -> list[int]:
+    ds = train_dataset(split, cfg, BATCH, seed=7, books=Bookkeeping(start=(start, 0)))
+    return [int(v) for _, labels in ds.take(batches).as_numpy_iterator() for v in labels]
+
+
+def _stream(cfg: DataConfig) -> streaming.Stream:
+    return next(s for (where, _), s in streaming.OPEN_STREAMS.items() if where == cfg.cache_dir)
+
+
+@pytest.mark.parametrize("kind", ["images", "records"])
+def test_a_stream_four_times_the_limit_stays_within_it_and_reads_what_a_full_copy_reads(datasets, kind, tmp_path):
+    split, total = datasets[kind]
+    limit = total // 4
+    epoch = split.num_examples
+    full = _labels(split, _config(tmp_path / "full", "1GB"), EPOCHS * epoch // BATCH)
+    assert len(os.listdir(tmp_path / "full" / "gs")) == 1   # copied whole, as without a limit
+    cfg = _config(tmp_path / "bounded", limit)
+    with DiskPeak(tmp_path / "bounded") as disk:
+        streamed = _labels(split, cfg, EPOCHS * epoch // BATCH)
+    stream = _stream(cfg)
+    assert streamed == full
+    assert sorted(streamed[:epoch]) == list(range(epoch))
+    assert 0 < disk.peak <= limit and stream.high_water <= limit
+    assert len(stream.fetched) >= EPOCHS * len(split.files) - len(split.files) // 2   # files fetched again
+
+
+def test_a_resumed_stream_continues_the_uninterrupted_one_and_fetches_only_what_it_still_needs(datasets, tmp_path):
+    split, total = datasets["records"]
+    epoch = split.num_examples
+    whole = _labels(split, _config(tmp_path / "whole", total // 4), 2 * epoch // BATCH)
+    start = epoch + epoch // 2
+    cfg = _config(tmp_path / "resumed", total // 4)
+    resumed = _labels(split, cfg, 4, start=start)
+    assert resumed == whole[start:start + 4 * BATCH]
+    read_before = {_file_of("records", v) for v in whole[epoch:start]}
+    read_after = {_file_of("records", v) for v in whole[start:]}
+    fetched = {int(url.rsplit("-", 1)[1]) for url in _stream(cfg).fetched}
+    assert fetched and fetched <= read_after and not fetched & (read_before - read_after)
+
+
+def test_a_file_larger_than_the_limit_is_one_line(datasets, tmp_path):
+    split, total = datasets["images"]
+    with pytest.raises(UserError) as error:
+        _labels(split, _config(tmp_path, 100), 1)
+    message = str(error.value)
+    assert "\n" not in message and "data.cache_limit (100 bytes)" in message and "largest file" in message
+
+
+def _small_tree(gcs_bucket: str, prefix: str, broken: int | None = None) -> tuple[Split, int]:
+    """40 images under `prefix` in the bucket; image `broken` is not an image at all."""
+    import fsspec
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    images = _jpegs(40, 1)
+    if broken is not None:
+        images[broken] = b"this is not an image."
+    urls = tuple(f"{gcs_bucket}/{prefix}/{i:04d}.jpg" for i in range(len(images)))
+    for url, data in zip(urls, images):
+        fs.pipe_file(url.removeprefix("gs://"), data)
+    return Split("train", urls, labels=tuple(range(len(urls)))), sum(map(len, images))
+
+
+def test_a_corrupt_image_is_named_though_the_cache_let_it_go(gcs_bucket, tmp_path):
+    from tfdp.data.corrupt import LOG
+    split, total = _small_tree(gcs_bucket, "named", broken=5)
+    cfg = dataclasses.replace(_config(tmp_path, total // 4), max_bad_fraction=0.1)
+    labels = _labels(split, cfg, 2 * 40 // BATCH)
+    assert 5 not in labels and len(labels) == 2 * 40
+    reason = LOG.entries[split.files[5]]
+    assert "decodes when read again" not in reason and reason
+
+
+def test_a_download_that_keeps_failing_ends_the_stream_in_one_line(gcs_bucket, tmp_path):
+    import fsspec
+
+    from tfdp.data.pipeline import data_errors
+    split, total = _small_tree(gcs_bucket, "vanishing")
+    cfg = dataclasses.replace(_config(tmp_path, total // 4), remote_timeout=0.5)
+    ds = train_dataset(split, cfg, BATCH, seed=7)
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    fs.rm([u.removeprefix("gs://") for u in split.files])
+    with pytest.raises(UserError) as error, data_errors():
+        for _ in ds.take(3 * 40 // BATCH):
+            pass
+    message = str(error.value)
+    assert "\n" not in message and f"{gcs_bucket}/vanishing/" in message
+
+
+def test_a_stream_built_again_takes_over_at_its_first_read(datasets, tmp_path):
+    """A new image size rebuilds the stream: the old one may drain its prefetched batches; the new one
+    starts fetching, and the old one lets its files go, when the new one is first read."""
+    split, total = datasets["images"]
+    cfg = _config(tmp_path, total // 4)
+    first = train_dataset(split, cfg, BATCH, seed=7)
+    old = iter(first)
+    next(old)
+    old_stream = _stream(cfg)
+    second = train_dataset(split, dataclasses.replace(cfg, image_size=12), BATCH, seed=7,
+                           books=Bookkeeping(start=(BATCH, 0)))
+    new_stream = _stream(cfg)
+    assert new_stream is not old_stream and not new_stream.fetched and old_stream.holding()
+    with DiskPeak(tmp_path) as disk:
+        images, labels = next(iter(second))
+    assert images.shape[1] == 12 and not old_stream.holding() and disk.peak <= total // 4
+
+
+def test_the_limit_is_a_size_in_bytes_or_auto():
+    from tfdp.config import byte_size, load_config
+    assert [byte_size(v) for v in ("20GB", "500 mb", "64GiB", "1.5KB", 4096, "auto")] == [
+        20 * 10**9, 500 * 10**6, 64 * 2**30, 1500, 4096, None]
+    for wrong in ("20XB", "lots", "", 0, -1):
+        with pytest.raises(UserError, match=r"^config field 'data.cache_limit': expected a size such as 20GB"):
+            load_config(None, {"data.cache_limit": wrong})
+    assert streaming.limit_bytes(DataConfig(cache_dir="/nonexistent/below/here")) > 0   # auto: free space
+
+
+def test_a_dataset_iterated_again_starts_its_stream_again(datasets, tmp_path):
+    """Keras may start an iterator, leave it and start another: the newest reads from the start, within
+    the limit."""
+    split, total = datasets["images"]
+    cfg = _config(tmp_path, total // 4)
+    ds = train_dataset(split, cfg, BATCH, seed=7)
+    first = [int(v) for v in next(iter(ds))[1]]
+    with DiskPeak(tmp_path) as disk:
+        again = [int(v) for _, labels in ds.take(IMAGES // BATCH).as_numpy_iterator() for v in labels]
+    assert again[:BATCH] == first and sorted(again) == list(range(IMAGES)) and disk.peak <= total // 4
+
+
+def test_tfdp_train_streams_a_tree_larger_than_the_limit(gcs_bucket, tmp_path):
+    """The command line, through Keras and the distribution strategy (which start iterators of their own)."""
+    import fsspec
+
+    from conftest import read_jsonl, run_tfdp
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    sizes = {"train": 0, "val": 0}
+    for split, count in (("train", 36), ("val", 6)):
+        for i, data in enumerate(_jpegs(count, 2)):
+            fs.pipe_file(f"{gcs_bucket.removeprefix('gs://')}/tree/{split}/{'abc'[i % 3]}/{i}.jpg", data)
+            sizes[split] += len(data)
+    limit = sizes["train"] // 4
+    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=image_folder",
+                      f"--data_dir={gcs_bucket}/tree", f"--model_dir={tmp_path / 'run'}",
+                      f"--set=data.cache_dir={tmp_path / 'cache'}", f"--set=data.cache_limit={limit}",
+                      "--set=model.num_classes=3", "--epochs=2", "--batch_size_per_replica=4",
+                      "--set=data.image_size=16", "--set=schedule.warmup_epochs=0", "--set=log.tensorboard=false",
+                      timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
+    kept = tmp_path / "cache" / "gs" / gcs_bucket.removeprefix("gs://") / "tree" / "train"
+    assert 0 < sum(f.stat().st_size for f in kept.rglob("*") if f.is_file()) <= limit
