@@ -119,6 +119,32 @@ def test_shards_in_s3_read_the_same_and_the_second_read_is_from_the_cache(local,
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in cached.iterdir()} == copies
 
 
+def test_s3_data_larger_than_the_cache_limit_streams_within_it(local, remote, tmp_path):
+    """The bounded cache against S3: a training stream over the bucket's raw tree with data.cache_limit a third of
+    the split stays within the limit on disk (sampled from outside) and yields the examples, in order, of the same
+    stream over a whole local copy. (The shards' streaming is tested against the GCS emulator in
+    tests/test_streaming.py: these 3 shards are fewer than the interleave reads at once.)"""
+    from test_streaming import DiskPeak
+    from tfdp.data import streaming
+    from tfdp.data.pipeline import Bookkeeping, train_dataset
+    split = build_source(DataConfig(format="imagenet", dir=remote["raw"])).split("train")
+    limit = sum(remote["fs"].size(url.removeprefix("s3://")) for url in split.files) // 3
+
+    def labels(cache_dir, cache_limit):
+        cfg = DataConfig(format="imagenet", dir=remote["raw"], cache_dir=str(cache_dir), cache_limit=cache_limit,
+                         image_size=16, shuffle_buffer=4, deterministic=True)
+        ds = train_dataset(build_source(cfg).split("train"), cfg, 4, seed=3, books=Bookkeeping(num_classes=CLASSES))
+        return [int(v) for _, batch in ds.take(2 * split.num_examples // 4).as_numpy_iterator() for v in batch]
+    try:
+        full = labels(tmp_path / "full", "1GB")
+        with DiskPeak(tmp_path / "bounded") as disk:
+            streamed = labels(tmp_path / "bounded", limit)
+        assert streamed == full and sorted(set(full)) == list(range(CLASSES))
+        assert 0 < disk.peak <= limit
+    finally:
+        streaming.close_all()
+
+
 def test_train_on_s3_shards_for_an_epoch(s3, remote, tmp_path):
     result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=tfrecord",
                       f"--data_dir={remote['shards']}", f"--model_dir={tmp_path / 'run'}",
