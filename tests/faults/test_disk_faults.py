@@ -1,4 +1,4 @@
-"""Full and read-only disks (issue #14): small real file systems the tests mount themselves (tmpfs),
+"""Full and read-only disks: small real file systems the tests mount themselves (tmpfs),
 so ENOSPC and EROFS come from the kernel, not from a mock. Skipped, with the reason, only where the
 machine forbids mounting."""
 

@@ -1,4 +1,4 @@
-"""Faults at the edges of tfdp (issue #14): an unreachable bucket, a launch whose
+"""Faults at the edges of tfdp: an unreachable bucket, a launch whose
 worker dies, start-up cost of commands that need no TensorFlow. Every case is a
 real process (and, where one is needed, a real server on loopback)."""
 
