@@ -34,11 +34,15 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, config, extra, message):
     assert_one_line_error(result, 2, message)
 
 
-def test_bucket_model_dir_is_one_line_and_writes_no_local_folder_named_after_it(tmp_path):
-    """`os.path` would make gs://bucket/run a local folder 'gs:/bucket/run': the run's output not where asked."""
+def test_a_model_dir_in_a_store_without_conditional_writes_is_one_line_and_writes_no_local_folder(tmp_path):
+    """`os.path` would make hdfs://host/run a local folder 'hdfs:/host/run': the run's output not where asked.
+    Buckets (gs://, s3://) are model_dirs (tests/test_bucket_run.py); other stores lack the lease's writes."""
     for command in ("train", "evaluate", "export"):
-        result = run_tfdp(command, "--model_dir=gs://bucket/run", cwd=str(tmp_path), timeout=60)
-        assert_one_line_error(result, 2, "model_dir gs://bucket/run: tfdp writes runs to a path on a local or shared")
+        result = run_tfdp(command, "--model_dir=hdfs://namenode/run", cwd=str(tmp_path), timeout=60)
+        assert_one_line_error(result, 2, "model_dir hdfs://namenode/run: tfdp keeps runs on a local or shared file "
+                                         "system path, gs:// or s3://, not hdfs://")
+    result = run_tfdp("train", "--model_dir=file:///tmp/run", cwd=str(tmp_path), timeout=60)
+    assert_one_line_error(result, 2, "model_dir file:///tmp/run: give the path without file://")
     assert os.listdir(tmp_path) == []
 
 

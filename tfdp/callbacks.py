@@ -290,7 +290,7 @@ def mark_restart(log_dir: str, step: int) -> None:
         return
     for name in sorted(os.listdir(log_dir)):
         run = os.path.join(log_dir, name)
-        if os.path.isdir(run) and any(f.startswith("events.out.tfevents") for f in os.listdir(run)):
+        if os.path.isdir(run):   # a bucket run's copy has the folders of the run's events, not the files
             writer = EventFileWriter(run, filename_suffix=".restart")
             writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
                                              session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))

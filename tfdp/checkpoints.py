@@ -109,8 +109,12 @@ def load_weights(model: keras.Model, path: str, what: str) -> None:
 
 
 class CheckpointStore:
-    def __init__(self, model_dir: str):
+    """The checkpoints of the run whose (local) folder is `model_dir`; with an `uploader`
+    (`tfdp.bucket.Uploader`), each one is also committed to the bucket the run lives in, once complete here."""
+
+    def __init__(self, model_dir: str, uploader=None):
         self.root = os.path.join(model_dir, "checkpoints")
+        self.uploader = uploader
 
     def checkpoints(self, warn: bool = True) -> list[tuple[int, int, str]]:
         """Complete checkpoints as (global step, 1 for an epoch checkpoint else 0, path), oldest first; one whose
@@ -206,6 +210,8 @@ class CheckpointStore:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self._prune()
+        if self.uploader:
+            self.uploader.publish_checkpoint(final, int(state["step"]), kept)
         return final
 
     def save_best(self, model: keras.Model, record: dict[str, Any]) -> None:
@@ -219,6 +225,8 @@ class CheckpointStore:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
         atomic_write_text(os.path.join(self.root, "best.json"), json.dumps(record, indent=1))
+        if self.uploader:
+            self.uploader.publish_best(self.best_weights, os.path.join(self.root, "best.json"))
 
     @property
     def best_weights(self) -> str:
@@ -233,16 +241,20 @@ class CheckpointStore:
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
     def _prune(self) -> None:
-        """Keeps the newest KEEP_EPOCHS epoch checkpoints and the newest KEEP_STEPS step checkpoints
-        newer than the last epoch checkpoint (older step checkpoints are superseded by it)."""
-        found = self.checkpoints()
-        epochs = [(s, p) for s, is_epoch, p in found if is_epoch]
-        last_epoch_step = epochs[-1][0] if epochs else -1
-        steps = [(s, p) for s, is_epoch, p in found if not is_epoch]
-        stale = [p for _, p in epochs[:-KEEP_EPOCHS]]
-        stale += [p for s, p in steps[:-KEEP_STEPS]] + [p for s, p in steps[-KEEP_STEPS:] if s <= last_epoch_step]
-        for path in stale:
-            shutil.rmtree(path, ignore_errors=True)
+        keep = {p for _, _, p in kept(self.checkpoints())}
+        for _, _, path in self.checkpoints(warn=False):
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def kept(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """Of checkpoints as (global step, 1 for an epoch checkpoint else 0, name), oldest first, those to keep:
+    the newest KEEP_EPOCHS epoch checkpoints and the newest KEEP_STEPS step checkpoints newer than the
+    last epoch checkpoint (older step checkpoints are superseded by it)."""
+    epochs = [c for c in found if c[1]]
+    last_epoch_step = epochs[-1][0] if epochs else -1
+    steps = [c for c in found if not c[1] and c[0] > last_epoch_step]
+    return sorted(epochs[-KEEP_EPOCHS:] + steps[-KEEP_STEPS:])
 
 
 def _read_step(path: str) -> int | None:

@@ -8,6 +8,8 @@ becomes one line on stderr with exit status 2.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import sys
 
@@ -20,7 +22,7 @@ from tfdp.errors import PREEMPTED_EXIT_CODE, Preempted, Restartable, UserError
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "YAML config file (see configs/). Defaults apply to anything it leaves out.")
 flags.DEFINE_multi_string("set", [], "Override any config field: --set=optimizer.lr=0.2 (value parsed as YAML; repeatable).")
-flags.DEFINE_string("model_dir", None, "Override model_dir: checkpoints, logs and the resolved config go here (a local or shared file system path).")
+flags.DEFINE_string("model_dir", None, "Override model_dir: checkpoints, logs and the resolved config go here (a local or shared path, gs://... or s3://...).")
 flags.DEFINE_integer("epochs", None, "Override train.epochs.")
 flags.DEFINE_integer("batch_size_per_replica", None, "Override train.batch_size_per_replica (images per replica per micro-batch; see train.global_batch).")
 flags.DEFINE_string("strategy", None, "Override distribute.strategy: one_device | mirrored | multi_worker.")
@@ -125,18 +127,47 @@ def cmd_train(args: list[str]) -> None:
     train(cfg, runtime)
 
 
+@contextlib.contextmanager
+def run_copy(cfg: config_lib.Config, outputs: tuple[str, ...] = ()):
+    """`cfg` for a command that reads a run; for a bucket model_dir, with model_dir a local copy of what it
+    reads (the best checkpoint, the config, the metrics), and the folders in `outputs` it wrote there
+    uploaded afterwards (tfdp/bucket.py)."""
+    from tfdp.bucket import place_for
+    place = place_for(cfg.model_dir, cfg.scratch_dir, own=False, retry_seconds=cfg.train.upload_retry_seconds)
+    if not place.bucket:
+        yield cfg
+        return
+    def upload():
+        for name in outputs:
+            if (where := place.push_folder(name)):
+                print(f"tfdp: bucket: uploaded {name}/ to {where}", flush=True)
+    try:
+        place.pull_outputs()
+        try:
+            yield dataclasses.replace(cfg, model_dir=place.local)
+        except UserError:  # an export whose other formats were written: they go up too
+            upload()
+            raise
+        upload()
+    finally:
+        place.close()
+
+
 def cmd_evaluate(args: list[str]) -> None:
     cfg, runtime = config_and_runtime(args)
     from tfdp.evaluate import evaluate
-    evaluate(cfg, runtime, FLAGS.checkpoint)
+    with run_copy(cfg) as cfg:
+        evaluate(cfg, runtime, FLAGS.checkpoint)
 
 
 def cmd_export(args: list[str]) -> None:
     cfg, runtime = config_and_runtime(args)
     from tfdp.evaluate import export_checkpoint
     from tfdp.export import parse_formats
-    export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir, parse_formats(FLAGS.format),
-                      FLAGS.verify_images if FLAGS.verify else None)
+    formats = parse_formats(FLAGS.format)
+    with run_copy(cfg, () if FLAGS.export_dir else ("export",)) as cfg:
+        export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir, formats,
+                          FLAGS.verify_images if FLAGS.verify else None)
 
 
 def cmd_predict(args: list[str]) -> None:
@@ -148,16 +179,21 @@ def cmd_predict(args: list[str]) -> None:
     from tfdp.strategy import make_runtime
     runtime = make_runtime(cfg.distribute)
     check_model(cfg)
-    predict(cfg, runtime, FLAGS.checkpoint, job)
+    with run_copy(cfg) as cfg:
+        predict(cfg, runtime, FLAGS.checkpoint, job)
 
 
 def cmd_report(args: list[str]) -> None:
     if len(args) != 1:
         raise UserError("usage: tfdp report MODEL_DIR")
+    from tfdp.bucket import check_model_dir
     from tfdp.report import report
-    path = report(args[0])
-    print(f"tfdp: report: {path}")
-    print(open(path, encoding="utf-8").read())
+    check_model_dir(args[0])
+    with run_copy(config_lib.Config(model_dir=args[0]), ("report",)) as cfg:
+        path = report(cfg.model_dir)
+        shown = os.path.join(args[0].rstrip("/"), "report", os.path.basename(path)) if "://" in args[0] else path
+        print(f"tfdp: report: {shown}")
+        print(open(path, encoding="utf-8").read())
 
 
 def cmd_benchmark(args: list[str]) -> None:

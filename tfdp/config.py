@@ -21,6 +21,7 @@ import yaml
 from pydantic import ConfigDict, Field, Strict
 
 from tfdp.augment.policy_spec import RAND_AUGMENT_OP_NAMES, parse_rand_augment
+from tfdp.bucket import DEFAULT_SCRATCH_DIR, check_model_dir
 from tfdp.errors import UserError
 from tfdp.resolution import ramp_sizes
 
@@ -231,6 +232,10 @@ class TrainConfig:
     # (it renews every quarter of this). A run on another host finding a lease older than this takes it over;
     # a dead holder on the same host is taken over at once. Hosts' clocks must agree to well within it.
     lease_timeout: PosFloat = 60.0
+    # A model_dir in a bucket: seconds an upload or download retries (with backoff) while the bucket does not
+    # answer, before the run stops with the restart status 75 (the same command resumes from the newest
+    # committed checkpoint).
+    upload_retry_seconds: PosFloat = 120.0
     # Layers that do not train (fine-tuning): `backbone` (everything but the model's classifier head), stage or
     # layer names (stage1 = every layer named stage1_*) or fnmatch patterns of layer names. Frozen batch norm runs
     # in inference mode (its moving statistics stay as loaded). Empty = everything trains.
@@ -305,7 +310,11 @@ class AugmentConfig:
 @dataclasses.dataclass
 class Config:
     __pydantic_config__ = _FORBID
-    model_dir: Str = "runs/default"   # checkpoints, metrics.jsonl, config.yaml: a local or shared file system path
+    # Checkpoints, metrics, TensorBoard logs, config.yaml: a local or shared file system path, or a bucket
+    # (gs://bucket/run, s3://bucket/run; docs/cloud.md).
+    model_dir: Str = "runs/default"
+    # A bucket model_dir's local working copy (the newest checkpoints and the logs, uploaded as written).
+    scratch_dir: Str = DEFAULT_SCRATCH_DIR
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -402,7 +411,7 @@ def _listify(node: Any) -> Any:
 
 
 def _check_cross_field(cfg: Config) -> None:
-    _check_model_dir(cfg.model_dir)
+    check_model_dir(cfg.model_dir)
     d = cfg.data
     byte_size(d.cache_limit)
     if d.min_crop_area > d.max_crop_area:
@@ -436,19 +445,6 @@ def _check_cross_field(cfg: Config) -> None:
         _check_service(cfg)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run
-
-
-def _check_model_dir(model_dir: str) -> None:
-    """Checkpoints, metrics and TensorBoard logs are written with local file APIs (atomic renames, an flock'd
-    lease): a bucket URL would become a local folder named after it ('gs:/bucket/run'), the run's output
-    silently not where asked. FUSE bucket mounts lack the atomic rename and the cross-host lock."""
-    if "://" not in model_dir:
-        return
-    scheme = model_dir.split("://", 1)[0]
-    if scheme == "file":
-        raise UserError(f"model_dir {model_dir}: give the path without file://")
-    raise UserError(f"model_dir {model_dir}: tfdp writes runs to a path on a local or shared POSIX file system "
-                    f"(NFS, Filestore, EFS), not to {scheme}://")
 
 
 def _check_fine_tuning(cfg: Config) -> None:

@@ -32,6 +32,7 @@ from tfdp.config import Config, DataConfig
 from tfdp.data import build_source
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
+from tfdp.bucket import Place, place_for
 from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
 from tfdp.lease import writer_lease
@@ -86,15 +87,22 @@ def train(cfg: Config, runtime: Runtime) -> dict:
         tf.config.experimental.enable_op_determinism()
         print("tfdp: deterministic: TensorFlow op determinism on, seeded input; an op without a "
               "deterministic kernel on this device fails instead of running", flush=True)
-    model_dir = os.path.abspath(os.path.expanduser(cfg.model_dir))
+    place = place_for(cfg.model_dir, cfg.scratch_dir, own=runtime.is_chief,
+                      retry_seconds=cfg.train.upload_retry_seconds)
     if runtime.is_chief:  # the other workers write only into scratch
-        writable_tree(model_dir, "model_dir")
-    with writer_lease(model_dir, cfg.train.lease_timeout, runtime.is_chief):  # one writer per model_dir
-        return train_in(cfg, runtime, model_dir)
+        place.bucket.check_writable() if place.bucket else writable_tree(place.local, "model_dir")
+    try:
+        with writer_lease(place.lease_target, cfg.train.lease_timeout, runtime.is_chief):  # one writer per run
+            place.pull_run(runtime.is_chief)   # a bucket run: its committed state, into the local copy
+            return train_in(cfg, runtime, place)
+    finally:
+        place.close()
 
 
-def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
-    """`train` once model_dir is checked and, on the chief, leased to this run."""
+def train_in(cfg: Config, runtime: Runtime, place: Place) -> dict:
+    """`train` once model_dir is checked and, on the chief, leased to this run; `place.local` holds the run
+    (model_dir itself, or the local copy of a bucket run)."""
+    model_dir = place.local
     keras.utils.set_random_seed(cfg.train.seed)
     source = build_source(cfg.data)
     plan = make_plan(cfg, source, runtime, CheckpointStore(model_dir).newest_state())  # a resume: its global batch
@@ -110,21 +118,24 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
     epoch, step_in_epoch = run.resume
     previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
     if epoch >= cfg.train.epochs:
-        print(f"tfdp: all {cfg.train.epochs} epochs already trained in {model_dir}", flush=True)
+        print(f"tfdp: all {cfg.train.epochs} epochs already trained in {place.model_dir}", flush=True)
     elif state:
         where = f", step {step_in_epoch + 1} of {plan.steps_per_epoch}" if step_in_epoch else ""
         print(f"tfdp: resuming at epoch {epoch + 1} of {cfg.train.epochs}{where} "
               f"from {os.path.relpath(state['path'], model_dir)}", flush=True)
 
     with output_dir(runtime, model_dir) as out:
-        store = CheckpointStore(out)
+        uploader = place.uploader() if runtime.is_chief else None
+        store = CheckpointStore(out, uploader)
         store.remove_partial()
-        save_config(cfg, out)
+        save_config(cfg, out, f"{place.model_dir.rstrip('/')}/config.yaml" if uploader else None)
+        if uploader:
+            uploader.sync_logs()   # the resolved config, before the first step
         metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
         fits = split_by_image_size(segments(epoch, step_in_epoch, cfg.train.epochs, plan.steps_per_epoch), cfg.data)
         fits = run.freezing.split(fits)  # one trainable set per fit
         if fits:
-            fit_all(run, fits, store, metrics_log, out)
+            fit_all(run, fits, store, metrics_log, out, model_dir)
     summary = summarize(metrics_log.rows, runtime, plan, cfg.train.best_metric)
     summary["fingerprint"] = weights_fingerprint(run.model)
     print(f"tfdp: worker {runtime.worker_index} of {runtime.num_workers}: weights fingerprint {summary['fingerprint']}",
@@ -133,11 +144,13 @@ def train_in(cfg: Config, runtime: Runtime, model_dir: str) -> dict:
     return summary
 
 
-def fit_all(run: Run, fits: list[Segment], store: CheckpointStore, metrics_log: MetricsLog, out: str) -> None:
-    """Runs the `segments` fit calls, each continuing the input stream where the last one stopped."""
+def fit_all(run: Run, fits: list[Segment], store: CheckpointStore, metrics_log: MetricsLog, out: str,
+            model_dir: str) -> None:
+    """Runs the `segments` fit calls, each continuing the input stream where the last one stopped (`out`: where
+    this worker writes; `model_dir`: the run's local folder, where every worker names its corrupt images)."""
     cfg, runtime, model, freezing = run.cfg, run.runtime, run.model, run.freezing
     corrupt = CorruptCounter()
-    CORRUPT_LOG.write_to(corrupt_images_file(os.path.expanduser(cfg.model_dir), runtime.worker_index))
+    CORRUPT_LOG.write_to(corrupt_images_file(model_dir, runtime.worker_index))
     stream = run.train_stream(corrupt)
     average = state_averager(model)
     watch = PreemptionWatch(runtime.strategy, runtime.num_workers)
@@ -239,8 +252,9 @@ def weights_fingerprint(model: keras.Model) -> str:
     return digest.hexdigest()[:16]
 
 
-def save_config(cfg: Config, model_dir: str) -> None:
-    """Saves the resolved config; warns when a resumed run's config changed."""
+def save_config(cfg: Config, model_dir: str, shown: str | None = None) -> None:
+    """Saves the resolved config; warns when a resumed run's config changed. `shown`: where the user
+    will find it, when that is not here (a bucket run's upload)."""
     path = os.path.join(model_dir, "config.yaml")
     text = config_lib.dump_yaml(cfg)
     if os.path.exists(path):
@@ -248,7 +262,7 @@ def save_config(cfg: Config, model_dir: str) -> None:
             if f.read() != text:
                 logging.warning("config differs from the one saved in %s; the new one replaces it", path)
     atomic_write_text(path, text)
-    print(f"tfdp: config: the resolved config is in {path}", flush=True)
+    print(f"tfdp: config: the resolved config is in {shown or path}", flush=True)
     logging.info("resolved config:\n%s", text)
 
 

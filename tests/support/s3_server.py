@@ -27,6 +27,8 @@ MASKED = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_S
           "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_EC2_METADATA_DISABLED")
 ALLOW_S3 = json.dumps({"Version": "2012-10-17",
                        "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]})
+READ_S3 = json.dumps({"Version": "2012-10-17",
+                      "Statement": [{"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"], "Resource": "*"}]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,7 @@ class S3Server:
     bucket: str       # s3://<bucket>, made empty at start
     env: dict         # what points botocore at the server as the user allowed to use the bucket
     outsider: dict    # the credentials of a real user with no permission at all
+    reader: dict      # the credentials of a real user allowed to read and list, not to write
 
     def client_env(self, **credentials: str) -> dict:
         """`env` with other credentials (e.g. AWS_SECRET_ACCESS_KEY=wrong), for a subprocess."""
@@ -53,21 +56,22 @@ def s3_server(bucket: str = "tfdp-test", startup_seconds: float = 60):
             os.environ.pop(key, None)
         base = {"AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": REGION, "AWS_CONFIG_FILE": os.devnull,
                 "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_EC2_METADATA_DISABLED": "true"}
-        member, outsider = _set_up(endpoint, bucket)
+        member, outsider, reader = _set_up(endpoint, bucket)
         os.environ.update(base, **member)
         # fsspec keeps one S3FileSystem per set of arguments, not per environment: one made for an earlier
         # server in this process would still talk to that server's (closed) port.
         s3fs.S3FileSystem.clear_instance_cache()
         try:
-            yield S3Server(endpoint, f"s3://{bucket}", {**base, **member}, outsider)
+            yield S3Server(endpoint, f"s3://{bucket}", {**base, **member}, outsider, reader)
         finally:
             os.environ.clear()
             os.environ.update(saved)
             s3fs.S3FileSystem.clear_instance_cache()
 
 
-def _set_up(endpoint: str, bucket: str) -> tuple[dict, dict]:
-    """Makes the bucket and two IAM users (one allowed s3:*, one allowed nothing), then turns authentication on."""
+def _set_up(endpoint: str, bucket: str) -> tuple[dict, dict, dict]:
+    """Makes the bucket and three IAM users (one allowed s3:*, one nothing, one reading), then turns
+    authentication on."""
     import boto3
 
     anyone = {"endpoint_url": endpoint, "region_name": REGION, "aws_access_key_id": "setup",
@@ -75,7 +79,7 @@ def _set_up(endpoint: str, bucket: str) -> tuple[dict, dict]:
     boto3.client("s3", **anyone).create_bucket(Bucket=bucket)
     iam = boto3.client("iam", **anyone)
     keys = []
-    for user, policy in (("tfdp", ALLOW_S3), ("outsider", None)):
+    for user, policy in (("tfdp", ALLOW_S3), ("outsider", None), ("reader", READ_S3)):
         iam.create_user(UserName=user)
         if policy:
             iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=policy)
@@ -85,4 +89,4 @@ def _set_up(endpoint: str, bucket: str) -> tuple[dict, dict]:
     request = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=b"0", method="POST",
                                      headers={"Content-Type": "text/plain"})
     urllib.request.urlopen(request, timeout=10).close()
-    return keys[0], keys[1]
+    return keys[0], keys[1], keys[2]

@@ -1,0 +1,202 @@
+"""A whole run whose model_dir is a bucket, against a real S3 server on loopback (moto's, its own process).
+
+Every `tfdp` here is a real process talking HTTP to the server, with credentials the server checks. What a
+run leaves in the bucket is read back the way a user would: the listing, the objects, TensorBoard's own
+event reader, `tfdp report|evaluate|export` on the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, run_tfdp
+from support.s3_server import s3_server
+
+FAST = ["--config=configs/digits.yaml", "--data_format=image_folder", "--set=data.image_size=16"]
+FINGERPRINT = re.compile(r"tfdp: worker (\d) of (\d): weights fingerprint (\w+)")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server("tfdp-runs") as server:
+        yield server
+
+
+@pytest.fixture
+def fs(s3):
+    import fsspec
+    filesystem, _ = fsspec.core.url_to_fs(s3.bucket)
+    filesystem.invalidate_cache()
+    return filesystem
+
+
+def objects(fs, url: str) -> dict[str, int]:
+    """{path under url: size} of every object under `url`, listed afresh."""
+    fs.invalidate_cache()
+    root = url.split("://", 1)[1].rstrip("/") + "/"
+    return {p[len(root):]: i["size"] for p, i in fs.find(url, detail=True).items()}
+
+
+def train(s3, data_dir, model_dir, tmp_path, *extra, epochs=2, env=None, timeout=600):
+    return run_tfdp("train", *FAST, f"--data_dir={data_dir}", f"--model_dir={model_dir}", f"--epochs={epochs}",
+                    f"--set=scratch_dir={tmp_path}/scratch", *extra, env_extra={**s3.env, **(env or {})},
+                    timeout=timeout)
+
+
+def committed(listing: dict[str, int]) -> list[str]:
+    return sorted(p.split("/")[1] for p in listing if p.startswith("checkpoints/") and p.endswith("/commit.json"))
+
+
+def test_a_run_lives_in_the_bucket_and_resumes_from_it(s3, fs, small_dir, tmp_path):
+    """Checkpoints committed by a marker, the metrics log one object per epoch, TensorBoard's events as
+    they grow; a second command on another host's empty scratch resumes from the bucket alone."""
+    run = f"{s3.bucket}/a"
+    first = train(s3, small_dir, run, tmp_path, "--set=train.checkpoint_every_steps=3")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    listing = objects(fs, run)
+    assert committed(listing) == ["epoch-0001", "epoch-0002"]   # the step checkpoint superseded, pruned
+    for name in committed(listing):
+        marker = json.loads(fs.cat_file(f"{run}/checkpoints/{name}/commit.json"))
+        assert marker["files"] == {f: listing[f"checkpoints/{name}/{f}"] for f in marker["files"]}
+        assert set(marker["files"]) == {"model.weights.h5", "state.json"}
+    assert {"checkpoints/best.weights.h5", "checkpoints/best.json", "config.yaml"} <= set(listing)
+    rows = [json.loads(fs.cat_file(f"{run}/metrics/epoch-00000{e}.jsonl")) for e in (1, 2)]
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert ".tfdp-lease" not in listing   # released
+    events = sorted(p for p in listing if "/train/" in p and "tfevents" in p)
+    offsets = [int(p.rsplit(".", 1)[1]) for p in events]
+    sizes = [listing[p] for p in events]
+    assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]   # each object the next bytes, none re-sent
+
+    # Another machine: a fresh scratch folder; the bucket is all it has.
+    second = train(s3, small_dir, run, tmp_path / "elsewhere", epochs=3)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "tfdp: resuming at epoch 3 of 3 from checkpoints/epoch-0002" in second.stdout
+    listing = objects(fs, run)
+    assert committed(listing) == ["epoch-0002", "epoch-0003"]
+    assert sorted(p for p in listing if p.startswith("metrics/")) == [
+        f"metrics/epoch-00000{e}.jsonl" for e in (1, 2, 3)]
+    assert json.loads(fs.cat_file(f"{run}/metrics/epoch-000001.jsonl")) == rows[0]   # not rewritten
+
+    # TensorBoard's own reader over the bucket's events: every epoch once, the resumed one included.
+    local = tmp_path / "tb"
+    fs.get(f"{run}/tensorboard", str(local), recursive=True)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    for folder in ("train", "validation"):
+        acc = EventAccumulator(str(local / folder), size_guidance={"tensors": 0})
+        acc.Reload()
+        assert [e.step for e in acc.Tensors("epoch_loss")] == [0, 1, 2], folder
+
+    # The read commands take the URL: the report and an export are uploaded beside the run.
+    report = run_tfdp("report", run, env_extra=s3.env, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert f"tfdp: bucket: uploaded report/ to {run}/report" in report.stdout
+    assert "| epochs | 3 |" in report.stdout
+    assert {"report/report.md", "report/loss.png"} <= set(objects(fs, run))
+    last = json.loads(fs.cat_file(f"{run}/metrics/epoch-000003.jsonl"))
+    best = json.loads(fs.cat_file(f"{run}/checkpoints/best.json"))
+    assert best["value"] == max(json.loads(fs.cat_file(f"{run}/metrics/epoch-00000{e}.jsonl"))["val_top1"]
+                                for e in (1, 2, 3))
+    evaluated = run_tfdp("evaluate", *FAST, f"--data_dir={small_dir}", f"--model_dir={run}",
+                         f"--set=scratch_dir={tmp_path}/scratch", env_extra=s3.env, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert f"top1 {best['value']:.4f}" in evaluated.stdout, (evaluated.stdout, last)
+    exported = run_tfdp("export", *FAST, f"--data_dir={small_dir}", f"--model_dir={run}", "--format=keras",
+                        f"--set=scratch_dir={tmp_path}/scratch", env_extra=s3.env, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert {"export/model.keras", "export/classes.json"} <= set(objects(fs, run))
+    assert [p for p in os.listdir(tmp_path / "scratch") if p.startswith("read-")] == []   # readers' copies gone
+
+
+def test_an_uncommitted_or_changed_checkpoint_is_never_resumed_from(s3, fs, small_dir, tmp_path):
+    """What kill -9 between a checkpoint's objects and its marker leaves (the objects, no marker), and an
+    object whose size changed after its commit: both skipped, the first swept, the run resumes from the
+    newest intact one."""
+    run = f"{s3.bucket}/b"
+    first = train(s3, small_dir, run, tmp_path, "--set=train.checkpoint_every_steps=0", epochs=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # epoch-0003 as a run killed before its marker leaves it: every object there, no commit.json.
+    for f in ("model.weights.h5", "state.json"):
+        fs.copy(f"{run}/checkpoints/epoch-0002/{f}", f"{run}/checkpoints/epoch-0003/{f}")
+    # epoch-0002's weights replaced by a shorter object after it was committed.
+    fs.pipe_file(f"{run}/checkpoints/epoch-0002/model.weights.h5", b"not weights")
+    again = train(s3, small_dir, run, tmp_path, "--set=train.checkpoint_every_steps=0", epochs=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (f"tfdp: warning: skipping checkpoint {run}/checkpoints/epoch-0002: object(s) changed since it was "
+            f"committed: model.weights.h5 (11, ") in again.stderr
+    assert "tfdp: bucket: removed 1 uncommitted checkpoint(s) a stopped run left (epoch-0003)" in again.stdout
+    assert "tfdp: resuming at epoch 2 of 2 from checkpoints/epoch-0001" in again.stdout
+    listing = objects(fs, run)
+    assert committed(listing) == ["epoch-0001", "epoch-0002"]   # epoch 2 trained again and committed
+    assert listing["checkpoints/epoch-0002/model.weights.h5"] == listing["checkpoints/epoch-0001/model.weights.h5"]
+    assert not [p for p in listing if p.startswith("checkpoints/epoch-0003/")]
+
+
+def test_a_second_writer_on_a_bucket_run_is_refused(s3, fs, small_dir, tmp_path):
+    """The lease is one object created with If-None-Match: * on the real server; the second run, on its own
+    scratch as if on another host, is refused while the first renews it."""
+    run = f"{s3.bucket}/c"
+    args = [sys.executable, "-m", "tfdp", "train", *FAST, f"--data_dir={small_dir}", f"--model_dir={run}",
+            "--epochs=2", f"--set=scratch_dir={tmp_path}/one"]
+    first = subprocess.Popen(args, cwd=REPO, env={**os.environ, **s3.env}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while ".tfdp-lease" not in objects(fs, run):
+        assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+        time.sleep(0.2)
+    second = train(s3, small_dir, run, tmp_path / "two")
+    assert_one_line_error(second, 2, f"model_dir {run} is in use by another run", f"pid {first.pid}")
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert not os.path.exists(tmp_path / "two")   # refused before it copied anything
+
+
+def test_no_write_permission_is_one_line_before_training(s3, small_dir, tmp_path):
+    result = train(s3, small_dir, f"{s3.bucket}/d", tmp_path, env=s3.reader)
+    line = assert_one_line_error(result, 2, f"cannot write to model_dir {s3.bucket}/d: ")
+    assert "denied" in line.lower() or "forbidden" in line.lower(), line
+    assert "Epoch 1" not in result.stdout and "tfdp: data:" not in result.stdout
+
+
+def test_a_bucket_that_stops_answering_ends_the_run_with_the_restart_status(small_dir, tmp_path):
+    """The server killed mid-run: uploads retry for train.upload_retry_seconds, then exit 75 and one line."""
+    with s3_server("tfdp-gone") as server:
+        port = server.endpoint.rsplit(":", 1)[1]
+        args = [sys.executable, "-m", "tfdp", "train", *FAST, f"--data_dir={small_dir}",
+                f"--model_dir={server.bucket}/run", "--epochs=3", f"--set=scratch_dir={tmp_path}/scratch",
+                "--set=train.upload_retry_seconds=4", "--set=train.checkpoint_every_steps=0"]
+        proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, **server.env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith("Epoch 1/"):
+                break
+        os.kill(_listening_pid(port), signal.SIGKILL)
+        started = time.time()
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    assert "Traceback" not in out + err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"tfdp: stopped: the bucket of model_dir {server.bucket}/run did not answer for 4 s "
+                           f"while trying to "), last
+    assert last.endswith("exit 75 (run the same command to continue)"), last
+    assert time.time() - started < 120
+
+
+def _listening_pid(port: str) -> int:
+    """The process whose command line serves `port` (the server a context manager started)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"moto.server" in cmdline and port.encode() in cmdline:
+            return int(pid)
+    raise AssertionError(f"no server process on port {port}")
