@@ -200,3 +200,61 @@ def _listening_pid(port: str) -> int:
         if b"moto.server" in cmdline and port.encode() in cmdline:
             return int(pid)
     raise AssertionError(f"no server process on port {port}")
+
+
+@pytest.mark.slow
+def test_two_workers_with_data_and_model_dir_in_the_bucket_resume_exactly_after_kill_9(s3, fs, small_dir, tmp_path):
+    """`tfdp launch` of 2 workers reading their images from the bucket and keeping the run there; the chief
+    killed with -9 mid-epoch; the same command resumes from the newest committed checkpoint to the weights of
+    the run never stopped (deterministic; the demo's model, batch norm included)."""
+    from test_multi_worker import start_launch
+    fs.put(small_dir, f"{s3.bucket}/data", recursive=True)
+
+    def launch(name):
+        return ["launch", "--workers=2", f"--launch_logs={tmp_path}/logs-{name}", "--", "train",
+                "--config=configs/digits.yaml", f"--data_dir={s3.bucket}/data", "--data_format=image_folder",
+                f"--model_dir={s3.bucket}/{name}", "--epochs=2", "--set=data.image_size=16",
+                "--set=train.checkpoint_every_steps=2", "--set=train.deterministic=true",
+                f"--set=data.cache_dir={tmp_path}/cache-{name}", f"--set=scratch_dir={tmp_path}/scratch-{name}"]
+
+    clean = run_tfdp(*launch("clean"), env_extra=s3.env, timeout=600)
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-2000:]
+    prints = dict((w, f) for w, _, f in FINGERPRINT.findall(clean.stdout))
+    assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
+
+    env = {**os.environ, **s3.env}
+    launcher, pids = start_launch([sys.executable, "-m", "tfdp", *launch("killed")], env=env)
+    deadline = time.time() + 300
+    while "checkpoints/step-000000006/commit.json" not in objects(fs, f"{s3.bucket}/killed"):
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
+        time.sleep(0.1)
+    os.kill(pids[0], signal.SIGKILL)   # the chief, in epoch 2, after a step checkpoint of it is committed
+    launcher.communicate(timeout=120)
+    assert launcher.returncode == 4
+    done = committed(objects(fs, f"{s3.bucket}/killed"))
+    assert "step-000000006" in done and "epoch-0002" not in done
+
+    again = run_tfdp(*launch("killed"), env_extra=s3.env, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert re.search(r"resuming at epoch 2 of 2, step \d of 5 from checkpoints/step-00000000[68]", again.stdout)
+    assert dict((w, f) for w, _, f in FINGERPRINT.findall(again.stdout)) == prints   # bit-identical
+    assert sorted(p for p in objects(fs, f"{s3.bucket}/killed") if p.startswith("metrics/")) == [
+        "metrics/epoch-000001.jsonl", "metrics/epoch-000002.jsonl"]
+
+
+def test_a_run_in_a_gcs_bucket_commits_and_resumes(gcs_bucket, small_dir, tmp_path):
+    """The same on gs:// (the GCS emulator on loopback, through gcsfs)."""
+    import fsspec
+    run = f"{gcs_bucket}/run-{tmp_path.name}"
+    for epochs, scratch in ((1, "one"), (2, "two")):
+        result = run_tfdp("train", *FAST, f"--data_dir={small_dir}", f"--model_dir={run}", f"--epochs={epochs}",
+                          f"--set=scratch_dir={tmp_path}/{scratch}", "--set=train.checkpoint_every_steps=0",
+                          "--set=schedule.warmup_epochs=0",
+                          timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "tfdp: resuming at epoch 2 of 2 from checkpoints/epoch-0001" in result.stdout
+    gcs, _ = fsspec.core.url_to_fs(run)
+    listing = objects(gcs, run)
+    assert committed(listing) == ["epoch-0001", "epoch-0002"]
+    assert [json.loads(gcs.cat_file(f"{run}/metrics/epoch-00000{e}.jsonl"))["epoch"] for e in (1, 2)] == [1, 2]
+    assert ".tfdp-lease" not in listing

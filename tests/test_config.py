@@ -60,8 +60,9 @@ def test_ints_are_accepted_for_float_fields():
     ({"augment": {"rand_augment": "rand-m9", "trivial_augment": True}},
      "augment.rand_augment and augment.trivial_augment exclude each other"),
     ({"augment": {"erasing_area": [0.4, 0.1]}}, "augment.erasing_area must be [min, max] with min <= max"),
-    ({"model_dir": "gs://bucket/run"}, "model_dir gs://bucket/run: tfdp writes runs to a path on a local or shared"),
-    ({"model_dir": "s3://bucket/run"}, "(NFS, Filestore, EFS), not to s3://"),
+    ({"model_dir": "hdfs://namenode/run"}, "model_dir hdfs://namenode/run: tfdp keeps runs on a local or shared"),
+    ({"model_dir": "az://container/run"}, "gs:// or s3://, not az:// (the one-writer lease needs a store with "
+                                          "conditional writes)"),
     ({"model_dir": "file:///data/run"}, "model_dir file:///data/run: give the path without file://"),
 ])
 def test_bad_values_name_the_field(raw, message):
@@ -133,3 +134,9 @@ def test_channel_order_is_rgb_or_bgr_and_the_config_keeps_it():
         config_lib.validate({"data": {"channel_order": "grb"}})
     cfg = config_lib.validate({"data": {"channel_order": "bgr"}})
     assert config_lib.validate(yaml.safe_load(config_lib.dump_yaml(cfg))).data.channel_order == "bgr"
+
+
+def test_a_bucket_model_dir_is_accepted_as_it_is():
+    """gs:// and s3:// runs live in the bucket (tests/test_bucket_run.py): the URL stays a URL."""
+    for url in ("gs://bucket/run", "s3://bucket/run"):
+        assert config_lib.validate({"model_dir": url}).model_dir == url

@@ -15,6 +15,7 @@ import yaml
 
 from conftest import REPO
 from tfdp import cluster as cluster_lib
+from tfdp import config as config_lib
 from tfdp.errors import UserError
 
 DOCKER = os.path.join(REPO, "docker")
@@ -121,8 +122,11 @@ def test_consistency_check_fails_when_a_worker_is_missing():
 
 # --- Kubernetes ---------------------------------------------------------------------------
 
-def k8s():
-    with open(os.path.join(DOCKER, "k8s", "tfdp-job.yaml")) as f:
+K8S_JOBS = ["tfdp-job.yaml", "tfdp-job-bucket.yaml"]   # with a shared volume; with the run in a bucket
+
+
+def k8s(name="tfdp-job.yaml"):
+    with open(os.path.join(DOCKER, "k8s", name)) as f:
         docs = {d["kind"]: d for d in yaml.safe_load_all(f)}
     return docs["Service"], docs["Job"]
 
@@ -134,8 +138,9 @@ def job_tf_configs(job):
             for i in range(job["spec"]["completions"])}
 
 
-def test_kubernetes_indexed_job_and_headless_service_agree():
-    service, job = k8s()
+@pytest.mark.parametrize("name", K8S_JOBS)
+def test_kubernetes_indexed_job_and_headless_service_agree(name):
+    service, job = k8s(name)
     spec, pod = job["spec"], job["spec"]["template"]
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
@@ -153,8 +158,9 @@ def test_kubernetes_indexed_job_and_headless_service_agree():
     assert list(addresses) == expected
 
 
-def test_kubernetes_pod_runs_as_the_image_user_on_a_read_only_root():
-    _, job = k8s()
+@pytest.mark.parametrize("name", K8S_JOBS)
+def test_kubernetes_pod_runs_as_the_image_user_on_a_read_only_root(name):
+    _, job = k8s(name)
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["image"] == "tfdp:gpu"
@@ -172,8 +178,9 @@ def test_kubernetes_pod_runs_as_the_image_user_on_a_read_only_root():
     assert pod["terminationGracePeriodSeconds"] == STOP_GRACE_SECONDS
 
 
-def test_kubernetes_restarts_a_preempted_worker_and_not_a_config_error():
-    _, job = k8s()
+@pytest.mark.parametrize("name", K8S_JOBS)
+def test_kubernetes_restarts_a_preempted_worker_and_not_a_config_error(name):
+    _, job = k8s(name)
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy requires it
     actions = {}
     for rule in job["spec"]["podFailurePolicy"]["rules"]:
@@ -181,6 +188,26 @@ def test_kubernetes_restarts_a_preempted_worker_and_not_a_config_error():
             assert rule["onExitCodes"]["containerName"] == "tfdp" and rule["onExitCodes"]["operator"] == "In"
             actions.update({code: rule["action"] for code in rule["onExitCodes"]["values"]})
     assert actions == {PREEMPTED: "Ignore", 2: "FailJob"}
+
+
+def test_kubernetes_bucket_template_needs_no_shared_volume_and_its_config_is_valid():
+    """The run and the data in a bucket: every volume is the pod's own, and the trainer's arguments pass
+    the config's validation (model_dir gs://, the bounded cache) as they stand."""
+    with open(os.path.join(DOCKER, "k8s", "tfdp-job-bucket.yaml")) as f:
+        kinds = [d["kind"] for d in yaml.safe_load_all(f)]
+    assert "PersistentVolumeClaim" not in kinds
+    _, job = k8s("tfdp-job-bucket.yaml")
+    pod = job["spec"]["template"]["spec"]
+    assert all("emptyDir" in v for v in pod["volumes"])
+    args = pod["containers"][0]["args"]
+    flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and not a.startswith("--set="))
+    sets = dict(a[len("--set="):].split("=", 1) for a in args if a.startswith("--set="))
+    assert flags["model_dir"].startswith("gs://") and flags["data_dir"].startswith("gs://")
+    overrides = {"model_dir": flags["model_dir"], "data.dir": flags["data_dir"], **sets}
+    cfg = config_lib.load_config(os.path.join(REPO, flags["config"]), overrides)
+    assert cfg.scratch_dir == "/runs" and cfg.data.cache_dir == "/cache"
+    sizes = {v["name"]: v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if v["emptyDir"].get("sizeLimit")}
+    assert config_lib.byte_size(cfg.data.cache_limit) < config_lib.byte_size(sizes["cache"].replace("Gi", "GiB"))
 
 
 def test_kubernetes_template_with_a_pod_too_many_is_caught():

@@ -114,9 +114,9 @@ def test_killed_worker_then_same_command_resumes(tmp_path, digits_dir):
     assert abs(rows[-1]["val_top1"] - reference) <= 0.03
 
 
-def start_launch(args):
+def start_launch(args, env=None):
     """A running `tfdp launch` and its workers' pids, read from its first lines."""
-    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     pids = {}
     while len(pids) < 2:
         line = launcher.stdout.readline()

@@ -25,7 +25,7 @@ import yaml
 
 from conftest import REPO
 
-K8S = ["docker/k8s/tfdp-job.yaml", "docker/k8s-data-service.yaml"]
+K8S = ["docker/k8s/tfdp-job.yaml", "docker/k8s/tfdp-job-bucket.yaml", "docker/k8s-data-service.yaml"]
 COMPOSE = ["docker/compose.yaml", "docker/compose-data-service.yml"]
 POD_KINDS = {"Pod": (), "Job": ("spec", "template"), "Deployment": ("spec", "template"),
              "StatefulSet": ("spec", "template"), "DaemonSet": ("spec", "template"),
