@@ -190,6 +190,32 @@ def test_a_bucket_that_stops_answering_ends_the_run_with_the_restart_status(smal
     assert time.time() - started < 120
 
 
+def test_a_data_bucket_that_stops_answering_mid_run_ends_with_the_restart_status(small_dir, tmp_path):
+    """Images streamed from the bucket through a cache a quarter of their size; the server killed mid-run:
+    the fetcher retries for 6 x data.remote_timeout, then exit 75 naming the object (the same command
+    resumes from the last checkpoint once the bucket is back)."""
+    import fsspec
+    with s3_server("tfdp-data-gone") as server:
+        fs, _ = fsspec.core.url_to_fs(server.bucket)
+        fs.put(small_dir, f"{server.bucket}/data", recursive=True)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(small_dir) for f in files)
+        args = [sys.executable, "-m", "tfdp", "train", *FAST, f"--data_dir={server.bucket}/data",
+                f"--model_dir={tmp_path}/run", "--epochs=3", f"--set=data.cache_dir={tmp_path}/cache",
+                f"--set=data.cache_limit={size // 4}", "--set=data.remote_timeout=0.5"]
+        proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, **server.env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith("Epoch 1/"):
+                break
+        os.kill(_listening_pid(server.endpoint.rsplit(":", 1)[1]), signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    assert "Traceback" not in out + err
+    last = err.strip().splitlines()[-1]
+    assert re.match(rf"tfdp: stopped: cannot download {server.bucket}/data/\S+ \(retried for 3 s, 6 times "
+                    rf"data.remote_timeout\): .*; exit 75 \(run the same command to continue\)$", last), last
+
+
 def _listening_pid(port: str) -> int:
     """The process whose command line serves `port` (the server a context manager started)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 
 import numpy as np
@@ -193,7 +194,7 @@ def test_a_corrupt_image_is_named_though_the_cache_let_it_go(gcs_bucket, tmp_pat
     assert "decodes when read again" not in reason and reason
 
 
-def test_a_download_that_keeps_failing_ends_the_stream_in_one_line(gcs_bucket, tmp_path):
+def test_an_object_deleted_mid_run_ends_the_stream_in_one_line_naming_it(gcs_bucket, tmp_path):
     import fsspec
 
     from tfdp.data.pipeline import data_errors
@@ -207,6 +208,25 @@ def test_a_download_that_keeps_failing_ends_the_stream_in_one_line(gcs_bucket, t
             pass
     message = str(error.value)
     assert "\n" not in message and f"{gcs_bucket}/vanishing/" in message
+    assert message.endswith(" is no longer in the bucket (deleted while the run read it)"), message
+
+
+def test_an_object_that_changed_size_since_the_listing_is_named(gcs_bucket, tmp_path):
+    """Its bytes would not be the ones listed (a TFRecord's offsets, the cache's accounting): one line."""
+    import fsspec
+
+    from tfdp.data.pipeline import data_errors
+    split, total = _small_tree(gcs_bucket, "changing")
+    cfg = _config(tmp_path, total // 4)
+    ds = train_dataset(split, cfg, BATCH, seed=7)
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    for url in split.files:
+        fs.pipe_file(url.removeprefix("gs://"), fs.cat_file(url.removeprefix("gs://")) + b"appended")
+    with pytest.raises(UserError) as error, data_errors():
+        for _ in ds.take(3 * 40 // BATCH):
+            pass
+    assert re.fullmatch(rf"{gcs_bucket}/changing/\d{{4}}\.jpg changed while the run read it: (\d+) bytes now, "
+                        rf"(\d+) when the data was listed", str(error.value)), str(error.value)
 
 
 def test_a_stream_built_again_takes_over_at_its_first_read(datasets, tmp_path):
@@ -249,8 +269,10 @@ def test_a_dataset_iterated_again_starts_its_stream_again(datasets, tmp_path):
     assert again[:BATCH] == first and sorted(again) == list(range(IMAGES)) and disk.peak <= total // 4
 
 
-def test_tfdp_train_streams_a_tree_larger_than_the_limit(gcs_bucket, tmp_path):
-    """The command line, through Keras and the distribution strategy (which start iterators of their own)."""
+def test_tfdp_train_streams_a_tree_larger_than_the_limit_to_the_weights_of_a_whole_copy(gcs_bucket, tmp_path):
+    """The command line, through Keras and the distribution strategy (which start iterators of their own):
+    3 deterministic epochs on a tree four times the limit keep at most the limit on disk at any moment, and
+    end with the very weights of the same run with the tree copied whole."""
     import fsspec
 
     from conftest import read_jsonl, run_tfdp
@@ -261,13 +283,23 @@ def test_tfdp_train_streams_a_tree_larger_than_the_limit(gcs_bucket, tmp_path):
             fs.pipe_file(f"{gcs_bucket.removeprefix('gs://')}/tree/{split}/{'abc'[i % 3]}/{i}.jpg", data)
             sizes[split] += len(data)
     limit = sizes["train"] // 4
-    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=image_folder",
-                      f"--data_dir={gcs_bucket}/tree", f"--model_dir={tmp_path / 'run'}",
-                      f"--set=data.cache_dir={tmp_path / 'cache'}", f"--set=data.cache_limit={limit}",
-                      "--set=model.num_classes=3", "--epochs=2", "--batch_size_per_replica=4",
-                      "--set=data.image_size=16", "--set=schedule.warmup_epochs=0", "--set=log.tensorboard=false",
-                      timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
-    kept = tmp_path / "cache" / "gs" / gcs_bucket.removeprefix("gs://") / "tree" / "train"
-    assert 0 < sum(f.stat().st_size for f in kept.rglob("*") if f.is_file()) <= limit
+
+    def train(name, cache_limit):
+        return run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=image_folder",
+                        f"--data_dir={gcs_bucket}/tree", f"--model_dir={tmp_path / name}",
+                        f"--set=data.cache_dir={tmp_path / ('cache-' + name)}", f"--set=data.cache_limit={cache_limit}",
+                        "--set=model.num_classes=3", "--epochs=3", "--batch_size_per_replica=4",
+                        "--set=data.image_size=16", "--set=schedule.warmup_epochs=0", "--set=log.tensorboard=false",
+                        "--set=train.deterministic=true", timeout=300)
+    streamed = tmp_path / "cache-bounded" / "gs" / gcs_bucket.removeprefix("gs://") / "tree" / "train"
+    with DiskPeak(streamed) as disk:   # the validation split is copied whole beside it: evaluation reads it all
+        bounded = train("bounded", limit)
+    assert bounded.returncode == 0, bounded.stderr[-3000:]
+    assert len(read_jsonl(tmp_path / "bounded" / "metrics.jsonl")) == 3
+    assert 0 < disk.peak <= limit
+    whole = train("whole", "1GB")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    kept = tmp_path / "cache-whole" / "gs" / gcs_bucket.removeprefix("gs://") / "tree" / "train"
+    assert sum(f.stat().st_size for f in kept.rglob("*") if f.is_file()) == sizes["train"]   # copied whole
+    fingerprint = re.compile(r"weights fingerprint (\w+)")
+    assert fingerprint.findall(bounded.stdout) == fingerprint.findall(whole.stdout) != []

@@ -42,7 +42,7 @@ import uuid
 from collections import defaultdict
 from typing import Callable, TypeVar
 
-from tfdp.errors import Restartable, UserError, first_line
+from tfdp.errors import StorageLost, UserError, first_line
 
 BUCKET_PROTOCOLS = ("gs", "gcs", "s3", "s3a")   # stores with the conditional writes the lease needs
 COMMIT = "commit.json"
@@ -54,7 +54,7 @@ DEFAULT_SCRATCH_DIR = "~/.cache/tfdp/runs"
 T = TypeVar("T")
 
 
-class BucketLost(Restartable):
+class BucketLost(StorageLost):
     """The bucket holding model_dir stopped answering; the newest committed checkpoint is where to go on."""
 
 

@@ -39,3 +39,8 @@ class PeerLost(Restartable):
 
 class ServiceLost(Restartable):
     """The tf.data service no longer knows the run's input job; a new run makes a new one."""
+
+
+class StorageLost(Restartable):
+    """A bucket the run reads or writes stopped answering for longer than its retries; the last (committed)
+    checkpoint is where the same command goes on."""

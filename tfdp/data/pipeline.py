@@ -32,7 +32,7 @@ from tfdp.data import readers, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.preprocess import eval_transform, train_transform
 from tfdp.data.sources import Split
-from tfdp.errors import UserError
+from tfdp.errors import StorageLost, UserError
 from tfdp.resolution import eval_image_size
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -554,10 +554,13 @@ def corrupt_namer(names: StreamNames | None, cfg: DataConfig, transform, stream=
 
 @contextlib.contextmanager
 def data_errors():
-    """Turns the pipeline's own checks (too many corrupt images, bad labels) into one-line user errors."""
+    """Turns the pipeline's own checks (too many corrupt images, bad labels) into one-line user errors, and a
+    bucket that stopped answering into the restart status."""
     try:
         yield
     except tf.errors.OpError as e:
+        if (match := re.search(r"tfdp-data-unreachable: ([^\]\n]*)", e.message or "")):
+            raise StorageLost(match.group(1).strip()) from None
         match = re.search(r"tfdp-data-error: ([^\]\n]*)", e.message or "")
         if match is None:
             raise

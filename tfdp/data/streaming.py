@@ -29,7 +29,9 @@ for its last byte before its first step. When the share is larger than
   times `data.remote_timeout`; then the stream ends and its last element
   raises the one-line error (the decoder drops failed elements as corrupt
   images, `ignore_errors`, so an error raised by the gate itself would be
-  swallowed).
+  swallowed): the restart status when the bucket stopped answering (the
+  same command resumes from the last checkpoint), a user error when an
+  object was deleted or changed size after the data was listed.
 
 The tf.data service, evaluation and `tfdp predict` still copy their files
 whole (`localize`), as does `data.cache`, which keeps the whole share in
@@ -65,6 +67,7 @@ STALL_CHECK_S = 1.0        # how often a waiting reader looks for a stream that 
 STALL_CHECKS = 5           # ... and how many looks in a row find it stuck before it is an error
 ORDER_BATCH = 4096         # payloads the fetcher takes from its copy of the stream at a time
 ERROR_TAG = "tfdp-data-error: "   # what `pipeline.data_errors` turns into a one-line error
+RESTART_TAG = "tfdp-data-unreachable: "   # ... and into the restart status: the bucket stopped answering
 
 _building: list["Stream"] = []          # the stream whose payloads are being built (`local_files`)
 OPEN_STREAMS: dict[tuple, "Stream"] = {}   # (cache dir, files) → the stream now feeding them (tests read it)
@@ -255,6 +258,7 @@ class Stream(NoStream):
         self._waiting_for: str | None = None    # the file the fetcher waits to have room for
         self._reading = 0
         self._error: str | None = None
+        self._unreachable = False   # the error is the bucket's silence, not the data's fault: a restart may cure it
         self._stopped = False
         self._closed = threading.Event()
         # The stream this one replaces (the same files, rebuilt: a new image size, say). Its reader may still
@@ -340,14 +344,19 @@ class Stream(NoStream):
         while not self._stopped:
             try:
                 storage.fetch(url, path)
+                if os.path.getsize(path) != self.size[path]:
+                    return self._fail(f"{url} changed while the run read it: {os.path.getsize(path)} bytes now, "
+                                      f"{self.size[path]} when the data was listed")
                 index = self.kind.index(path)
                 break
             except UserError as e:
                 return self._fail(str(e))
+            except FileNotFoundError:
+                return self._fail(f"{url} is no longer in the bucket (deleted while the run read it)")
             except Exception as e:  # noqa: BLE001 - the drivers' errors: retried, then reported in one line
                 if time.monotonic() + delay > deadline:
                     return self._fail(f"cannot download {url} (retried for {self.retry_s:g} s, {RETRY_TIMEOUTS} "
-                                      f"times data.remote_timeout): {first_line(e)}")
+                                      f"times data.remote_timeout): {first_line(e)}", unreachable=True)
                 if self._closed.wait(delay):
                     break
                 delay = min(2 * delay, LAST_RETRY_S)
@@ -368,9 +377,10 @@ class Stream(NoStream):
             self._held -= self.size[path]
             self._cond.notify_all()
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, unreachable: bool = False) -> None:
         with self._cond:
-            self._error = self._error or message
+            if self._error is None:
+                self._error, self._unreachable = message, unreachable
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -420,7 +430,8 @@ class Stream(NoStream):
         return np.bool_(self._error is None and not self._stopped)
 
     def _raise(self) -> np.int64:
-        raise StreamFailed(ERROR_TAG + (self._error or "the input stream was closed"))
+        raise StreamFailed((RESTART_TAG if self._unreachable else ERROR_TAG)
+                           + (self._error or "the input stream was closed"))
 
     def _read(self, generation, number, path, x) -> bytes:
         path, generation = path.numpy().decode(), int(generation)
