@@ -194,6 +194,34 @@ def test_images_in_a_bucket(trained, odd_folder, gcs_bucket, tmp_path):
     assert [r["predictions"] for r in rows] == [r["predictions"] for r in local]
 
 
+def test_images_in_a_bucket_larger_than_the_cache_go_through_in_chunks(trained, odd_folder, gcs_bucket, tmp_path):
+    """data.cache_limit below the images' bytes (room for two chunks, each holding the largest image): the
+    rows of the whole copy (corrupt images named too), the cache never above the limit, nothing left in it."""
+    from test_streaming import DiskPeak
+    cfg, _, weights = trained
+    root, good, bad = odd_folder
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    fs.put(root + "/", gcs_bucket.removeprefix("gs://") + "/chunked", recursive=True)
+    job = request(cfg, f"{gcs_bucket}/chunked", str(tmp_path / "chunked.csv"), 1)
+    limit = 2 * max(job.sizes)
+    assert limit < sum(job.sizes)   # so the images cannot be copied whole
+    cache = tmp_path / "cache"
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=str(cache), cache_limit=limit))
+    with DiskPeak(cache) as disk:
+        summary = predict(cfg, make_runtime(cfg.distribute), weights, job)
+    assert summary["chunks"] >= 3 and summary["failed"] == 2
+    assert 0 < disk.peak <= limit
+    assert not [f for f in cache.rglob("*") if f.is_file()]
+    rows = read_rows(job.output)
+    assert [r["path"] for r in rows] == [f"{gcs_bucket}/chunked/{name}" for name in sorted(good + bad)]
+    local = read_rows_of_folder(cfg, weights, root, tmp_path)
+    assert [(r["predictions"], bool(r["error"])) for r in rows] == [(r["predictions"], bool(r["error"])) for r in local]
+    too_small = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_limit=2 * max(job.sizes) - 1))
+    with pytest.raises(UserError, match=r"^data.cache_limit \(\d+ bytes\) is too small to stream these images: "
+                                        r"the largest is \d+ bytes, and two chunks of images must fit$"):
+        predict(too_small, make_runtime(cfg.distribute), weights, job)
+
+
 def read_rows_of_folder(cfg, weights, root, tmp_path):
     out = str(tmp_path / "local.csv")
     predict(cfg, make_runtime(cfg.distribute), weights, request(cfg, root, out, 1))

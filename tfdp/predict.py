@@ -11,11 +11,15 @@ decoding that one file again eagerly (`tfdp.data.corrupt.decode_error`). (A per-
 pipeline, each image decoded in a dataset of its own with a fallback element, keeps the failure in the
 stream but decodes at about half the rate: `benchmarks/predict_decode.py`.) The output (JSONL or CSV, by
 its extension) is written atomically once every image has its row. What the user asked for is checked
-(`request`) before TensorFlow is even imported, so a bad request is one line at once.
+(`request`) before TensorFlow is even imported, so a bad request is one line at once. Images in a bucket
+are copied to data.cache_dir first; when they take more than data.cache_limit, they go through in
+consecutive chunks of at most half the limit each, the next downloading while one is predicted and each
+deleted once predicted (`Downloads`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -32,7 +36,7 @@ from tfdp.config import Config, DataConfig
 from tfdp.data import build_source
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.sources import IMAGE_PATTERNS, Ignored, is_image_file
-from tfdp.data.storage import filesystem, is_remote_url, localize, url
+from tfdp.data.storage import cache_paths, filesystem, is_remote, is_remote_url, localize, url
 from tfdp.errors import UserError, first_line
 from tfdp.resolution import eval_image_size
 
@@ -53,6 +57,7 @@ class Request:
     output: str              # absolute path of the JSONL or CSV file
     write: Callable          # (rows, top_k) → the file's text
     top_k: int
+    sizes: tuple[int, ...] = ()   # each bucket object's bytes, from the listing (local files: none)
 
 
 DEFAULT_TOP_K = 5
@@ -66,7 +71,8 @@ def request(cfg: Config, inputs: str | None, output: str | None, top_k: int | No
     if top_k is None:
         top_k = min(DEFAULT_TOP_K, cfg.model.num_classes)
     check_top_k(top_k, cfg.model.num_classes)
-    return Request(tuple(list_images(inputs)), os.path.abspath(os.path.expanduser(output)), write, top_k)
+    files, sizes = list_images(inputs)
+    return Request(tuple(files), os.path.abspath(os.path.expanduser(output)), write, top_k, tuple(sizes))
 
 
 def check_output(output: str | None) -> Callable[[list[dict], int], str]:
@@ -100,35 +106,69 @@ def check_top_k(top_k: int, num_classes: int) -> None:
         raise UserError(f"--top_k={top_k} must be between 1 and the model's {num_classes} classes (model.num_classes)")
 
 
-def list_images(spec: str | None) -> list[str]:
-    """The images `spec` names, sorted: a file (whatever its extension), every image under a folder or bucket
-    prefix (recursively), or every image a glob pattern matches (`**` crosses folders). Files TensorFlow
-    does not decode are counted by extension in one line."""
+def list_images(spec: str | None) -> tuple[list[str], list[int]]:
+    """The images `spec` names, sorted, and their sizes when they are in a bucket: a file (whatever its
+    extension), every image under a folder or bucket prefix (recursively), or every image a glob pattern
+    matches (`**` crosses folders). Files TensorFlow does not decode are counted by extension in one line."""
     if not spec:
         raise UserError("predict needs --input=FOLDER, FILE, 'PATTERN' or a gs:// / s3:// prefix")
     fs, path = filesystem(spec)
     ignored = Ignored()
+    candidates: dict[str, int] = {}
     if any(c in path for c in GLOB_CHARACTERS):
-        candidates = []
         for match in fs.glob(path):
-            candidates += fs.find(match) if fs.isdir(match) else [match]
+            candidates.update(_sizes(fs, match) if fs.isdir(match) else {match: _size(fs, match)})
     elif fs.isdir(path):
-        candidates = fs.find(path)
+        candidates = _sizes(fs, path)
     elif fs.isfile(path):
-        return [url(fs, path)]
+        return [url(fs, path)], [_size(fs, path)]
     else:
         raise UserError(f"--input {spec}: no such file or folder")
-    images = []
-    for candidate in sorted(set(candidates)):
+    images, sizes = [], []
+    for candidate in sorted(candidates):
         if is_image_file(candidate):
             images.append(url(fs, candidate))
+            sizes.append(candidates[candidate])
         else:
             ignored.add(candidate)
     if not images:
         also = f"; {ignored.total} other file(s) there ({ignored.kinds()})" if ignored.total else ""
         raise UserError(f"--input {spec}: no images ({IMAGE_PATTERNS}){also}")
     ignored.report(f"--input {spec}")
-    return images
+    return images, (sizes if is_remote(fs) else [])
+
+
+def _sizes(fs, folder: str) -> dict[str, int]:
+    """Every file under `folder` with its size (a bucket lists both at once; locally the size is not needed)."""
+    if not is_remote(fs):
+        return dict.fromkeys(fs.find(folder), 0)
+    return {p: int(info.get("size") or 0) for p, info in fs.find(folder, detail=True).items()}
+
+
+def _size(fs, path: str) -> int:
+    return int(fs.size(path) or 0) if is_remote(fs) else 0
+
+
+def chunks(sizes: tuple[int, ...], count: int, limit: int) -> list[range]:
+    """The images as consecutive ranges whose bucket objects take at most half of `limit` each, so one range
+    is read while the next downloads; one range for local files or images that fit whole."""
+    if not sizes or sum(sizes) <= limit:
+        return [range(count)]
+    half = limit // 2
+    if (largest := max(sizes)) > half:
+        raise UserError(f"data.cache_limit ({_human(limit)}) is too small to stream these images: the largest is "
+                        f"{_human(largest)}, and two chunks of images must fit")
+    found, start, held = [], 0, 0
+    for i, size in enumerate(sizes):
+        if held + size > half:
+            found.append(range(start, i))
+            start, held = i, 0
+        held += size
+    return found + [range(start, count)]
+
+
+def _human(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size} bytes"
 
 
 def class_names(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -199,14 +239,12 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
         raise UserError("predict runs on one host's replicas: use distribute.strategy mirrored or one_device")
     files, top_k = list(job.files), job.top_k
     names, text = class_names(cfg)
-    local = localize(files, cfg.data.cache_dir)  # bucket objects copied once; TensorFlow reads local files
+    parts = chunks(job.sizes, len(files), streaming_limit(cfg.data))
     with runtime.strategy.scope():
         model = serving_model(cfg)
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
-    dataset = runtime.strategy.distribute_datasets_from_function(
-        lambda ctx: prediction_dataset(local, cfg.data, global_batch, ctx))
     probabilities = getattr(tf.math, PROBABILITIES[cfg.train.loss])
 
     @tf.function
@@ -216,40 +254,91 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
             return numbers, values, indices
         return runtime.strategy.run(replica, args=next(iterator))
 
-    steps = -(-len(files) // global_batch)
-    best: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    start = time.monotonic()
-    with _progress(len(files)) as bar:
+    def predict_part(local: list[str], bar) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Image number within `local` → its top-k (values, class indices)."""
+        dataset = runtime.strategy.distribute_datasets_from_function(
+            lambda ctx: prediction_dataset(local, cfg.data, global_batch, ctx))
+        best = {}
         iterator = iter(dataset)
-        for _ in range(steps):
+        for _ in range(-(-len(local) // global_batch)):
             results = [np.concatenate([np.asarray(t) for t in runtime.strategy.experimental_local_results(part)])
                        for part in step(iterator)]
             for number, values, indices in zip(*results):
                 if number >= 0:
                     best[int(number)] = (values, indices)
             bar.update(int(np.sum(results[0] >= 0)))
+        return best
+
+    best: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    errors: dict[int, str] = {}
+    CORRUPT_LOG.clear()  # this run's warnings: the first few of its own images
+    start = time.monotonic()
+    with _progress(len(files)) as bar, Downloads(files, parts, cfg.data.cache_dir) as downloads:
+        for part, local in downloads:
+            found = predict_part(local, bar)
+            best.update({part[k]: v for k, v in found.items()})
+            errors.update({part[k]: e for k, e in undecoded(local, found, eval_transform(cfg.data)).items()})
     seconds = time.monotonic() - start
-    errors = undecoded(files, local, best, eval_transform(cfg.data))
+    for k, error in sorted(errors.items()):
+        CORRUPT_LOG.record(files[k], error)
     rows = [_row(files[k], best.get(k), errors.get(k), names, text) for k in range(len(files))]
     atomic_write_text(job.output, job.write(rows, top_k))
     print(f"tfdp: predict: {len(files)} image(s) → {job.output}"
           + (f" ({len(errors)} could not be decoded)" if errors else "")
           + f", {len(files) / max(seconds, 1e-9):.0f} images/s on {runtime.num_replicas} replica(s)", flush=True)
-    return {"images": len(files), "failed": len(errors), "seconds": seconds}
+    return {"images": len(files), "failed": len(errors), "seconds": seconds, "chunks": len(parts)}
 
 
-def undecoded(files: list[str], local: list[str], predicted, transform) -> dict[int, str]:
-    """Image number → why it could not be read or decoded, for every image the pipeline did not return."""
+def streaming_limit(cfg: DataConfig) -> int:
+    from tfdp.data.streaming import limit_bytes
+    return limit_bytes(cfg)
+
+
+class Downloads:
+    """The images of each range in `parts`, local: the next range downloads while one is read. With more
+    than one range (bucket images larger than data.cache_limit), a range's copies are deleted once read, so
+    the cache holds at most two ranges, each within half the limit."""
+
+    def __init__(self, files: list[str], parts: list[range], cache_dir: str):
+        import concurrent.futures
+        self.files, self.parts, self.cache_dir = files, parts, cache_dir
+        self.streamed = len(parts) > 1
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfdp-predict-fetch")
+        self._next = None
+
+    def _fetch(self, part: range):
+        return self._pool.submit(localize, [self.files[k] for k in part], self.cache_dir)
+
+    def __enter__(self):
+        return self
+
+    def __iter__(self):
+        self._next = self._fetch(self.parts[0])
+        for i, part in enumerate(self.parts):
+            local = self._next.result()
+            self._next = self._fetch(self.parts[i + 1]) if i + 1 < len(self.parts) else None
+            yield part, local
+            if self.streamed:
+                self._evict(part)
+
+    def _evict(self, part: range) -> None:
+        remote = [self.files[k] for k in part if is_remote_url(self.files[k])]   # copies, never the user's files
+        for path in cache_paths(remote, self.cache_dir):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    def __exit__(self, *exc):
+        if self._next is not None:
+            self._next.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def undecoded(local: list[str], predicted, transform) -> dict[int, str]:
+    """Image number → why it could not be read or decoded, for every image of `local` the pipeline did not
+    return."""
     from tfdp.console import stderr_to_devnull
-    CORRUPT_LOG.clear()  # this run's warnings: the first few of its own images
-    errors = {}
     with stderr_to_devnull():  # libjpeg's own complaint ("Improper call to JPEG library"): the reason is enough
-        for k in range(len(files)):
-            if k not in predicted:
-                errors[k] = decode_error(local[k], transform)
-    for k, error in errors.items():
-        CORRUPT_LOG.record(files[k], error)
-    return errors
+        return {k: decode_error(local[k], transform) for k in range(len(local)) if k not in predicted}
 
 
 class _progress:

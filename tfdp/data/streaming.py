@@ -33,9 +33,10 @@ for its last byte before its first step. When the share is larger than
   same command resumes from the last checkpoint), a user error when an
   object was deleted or changed size after the data was listed.
 
-The tf.data service, evaluation and `tfdp predict` still copy their files
-whole (`localize`), as does `data.cache`, which keeps the whole share in
-memory anyway.
+The tf.data service and evaluation still copy their files whole (`localize`),
+as does `data.cache`, which keeps the whole share in memory anyway; `tfdp
+predict` goes through bucket images larger than the limit in chunks of its
+own (`tfdp.predict.Downloads`).
 """
 
 from __future__ import annotations
