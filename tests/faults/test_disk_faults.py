@@ -112,3 +112,37 @@ def test_export_and_report_into_read_only_folders(tmp_path, digits_dir):
         remount_read_only(run)
         result = run_tfdp("report", str(run), timeout=60)
         assert_one_line_error(result, 2, "cannot write to the report folder", "read-only")
+
+
+@pytest.mark.parametrize("mode", ["copied whole", "streamed"])
+def test_a_full_disk_while_fetching_is_one_line_and_nothing_half_written_is_read(gcs_bucket, tmp_path, mode):
+    """The cache's disk holds a third of the images; data.cache_limit is above that (the whole share, so it
+    is copied whole; or half of it, so it streams): the fetch that hits the full disk ends the input in one
+    line naming the object (the disk, not the bucket: no retries, no restart status); its partial download
+    is gone and every file left there is whole."""
+    import dataclasses
+
+    import fsspec
+
+    from test_streaming import BATCH, _config, _small_tree
+    from tfdp.data.pipeline import data_errors, train_dataset
+    from tfdp.errors import UserError
+    split, total = _small_tree(gcs_bucket, "filling-" + mode.replace(" ", "-"))
+    with tmpfs(tmp_path / "disk", size="1m") as disk:
+        fill(disk, leave=total // 3)
+        limit = total if mode == "copied whole" else total // 2
+        cfg = dataclasses.replace(_config(disk / "cache", limit), remote_timeout=30.0)
+        started = time.monotonic()
+        with pytest.raises(UserError) as error, data_errors():
+            for _ in train_dataset(split, cfg, BATCH, seed=7).take(3 * 40 // BATCH):
+                pass
+        message = str(error.value)
+        assert message.startswith("no space left on the device of "), message
+        assert f"{gcs_bucket}/filling-" in message and " free" in message and "\n" not in message
+        assert time.monotonic() - started < 30   # at once, not after the bucket's retries
+        fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+        left = [os.path.join(folder, name) for folder, _, names in os.walk(disk / "cache") for name in names]
+        assert not [p for p in left if ".tmp-" in p]
+        for path in left:
+            remote = path.split(os.sep + "gs" + os.sep, 1)[1]
+            assert os.path.getsize(path) == fs.size(remote), path

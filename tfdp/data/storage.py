@@ -24,9 +24,11 @@ traceback, or fail much later, deep in a listing.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hashlib
 import operator
 import os
+import shutil
 import socket
 import threading
 import urllib.parse
@@ -289,6 +291,13 @@ def fetch(remote_url: str, local_path: str) -> None:
         os.replace(tmp, local_path)
     except FileNotFoundError:
         raise UserError(f"file vanished while copying: {remote_url}") from None
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        free = shutil.disk_usage(os.path.dirname(local_path)).free
+        raise UserError(f"no space left on the device of {os.path.dirname(local_path)} while copying {remote_url} "
+                        f"({size} bytes; {free} bytes free): free space there or lower data.cache_limit (a share above "
+                        f"it streams)") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -350,7 +350,7 @@ class Stream(NoStream):
                                       f"{self.size[path]} when the data was listed")
                 index = self.kind.index(path)
                 break
-            except UserError as e:
+            except UserError as e:   # the object vanished, or the local disk is full: no retry helps
                 return self._fail(str(e))
             except FileNotFoundError:
                 return self._fail(f"{url} is no longer in the bucket (deleted while the run read it)")
