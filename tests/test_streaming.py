@@ -208,7 +208,7 @@ def test_an_object_deleted_mid_run_ends_the_stream_in_one_line_naming_it(gcs_buc
             pass
     message = str(error.value)
     assert "\n" not in message and f"{gcs_bucket}/vanishing/" in message
-    assert message.endswith(" is no longer in the bucket (deleted while the run read it)"), message
+    assert message.endswith(" is no longer in the bucket (deleted after the data was listed)"), message
 
 
 def test_an_object_that_changed_size_since_the_listing_is_named(gcs_bucket, tmp_path):
@@ -225,8 +225,8 @@ def test_an_object_that_changed_size_since_the_listing_is_named(gcs_bucket, tmp_
     with pytest.raises(UserError) as error, data_errors():
         for _ in ds.take(3 * 40 // BATCH):
             pass
-    assert re.fullmatch(rf"{gcs_bucket}/changing/\d{{4}}\.jpg changed while the run read it: (\d+) bytes now, "
-                        rf"(\d+) when the data was listed", str(error.value)), str(error.value)
+    assert re.fullmatch(rf"{gcs_bucket}/changing/\d{{4}}\.jpg changed after the data was listed: (\d+) bytes now, "
+                        rf"(\d+) listed", str(error.value)), str(error.value)
 
 
 def test_a_stream_built_again_takes_over_at_its_first_read(datasets, tmp_path):

@@ -250,9 +250,16 @@ def metrics_object(epoch: int) -> str:
 
 
 class Uploader:
-    """The chief's side of a bucket run: uploads what it writes in its local working copy `local`."""
+    """The chief's side of a bucket run: uploads what it writes in its local working copy `local`.
+
+    Uploads run on a thread of their own, in the order they were asked for, while training goes on: a
+    checkpoint's objects and marker go up during the steps that follow it. The next checkpoint first waits
+    for them (`wait`), before the local store prunes, so a folder is never deleted while it is read, and
+    at most one checkpoint is in flight. An upload that failed is raised at that wait (or at `finish`).
+    """
 
     def __init__(self, bucket: Bucket, local: str):
+        import concurrent.futures
         self.bucket = bucket
         self.local = local
         from tfdp.metrics_file import METRICS_FILE, read_metrics
@@ -260,6 +267,30 @@ class Uploader:
         self._epochs_sent = {int(r["epoch"]) for r in read_metrics(os.path.join(local, METRICS_FILE))}
         self._event_offsets: dict[str, int] = {}     # local event file → bytes of whole records uploaded
         self._whole_sent: dict[str, tuple[int, int]] = {}   # local file → (size, mtime_ns) uploaded
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tfdp-upload")
+        self._pending: list = []
+
+    def _submit(self, call: Callable[[], None]) -> None:
+        self._pending.append(self._pool.submit(call))
+
+    def wait(self) -> None:
+        """Until every upload asked for is done; the first that failed is raised."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def finish(self, quiet: bool = False) -> None:
+        """Waits for the uploads in flight (a preempted run's last checkpoint among them), then stops the thread.
+        `quiet`: the run is already ending with an error, which an upload's failure must not hide (it is
+        one warning line)."""
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001
+            if not quiet:
+                raise
+            _warn(f"an upload to model_dir {self.bucket.url} did not finish: {first_line(e)}")
+        finally:
+            self._pool.shutdown(wait=True)
 
     def sync_logs(self) -> None:
         """Uploads new metrics rows, new TensorBoard records and changed small files."""
@@ -301,18 +332,30 @@ class Uploader:
 
     def publish_checkpoint(self, local_dir: str, step: int, kept: Callable[[list], list]) -> None:
         """The logs up to this checkpoint, then the checkpoint with its marker; then the bucket's own
-        checkpoints pruned by `kept` (the rule the local store prunes by)."""
-        self.sync_logs()
-        self.bucket.push_checkpoint(local_dir, step)
-        committed, _ = self.bucket.checkpoints(warn=False)
-        keep = {name for _, _, name in kept([(s, e, n) for s, e, n, _ in committed])}
-        for _, _, name, _ in committed:
-            if name not in keep:
-                self.bucket.drop_checkpoint(name)
+        checkpoints pruned by `kept` (the rule the local store prunes by). In the background."""
+        def publish():
+            self.sync_logs()
+            self.bucket.push_checkpoint(local_dir, step)
+            committed, _ = self.bucket.checkpoints(warn=False)
+            keep = {name for _, _, name in kept([(s, e, n) for s, e, n, _ in committed])}
+            for _, _, name, _ in committed:
+                if name not in keep:
+                    self.bucket.drop_checkpoint(name)
+        self._submit(publish)
 
     def publish_best(self, weights: str, record: str) -> None:
-        self.bucket.put_file(weights, f"{CHECKPOINTS}/{os.path.basename(weights)}")
-        self.bucket.put_file(record, f"{CHECKPOINTS}/{os.path.basename(record)}")
+        """The best checkpoint's two files, in the background, from copies: the local ones are replaced
+        whole when a better epoch comes."""
+        folder = tempfile.mkdtemp(prefix=".tmp-best-upload-", dir=os.path.dirname(weights))
+        copies = [shutil.copy(path, folder) for path in (weights, record)]
+
+        def publish():
+            try:
+                for path in copies:
+                    self.bucket.put_file(path, f"{CHECKPOINTS}/{os.path.basename(path)}")
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._submit(publish)
 
 
 def whole_records(data: bytes) -> int:

@@ -192,6 +192,8 @@ class CheckpointStore:
         `replica_state` (every replica's own non-trained state, see
         `tfdp.replica_state.ReplicaSnapshot`) goes beside the weights.
         """
+        if self.uploader:
+            self.uploader.wait()   # the previous checkpoint's upload reads its folder, which pruning may delete
         number = state["epoch"] if kind == "epoch" else state["step"]
         final = os.path.join(self.root, f"{kind}-{number:04d}" if kind == "epoch" else f"{kind}-{number:09d}")
         tmp = os.path.join(self.root, f".tmp-{os.path.basename(final)}-{os.getpid()}")

@@ -135,7 +135,14 @@ def train_in(cfg: Config, runtime: Runtime, place: Place) -> dict:
         fits = split_by_image_size(segments(epoch, step_in_epoch, cfg.train.epochs, plan.steps_per_epoch), cfg.data)
         fits = run.freezing.split(fits)  # one trainable set per fit
         if fits:
-            fit_all(run, fits, store, metrics_log, out, model_dir)
+            try:
+                fit_all(run, fits, store, metrics_log, out, model_dir)
+            except BaseException:
+                if uploader:   # a preempted run's last checkpoint goes up before it exits
+                    uploader.finish(quiet=True)
+                raise
+        if uploader:
+            uploader.finish()
     summary = summarize(metrics_log.rows, runtime, plan, cfg.train.best_metric)
     summary["fingerprint"] = weights_fingerprint(run.model)
     print(f"tfdp: worker {runtime.worker_index} of {runtime.num_workers}: weights fingerprint {summary['fingerprint']}",

@@ -53,6 +53,20 @@ _probed: dict[tuple, str | None] = {}
 _probe_lock = threading.Lock()
 
 
+# url → bytes of the bucket objects a listing has seen (`note_sizes`): a streamed share's sizes, without
+# listing the bucket again or keeping fsspec's listing cache of a dict per object.
+_known_sizes: dict[str, int] = {}
+
+
+def note_sizes(pairs) -> None:
+    """Remembers (url, size) pairs a listing returned."""
+    _known_sizes.update((u, int(size)) for u, size in pairs)
+
+
+def known_size(remote_url: str) -> int | None:
+    return _known_sizes.get(remote_url)
+
+
 def _gcs_emulator_defaults() -> None:
     """Turns off gcsfs's bucket-type lookup when an emulator stands in for GCS.
 
@@ -277,20 +291,28 @@ def _cache_path(cache_dir: str, remote_url: str) -> str:
 
 def fetch(remote_url: str, local_path: str) -> None:
     """Copies one bucket object to `local_path` under a temporary name, renamed when complete (so no reader
-    ever meets half a file); a copy already there at the object's size is kept."""
+    ever meets half a file); a copy already there at the object's size is kept. The size is the listing's
+    when the data was listed in this process (no request per object), else the store's."""
     fs, path = filesystem(remote_url)
-    size = fs.size(path)
+    size = known_size(remote_url)
+    try:
+        size = fs.size(path) if size is None else size
+    except FileNotFoundError:
+        raise UserError(f"{remote_url} is no longer in the bucket (deleted after the data was listed)") from None
     if os.path.exists(local_path) and os.path.getsize(local_path) == size:
         return
     os.makedirs(os.path.dirname(local_path), exist_ok=True)
     tmp = f"{local_path}.tmp-{os.getpid()}-{hashlib.sha1(remote_url.encode()).hexdigest()[:8]}"
     try:
         fs.get_file(path, tmp)
-        if os.path.getsize(tmp) != size:   # a connection cut short can leave a short file without an error
-            raise OSError(f"short download of {remote_url}: {os.path.getsize(tmp)} of {size} bytes")
+        got = os.path.getsize(tmp)
+        if got != size:
+            if fs.size(path) == got:   # the object itself changed
+                raise UserError(f"{remote_url} changed after the data was listed: {got} bytes now, {size} listed")
+            raise OSError(f"short download of {remote_url}: {got} of {size} bytes")   # a connection cut short
         os.replace(tmp, local_path)
     except FileNotFoundError:
-        raise UserError(f"file vanished while copying: {remote_url}") from None
+        raise UserError(f"{remote_url} is no longer in the bucket (deleted after the data was listed)") from None
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
@@ -301,4 +323,3 @@ def fetch(remote_url: str, local_path: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-

@@ -189,13 +189,18 @@ def _on_disk(local: dict[str, str]) -> dict[str, int]:
 
 
 def _sizes(urls: tuple[str, ...]) -> dict[str, int]:
-    """Each object's size, from one listing of the folder they share (a request per object would take
-    minutes for a million images)."""
-    fs, _ = storage.filesystem(urls[0])
-    paths = [u.partition("://")[2] for u in urls]
+    """Each object's size: as the data's listing saw it (`storage.note_sizes`), else from one listing of the
+    folder the others share (a request per object would take minutes for a million images)."""
+    sizes = {u: storage.known_size(u) for u in urls}
+    missing = [u for u, size in sizes.items() if size is None]
+    if not missing:
+        return sizes
+    fs, _ = storage.filesystem(missing[0])
+    paths = [u.partition("://")[2] for u in missing]
     common = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
     listed = {p: info["size"] for p, info in fs.find(common, detail=True).items()}
-    return {u: listed[p] if p in listed else fs.size(p) for u, p in zip(urls, paths)}
+    sizes.update({u: listed[p] if p in listed else fs.size(p) for u, p in zip(missing, paths)})
+    return sizes
 
 
 def _human(size: int) -> str:
@@ -346,14 +351,14 @@ class Stream(NoStream):
             try:
                 storage.fetch(url, path)
                 if os.path.getsize(path) != self.size[path]:
-                    return self._fail(f"{url} changed while the run read it: {os.path.getsize(path)} bytes now, "
-                                      f"{self.size[path]} when the data was listed")
+                    return self._fail(f"{url} changed after the data was listed: {os.path.getsize(path)} bytes "
+                                      f"now, {self.size[path]} listed")
                 index = self.kind.index(path)
                 break
             except UserError as e:   # the object vanished, or the local disk is full: no retry helps
                 return self._fail(str(e))
             except FileNotFoundError:
-                return self._fail(f"{url} is no longer in the bucket (deleted while the run read it)")
+                return self._fail(f"{url} is no longer in the bucket (deleted after the data was listed)")
             except Exception as e:  # noqa: BLE001 - the drivers' errors: retried, then reported in one line
                 if time.monotonic() + delay > deadline:
                     return self._fail(f"cannot download {url} (retried for {self.retry_s:g} s, {RETRY_TIMEOUTS} "
