@@ -14,7 +14,8 @@ loopback (moto's, its own process; tfdp talks HTTP to it as to any S3 endpoint).
                    logs as they grow)
 
 The first step is seen from outside, as benchmarks/startup.py sees it (Keras' progress bar on a
-pseudo-terminal); images/s is the run's own summary line (the mean over the epochs after the first).
+pseudo-terminal); images/s is the run's own summary line (the mean over the epochs after the first);
+"server CPU s" is what the S3 server process used during the whole run, on the same 2 cores.
 A loopback server is faster than a real bucket (no network latency, no bandwidth limit): these figures
 show what tfdp itself costs, not what a cloud store delivers.
 
@@ -64,8 +65,21 @@ def tree_bytes(folder: str) -> int:
                for f in files)
 
 
-def run(name: str, data: str, model_dir: str, cache: str, limit: str, epochs: int, env: dict) -> dict:
-    """Runs one variant to its end; (first step s, peak MB, images/s)."""
+def server_cpu(port: str) -> float:
+    """CPU seconds the S3 server process (moto's, serving `port`) has used so far."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            if b"moto.server" in cmdline and port.encode() in cmdline:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+    return 0.0
+
+
+def run(name: str, data: str, model_dir: str, cache: str, limit: str, epochs: int, env: dict, port: str) -> dict:
+    """Runs one variant to its end; (first step s, peak MB, images/s, the server's CPU seconds in the whole run)."""
     def command(run_dir: str) -> list[str]:
         return [*startup.TFDP, "train", f"--data_dir={data}", f"--model_dir={run_dir}", f"--epochs={epochs}", *flags]
     flags = ["--set=data.format=image_folder", "--set=model.name=simple_cnn", f"--set=model.num_classes={CLASSES}",
@@ -73,10 +87,12 @@ def run(name: str, data: str, model_dir: str, cache: str, limit: str, epochs: in
                "--set=train.checkpoint_every_steps=0", f"--set=data.cache_dir={cache}",
                f"--set=data.cache_limit={limit}", f"--set=scratch_dir={cache}-scratch"]
     first, peak, _ = startup.until(command(model_dir), startup.FIRST_STEP, env=env)   # stopped at its first step
+    before = server_cpu(port)
     end, _, text = startup.until(command(model_dir + "-full"), DONE.pattern, env=env)   # a whole run
+    served = server_cpu(port) - before
     found = DONE.search(text)
     return {"name": name, "first": first, "peak": peak / 1e6, "images_per_sec": int(found.group(2)),
-            "seconds_per_epoch": float(found.group(1)), "whole": end}
+            "seconds_per_epoch": float(found.group(1)), "whole": end, "server_cpu": served}
 
 
 def main() -> None:
@@ -103,16 +119,17 @@ def main() -> None:
                     ("bucket + run", data, f"{s3.bucket}/runs/{stamp}", str(size // 4))]
         for name, where, model_dir, limit in variants:
             cache = os.path.join(work, "cache-" + name.replace(" ", "").replace(",", "-").replace("+", "-"))
-            rows.append(run(name, where, model_dir, cache, limit, args.epochs, s3.env))
+            rows.append(run(name, where, model_dir, cache, limit, args.epochs, s3.env, s3.endpoint.rsplit(":", 1)[1]))
             print(f"  {name}: done", flush=True)
     print(f"\n{platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"{args.images} training images ({size / 1e6:.0f} MB), simple_cnn at 64 px, batch 64, "
           f"{args.epochs} epochs; streamed limit {size // 4 / 1e6:.0f} MB")
     local = rows[0]
-    print(f"{'variant':<18} {'first step s':>12} {'peak MB':>8} {'images/s':>9} {'vs local':>9}")
+    print(f"{'variant':<18} {'first step s':>12} {'peak MB':>8} {'images/s':>9} {'vs local':>9} "
+          f"{'run s':>6} {'server CPU s':>13}")
     for r in rows:
         print(f"{r['name']:<18} {r['first']:>12.1f} {r['peak']:>8.0f} {r['images_per_sec']:>9} "
-              f"{r['images_per_sec'] / local['images_per_sec']:>8.2f}x")
+              f"{r['images_per_sec'] / local['images_per_sec']:>8.2f}x {r['whole']:>6.1f} {r['server_cpu']:>13.1f}")
 
 
 if __name__ == "__main__":
