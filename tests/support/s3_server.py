@@ -64,8 +64,13 @@ def s3_server(bucket: str = "tfdp-test", startup_seconds: float = 60):
         try:
             yield S3Server(endpoint, f"s3://{bucket}", {**base, **member}, outsider, reader)
         finally:
-            os.environ.clear()
-            os.environ.update(saved)
+            # Only what this server set is put back: a server started meanwhile (the GCS emulator of a
+            # session fixture) keeps its own variables.
+            for key in {*MASKED, *base, *member}:
+                if key in saved:
+                    os.environ[key] = saved[key]
+                else:
+                    os.environ.pop(key, None)
             s3fs.S3FileSystem.clear_instance_cache()
 
 
