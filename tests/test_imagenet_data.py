@@ -313,15 +313,20 @@ def test_a_stream_resumed_at_any_position_continues_the_uninterrupted_one(trees,
             assert np.array_equal(got[0].numpy(), want[0].numpy()) and np.array_equal(got[1].numpy(), want[1].numpy())
 
 
+def uninterrupted_copy(source, copy, data_format):
+    """A copy of the data (for a test to damage), its config and training split, its size n, a resume
+    point k, and the uninterrupted stream's first epoch of batches of 4 (seed 9)."""
+    shutil.copytree(source, copy)
+    cfg = DataConfig(format=data_format, dir=str(copy), image_size=32, deterministic=True, shuffle_buffer=4)
+    split = build_source(cfg).split("train")
+    n = split.num_examples
+    uninterrupted = iter(train_dataset(split, cfg, 4, seed=9))
+    return cfg, split, n, 8, [next(uninterrupted) for _ in range(n // 4)]
+
+
 def test_a_resumed_stream_reads_no_image_it_skips(trees, tmp_path):
     """Resuming at record k decodes only what follows: the k skipped files can even be gone."""
-    shutil.copytree(trees["ilsvrc"], tmp_path / "tree")
-    cfg = DataConfig(format="imagenet", dir=str(tmp_path / "tree"), image_size=32, deterministic=True,
-                     shuffle_buffer=4)
-    split = build_source(cfg).split("train")
-    n, k = split.num_examples, 8
-    uninterrupted = iter(train_dataset(split, cfg, 4, seed=9))
-    batches = [next(uninterrupted) for _ in range(n // 4)]
+    cfg, split, n, k, batches = uninterrupted_copy(trees["ilsvrc"], tmp_path / "tree", "imagenet")
     for path in stream_files(split, cfg, seed=9, count=k):
         os.remove(path)
     corrupt = CorruptCounter()
@@ -407,13 +412,7 @@ def damage_record(path: str, offset: int) -> None:
 def test_a_resumed_record_stream_reads_no_record_it_skips(shards, tmp_path):
     """Resuming at record k reads only what follows: the k skipped records can even be damaged."""
     from tfdp.data import pipeline
-    shutil.copytree(shards, tmp_path / "shards")
-    cfg = DataConfig(format="tfrecord", dir=str(tmp_path / "shards"), image_size=32, deterministic=True,
-                     shuffle_buffer=4)
-    split = build_source(cfg).split("train")
-    n, k = split.num_examples, 8
-    uninterrupted = iter(train_dataset(split, cfg, 4, seed=9))
-    batches = [next(uninterrupted) for _ in range(n // 4)]
+    cfg, split, n, k, batches = uninterrupted_copy(shards, tmp_path / "shards", "tfrecord")
     skipped = pipeline.epoch_payloads(split, cfg, tf.distribute.InputContext(), False, 9, 0, n).take(k)
     for path, offset in skipped.as_numpy_iterator():
         damage_record(path.decode(), int(offset))

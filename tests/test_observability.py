@@ -93,7 +93,7 @@ def test_report_on_a_directory_without_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("real, synthetic, alone, expected, cause", [
-    (3045.0, 3962.0, 6000.0, "input-bound", "not beside training"),   # the H100 run in issue #18
+    (3045.0, 3962.0, 6000.0, "input-bound", "not beside training"),   # an H100 run: the input alone slower than training
     (1500.0, 3962.0, 2000.0, "input-bound", "decoding is the limit"),
     (3800.0, 3962.0, 2000.0, "compute-bound", "the input keeps up"),  # 0.96x: above the 0.95 line
     (None, 3962.0, 9000.0, "compute-bound", "synthetic data only"),

@@ -2,7 +2,7 @@
 without TensorFlow do.
 
 A leading underscore says "only this module uses it"; a second module that reaches for it couples the two
-behind the reader's back (the issue #26 review found tfdp/data/service.py importing pipeline.py's helpers).
+behind the reader's back (say, a service module importing the pipeline's helpers).
 What two modules share is made public in one of them. Keras's and TensorFlow's private names are another
 matter: tfdp/keras_patches/__init__.py lists those in RELIED_ON, with a canary each (tests/test_compat.py).
 """

@@ -213,8 +213,11 @@ class Bucket:
     def drop_checkpoint(self, name: str) -> None:
         """Deletes a checkpoint, its marker first: what a kill leaves behind is uncommitted, never half of one."""
         prefix = f"{CHECKPOINTS}/{name}"
-        self.remove([f"{prefix}/{COMMIT}"]) if f"{prefix}/{COMMIT}" in self.listing(prefix) else None
-        self.remove(sorted(self.listing(prefix)))
+        objects = sorted(self.listing(prefix))
+        marker = f"{prefix}/{COMMIT}"
+        if marker in objects:
+            self.remove([marker])
+        self.remove([o for o in objects if o != marker])
 
     def pull_checkpoint(self, name: str, files: dict[str, int], local_root: str) -> str:
         """Downloads a committed checkpoint into `local_root/name` (whole, or not at all)."""
@@ -386,7 +389,7 @@ class Place:
     def uploader(self) -> Uploader | None:
         return Uploader(self.bucket, self.local) if self.bucket else None
 
-    def pull_run(self, is_chief: bool, keep_after: Callable[[int], None] | None = None) -> None:
+    def pull_run(self, is_chief: bool) -> None:
         """Fills the local copy with what a run resumes from: the newest committed checkpoint, the best
         one, the metrics rows up to it and the TensorBoard run folders. The chief first sweeps
         uncommitted checkpoints (a run killed mid-upload) and metrics rows past the checkpoint (epochs the

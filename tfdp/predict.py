@@ -232,6 +232,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
 
     from tfdp.checkpoints import CheckpointStore, atomic_write_text
     from tfdp.data.preprocess import eval_transform
+    from tfdp.data.streaming import limit_bytes
     from tfdp.evaluate import load_checkpoint
     from tfdp.task import serving_model
 
@@ -239,7 +240,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
         raise UserError("predict runs on one host's replicas: use distribute.strategy mirrored or one_device")
     files, top_k = list(job.files), job.top_k
     names, text = class_names(cfg)
-    parts = chunks(job.sizes, len(files), streaming_limit(cfg.data))
+    parts = chunks(job.sizes, len(files), limit_bytes(cfg.data))
     with runtime.strategy.scope():
         model = serving_model(cfg)
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
@@ -287,11 +288,6 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
           + (f" ({len(errors)} could not be decoded)" if errors else "")
           + f", {len(files) / max(seconds, 1e-9):.0f} images/s on {runtime.num_replicas} replica(s)", flush=True)
     return {"images": len(files), "failed": len(errors), "seconds": seconds, "chunks": len(parts)}
-
-
-def streaming_limit(cfg: DataConfig) -> int:
-    from tfdp.data.streaming import limit_bytes
-    return limit_bytes(cfg)
 
 
 class Downloads:

@@ -89,8 +89,10 @@ def train(cfg: Config, runtime: Runtime) -> dict:
               "deterministic kernel on this device fails instead of running", flush=True)
     place = place_for(cfg.model_dir, cfg.scratch_dir, own=runtime.is_chief,
                       retry_seconds=cfg.train.upload_retry_seconds)
-    if runtime.is_chief:  # the other workers write only into scratch
-        place.bucket.check_writable() if place.bucket else writable_tree(place.local, "model_dir")
+    if runtime.is_chief and place.bucket:  # the other workers write only into scratch
+        place.bucket.check_writable()
+    elif runtime.is_chief:
+        writable_tree(place.local, "model_dir")
     try:
         with writer_lease(place.lease_target, cfg.train.lease_timeout, runtime.is_chief):  # one writer per run
             place.pull_run(runtime.is_chief)   # a bucket run: its committed state, into the local copy

@@ -1,4 +1,4 @@
-"""Data faults from issue #14, on real files: a shard cut short, an ImageNet tree with a label file of the other layout.
+"""Data faults on real files: a shard cut short, an ImageNet tree with a label file of the other layout.
 
 Every fault case checks the exit code, that no traceback reaches the user,
 that the cause is named in one line, and what tfdp keeps.
