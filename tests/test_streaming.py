@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.data import streaming
-from tfdp.data.pipeline import Bookkeeping, train_dataset
+from tfdp.data.pipeline import Bookkeeping, eval_dataset, train_dataset
 from tfdp.data.sources import Split
 from tfdp.data.tfrecord import IMAGENET_RECORDS, IMAGE_KEY, LABEL_KEY, LABEL_OFFSET
 from tfdp.errors import UserError
@@ -149,6 +149,41 @@ def test_a_stream_four_times_the_limit_stays_within_it_and_reads_what_a_full_cop
     assert len(stream.fetched) >= EPOCHS * len(split.files) - len(split.files) // 2   # files fetched again
 
 
+@pytest.mark.parametrize("kind", ["images", "records"])
+def test_evaluation_streams_a_split_four_times_the_limit_pass_after_pass(datasets, kind, tmp_path):
+    """Validation reads every example once per pass, in the split's order, as from a whole copy; each pass
+    ends cleanly and the next fetches again, within the limit."""
+    split, total = datasets[kind]
+
+    def labels(ds):
+        return [int(v) for _, label, weight in ds.as_numpy_iterator() for v, w in zip(label, weight) if w]
+    whole = labels(eval_dataset(split, _config(tmp_path / "whole", "1GB"), BATCH))
+    cfg = _config(tmp_path / "bounded", total // 4)
+    ds = eval_dataset(split, cfg, BATCH)
+    with DiskPeak(tmp_path / "bounded") as disk:
+        passes = [labels(ds), labels(ds)]
+    stream = _stream(cfg)
+    assert passes == [whole, whole] and sorted(whole) == list(range(split.num_examples))
+    assert 0 < disk.peak <= total // 4 and stream.high_water <= total // 4
+    assert set(stream.fetched) == set(split.files) and len(stream.fetched) >= 2 * len(split.files)   # each pass
+    assert not stream.holding()
+
+
+def test_a_training_run_splits_the_limit_between_its_two_streams(datasets, tmp_path):
+    """Training keeps its window full while validation runs, so they share data.cache_limit; a split too
+    large for its share says whose share it is."""
+    train, val = streaming.run_parts(True, True)
+    assert train.fraction + val.fraction == 1 and val.fraction == streaming.VALIDATION_PART
+    assert streaming.run_parts(True, False) == (streaming.WHOLE, streaming.WHOLE)
+    split, total = datasets["images"]
+    largest = max(len(open(p, "rb").read()) for p in streaming.storage.localize(split.files[:1], str(tmp_path / "c")))
+    limit = int(largest / streaming.VALIDATION_PART) - 4   # its validation share is just short of one file
+    with pytest.raises(UserError) as error:
+        eval_dataset(split, _config(tmp_path, limit), BATCH, cache_part=val)
+    assert "\n" not in str(error.value)
+    assert str(error.value).startswith(f"the validation stream's 25% of data.cache_limit ("), str(error.value)
+
+
 def test_a_resumed_stream_continues_the_uninterrupted_one_and_fetches_only_what_it_still_needs(datasets, tmp_path):
     split, total = datasets["records"]
     epoch = split.num_examples
@@ -269,37 +304,62 @@ def test_a_dataset_iterated_again_starts_its_stream_again(datasets, tmp_path):
     assert again[:BATCH] == first and sorted(again) == list(range(IMAGES)) and disk.peak <= total // 4
 
 
+def _bucket_tree(gcs_bucket: str) -> dict[str, int]:
+    """An image_folder tree of 3 classes in the bucket (train: 36 images, val: 12); {split: its bytes}."""
+    import fsspec
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    sizes = {"train": 0, "val": 0}
+    for split, count in (("train", 36), ("val", 12)):
+        for i, data in enumerate(_jpegs(count, 2)):
+            fs.pipe_file(f"{gcs_bucket.removeprefix('gs://')}/tree/{split}/{'abc'[i % 3]}/{i}.jpg", data)
+            sizes[split] += len(data)
+    return sizes
+
+
+def _train(gcs_bucket, tmp_path, name, cache_limit, *extra, epochs=3):
+    from conftest import run_tfdp
+    return run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=image_folder",
+                    f"--data_dir={gcs_bucket}/tree", f"--model_dir={tmp_path / name}",
+                    f"--set=data.cache_dir={tmp_path / ('cache-' + name)}", f"--set=data.cache_limit={cache_limit}",
+                    "--set=model.num_classes=3", f"--epochs={epochs}", "--batch_size_per_replica=4",
+                    "--set=data.image_size=16", "--set=schedule.warmup_epochs=0", "--set=log.tensorboard=false",
+                    "--set=train.deterministic=true", *extra, timeout=300)
+
+
 def test_tfdp_train_streams_a_tree_larger_than_the_limit_to_the_weights_of_a_whole_copy(gcs_bucket, tmp_path):
     """The command line, through Keras and the distribution strategy (which start iterators of their own):
     3 deterministic epochs on a tree four times the limit keep at most the limit on disk at any moment, and
     end with the very weights of the same run with the tree copied whole."""
-    import fsspec
-
-    from conftest import read_jsonl, run_tfdp
-    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
-    sizes = {"train": 0, "val": 0}
-    for split, count in (("train", 36), ("val", 6)):
-        for i, data in enumerate(_jpegs(count, 2)):
-            fs.pipe_file(f"{gcs_bucket.removeprefix('gs://')}/tree/{split}/{'abc'[i % 3]}/{i}.jpg", data)
-            sizes[split] += len(data)
-    limit = sizes["train"] // 4
+    from conftest import read_jsonl
+    sizes = _bucket_tree(gcs_bucket)
+    limit = sizes["train"] // 3   # training's share (3/4) is a quarter of its split, validation's a third of its
 
     def train(name, cache_limit):
-        return run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=image_folder",
-                        f"--data_dir={gcs_bucket}/tree", f"--model_dir={tmp_path / name}",
-                        f"--set=data.cache_dir={tmp_path / ('cache-' + name)}", f"--set=data.cache_limit={cache_limit}",
-                        "--set=model.num_classes=3", "--epochs=3", "--batch_size_per_replica=4",
-                        "--set=data.image_size=16", "--set=schedule.warmup_epochs=0", "--set=log.tensorboard=false",
-                        "--set=train.deterministic=true", timeout=300)
-    streamed = tmp_path / "cache-bounded" / "gs" / gcs_bucket.removeprefix("gs://") / "tree" / "train"
-    with DiskPeak(streamed) as disk:   # the validation split is copied whole beside it: evaluation reads it all
+        return _train(gcs_bucket, tmp_path, name, cache_limit)
+    with DiskPeak(tmp_path / "cache-bounded") as disk:   # both splits stream, side by side
         bounded = train("bounded", limit)
     assert bounded.returncode == 0, bounded.stderr[-3000:]
     assert len(read_jsonl(tmp_path / "bounded" / "metrics.jsonl")) == 3
     assert 0 < disk.peak <= limit
+    left = [str(f) for f in (tmp_path / "cache-bounded").rglob("*") if f.is_file()]
+    assert not left, left   # nothing left behind
     whole = train("whole", "1GB")
     assert whole.returncode == 0, whole.stderr[-3000:]
     kept = tmp_path / "cache-whole" / "gs" / gcs_bucket.removeprefix("gs://") / "tree" / "train"
     assert sum(f.stat().st_size for f in kept.rglob("*") if f.is_file()) == sizes["train"]   # copied whole
     fingerprint = re.compile(r"weights fingerprint (\w+)")
     assert fingerprint.findall(bounded.stdout) == fingerprint.findall(whole.stdout) != []
+    validation = [[row[k] for k in ("val_loss", "val_top1")] for row in read_jsonl(tmp_path / "bounded" / "metrics.jsonl")]
+    assert validation == [[row[k] for k in ("val_loss", "val_top1")]
+                          for row in read_jsonl(tmp_path / "whole" / "metrics.jsonl")]
+
+
+def test_validation_on_the_training_split_keeps_its_copies_apart_from_the_training_stream(gcs_bucket, tmp_path):
+    """The training stream deletes each file it has read; validation on the same split must not lose its
+    copies to it: every validation image is evaluated, none is counted corrupt."""
+    from conftest import read_jsonl
+    sizes = _bucket_tree(gcs_bucket)
+    result = _train(gcs_bucket, tmp_path, "same", sizes["train"] // 3, "--set=data.val_split=train", epochs=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = read_jsonl(tmp_path / "same" / "metrics.jsonl")
+    assert "corrupt" not in result.stderr and row["corrupt_images"] == 0 and "val_top1" in row

@@ -11,6 +11,7 @@ strategy scope the caller holds; nothing here branches on the strategy.
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 
 import keras
@@ -18,7 +19,7 @@ import tensorflow as tf
 
 from tfdp.config import Config, TrainConfig
 from tfdp.data import Source
-from tfdp.data import service
+from tfdp.data import service, streaming
 from tfdp.data.pipeline import (Bookkeeping, CorruptCounter, StreamPosition, eval_dataset, streams_dataset,
                                 train_dataset)
 from tfdp.data.storage import is_remote_url
@@ -175,18 +176,29 @@ def current_devices() -> list[str]:
     return [d.name for d in tf.config.list_logical_devices("GPU")[:1]] or ["/device:CPU:0"]
 
 
+def cache_parts(cfg: Config, source: Source) -> tuple[streaming.Part, streaming.Part]:
+    """A training run's (training, validation) shares of data.cache_limit: both streams hold files at once."""
+    train, val = source.split(cfg.data.train_split), source.split(cfg.data.val_split)
+    return streaming.run_parts(any(map(is_remote_url, train.files[:1])), any(map(is_remote_url, val.files[:1])))
+
+
 def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: BatchLayout | None = None):
     """Per-worker validation pipelines: each worker builds (and reads) only its own share, a training
     micro-batch per replica at a time (what fits in memory). `layout`: the training run's (`Plan.layout`);
-    None for `tfdp evaluate`, which derives it."""
-    val = source.split(cfg.data.val_split)
+    None for `tfdp evaluate`, which derives it and has the whole data.cache_limit to itself."""
+    val, data = source.split(cfg.data.val_split), cfg.data
+    part = cache_parts(cfg, source)[1] if layout is not None else streaming.WHOLE
+    if layout is not None and val.files == source.split(cfg.data.train_split).files:
+        # Validation on the training split: its copies kept apart from the training stream's, which deletes
+        # what it has read.
+        data = dataclasses.replace(data, cache_dir=os.path.join(data.cache_dir, "validation"))
     try:
         per_replica = (layout or batch_layout(cfg.train, runtime.num_replicas)).per_replica
     except UserError:  # `tfdp evaluate` on replicas that could not train this global batch: it need not divide
         per_replica = cfg.train.batch_size_per_replica
     global_batch = per_replica * runtime.num_replicas
     return runtime.strategy.distribute_datasets_from_function(
-        lambda ctx: eval_dataset(val, cfg.data, global_batch, ctx, num_classes=cfg.model.num_classes))
+        lambda ctx: eval_dataset(val, data, global_batch, ctx, num_classes=cfg.model.num_classes, cache_part=part))
 
 
 class TrainStream:
@@ -229,7 +241,8 @@ class TrainStream:
             return self._streams_dataset(train, data, starts)
         self.start, self.position = tuple(starts[0]), StreamPosition()
         self.positions = [self.position]
-        books = Bookkeeping(self.start, self.position, self.corrupt, plan.num_classes)
+        books = Bookkeeping(self.start, self.position, self.corrupt, plan.num_classes,
+                            cache_parts(cfg, self.source)[0])
         build, extra = train_dataset, {}
         if data.service_address:
             build, extra = service.train_dataset, {"job_name": self._job_name()}
@@ -245,7 +258,8 @@ class TrainStream:
         self.starts = [tuple(p) for p in starts]
         self.positions = [StreamPosition() for _ in self.streams.mine]
         cfg, plan, streams = self.cfg, self.plan, self.streams
-        books = {stream: Bookkeeping(start, position, self.corrupt if i == 0 else None, plan.num_classes)
+        part = cache_parts(cfg, self.source)[0].divided(len(streams.mine))
+        books = {stream: Bookkeeping(start, position, self.corrupt if i == 0 else None, plan.num_classes, part)
                  for i, (stream, start, position) in enumerate(zip(streams.mine, self.starts, self.positions))}
         ds = self.runtime.strategy.distribute_datasets_from_function(  # corrupt images: counted on the first stream
             lambda ctx: streams_dataset(train, data, plan.global_batch, cfg.train.seed, streams.count, books, ctx))

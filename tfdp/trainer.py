@@ -29,7 +29,7 @@ from tfdp.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluation, Ep
                             tensorboard)
 from tfdp.checkpoints import CheckpointStore, atomic_write_text
 from tfdp.config import Config, DataConfig
-from tfdp.data import build_source
+from tfdp.data import build_source, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.bucket import Place, place_for
@@ -197,6 +197,7 @@ def fit_all(run: Run, fits: list[Segment], store: CheckpointStore, metrics_log: 
                 start = stream.local_state(fit.steps * (fit.epochs - fit.initial_epoch))
     finally:
         watch.uninstall()
+        streaming.close_all()   # the bounded cache's windows go with the run
 
 
 @contextlib.contextmanager

@@ -100,12 +100,15 @@ class Bookkeeping:
     `start` is (records consumed, corrupt images so far) of the stream;
     `position`, if given, records where each batch ended (what a checkpoint
     stores); `corrupt` is the run's running total of corrupt images (None:
-    not counted here); labels are checked against `num_classes` (0: not).
+    not counted here); labels are checked against `num_classes` (0: not);
+    `cache_part` is the share of `data.cache_limit` a stream from a bucket
+    may hold (a run's validation stream holds the rest).
     """
     start: tuple[int, int] = (0, 0)
     position: StreamPosition | None = None
     corrupt: CorruptCounter | None = None
     num_classes: int = 0
+    cache_part: streaming.Part = streaming.WHOLE
 
 
 def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
@@ -129,8 +132,9 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     share_size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
     consumed, bad = books.start
     first_epoch, offset = divmod(consumed, max(share_size, 1))
-    ds, stream = streaming.payloads(share, cfg, seed, functools.partial(
-        epoch_payloads, share, cfg, ctx, data_shard, seed, first_epoch, share_size, offset))
+    ds, stream = streaming.payloads(share, cfg, seed is not None, functools.partial(
+        epoch_payloads, share, cfg, ctx, data_shard, seed, first_epoch, share_size, offset),
+        part=books.cache_part)
     transform = train_transform(cfg, seed)
     ds = stream.examples(decoded_examples(ds, share, stream.decoding(cfg), transform, books.num_classes,
                                           first=consumed))
@@ -300,7 +304,8 @@ def _seed_or_random(seed: int | None) -> tf.Tensor:
 
 def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
                  input_context: tf.distribute.InputContext | None = None, *,
-                 num_classes: int = 0, corrupt: CorruptCounter | None = None) -> tf.data.Dataset:
+                 num_classes: int = 0, corrupt: CorruptCounter | None = None,
+                 cache_part: streaming.Part = streaming.WHOLE) -> tf.data.Dataset:
     """One pass over this pipeline's share of `split` as (image, label, weight), every example once.
 
     The share is padded with weight-0 images up to the same whole number of
@@ -309,7 +314,9 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     leave multi-worker collectives waiting on a worker with fewer steps), and
     metrics weighted by `weight` count each real image exactly once. A corrupt
     image is counted and replaced by such a padding image. Images come at
-    `data.eval_image_size` (0: `data.image_size`).
+    `data.eval_image_size` (0: `data.image_size`). A share in a bucket larger
+    than its `cache_part` of `data.cache_limit` is streamed through the
+    bounded cache (`tfdp.data.streaming`), in the same order.
     """
     cfg = dataclasses.replace(cfg, image_size=eval_image_size(cfg))  # every reader's images, synthetic ones too
     ctx = input_context or tf.distribute.InputContext()
@@ -318,12 +325,13 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     sizes = share_sizes(split, ctx.num_input_pipelines)
     padded = -(-max(sizes) // per_step) * per_step
     share, data_shard = pipeline_share(split, ctx)
-    ds = readers.payloads(share, cfg, ctx, data_shard)
+    ds, stream = streaming.payloads(share, cfg, True, lambda: readers.payloads(share, cfg, ctx, data_shard),
+                                    endless=False, part=cache_part)
     ds = readers.cached(ds, share) if cfg.cache else ds
     transform = eval_transform(cfg)
-    ds = decoded_examples(ds, share, cfg, transform, num_classes).batch(batch)
+    ds = stream.examples(decoded_examples(ds, share, stream.decoding(cfg), transform, num_classes)).batch(batch)
     names = StreamNames.of_evaluation(share, ctx, data_shard)
-    on_gap = corrupt_namer(names, cfg, transform)
+    on_gap = corrupt_namer(names, cfg, transform, stream)
     ds = _counted(ds, Tally(num_classes, cfg.max_bad_fraction, sizes[ctx.input_pipeline_id], corrupt,
                             named=on_gap is not None), on_gap=on_gap)
     blank = tf.zeros([cfg.image_size, cfg.image_size, 3], tf.uint8)

@@ -33,8 +33,13 @@ for its last byte before its first step. When the share is larger than
   same command resumes from the last checkpoint), a user error when an
   object was deleted or changed size after the data was listed.
 
-The tf.data service and evaluation still copy their files whole (`localize`),
-as does `data.cache`, which keeps the whole share in memory anyway; `tfdp
+Evaluation streams its split the same way (`endless=False`: one pass in the
+split's own order, which needs no seed, that ends cleanly). A training run
+holds both streams at once (the training stream keeps its window full while
+validation runs), so `data.cache_limit` is theirs together: the validation
+stream may hold VALIDATION_PART of it and the training stream the rest
+(`Part`). The tf.data service still copies its files whole (`localize`), as
+does `data.cache`, which keeps the whole share in memory anyway; `tfdp
 predict` goes through bucket images larger than the limit in chunks of its
 own (`tfdp.predict.Downloads`).
 """
@@ -67,6 +72,7 @@ FIRST_RETRY_S, LAST_RETRY_S = 0.5, 10.0
 STALL_CHECK_S = 1.0        # how often a waiting reader looks for a stream that cannot move
 STALL_CHECKS = 5           # ... and how many looks in a row find it stuck before it is an error
 ORDER_BATCH = 4096         # payloads the fetcher takes from its copy of the stream at a time
+VALIDATION_PART = 0.25     # of data.cache_limit: what a training run's validation stream may hold
 ERROR_TAG = "tfdp-data-error: "   # what `pipeline.data_errors` turns into a one-line error
 RESTART_TAG = "tfdp-data-unreachable: "   # ... and into the restart status: the bucket stopped answering
 
@@ -112,6 +118,40 @@ KINDS: dict[str, Kind] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """What share of data.cache_limit one stream may hold, and what to call it in an error."""
+    fraction: float = 1.0
+    name: str = ""   # "training", "validation": the stream's own share of a limit two streams split
+
+    def of(self, limit: int) -> int:
+        return int(limit * self.fraction)
+
+    def divided(self, streams: int) -> "Part":
+        """Each of `streams` training streams' share, when one process reads several (`tfdp.elastic`)."""
+        if streams == 1:
+            return self
+        return Part(self.fraction / streams, "training")
+
+    def describe(self, limit: int) -> str:
+        """How a message names this stream's room: the limit, or its share of it."""
+        if self.fraction == 1:
+            return f"data.cache_limit ({_human(limit)})"
+        return (f"the {self.name} stream's {self.fraction:.0%} of data.cache_limit "
+                f"({_human(self.of(limit))} of {_human(limit)})")
+
+
+WHOLE = Part()
+
+
+def run_parts(train_remote: bool, val_remote: bool) -> tuple[Part, Part]:
+    """(training's, validation's) share of data.cache_limit in a run that trains: streams in a bucket
+    split it (VALIDATION_PART for validation), a local split needs none."""
+    if not (train_remote and val_remote):
+        return WHOLE, WHOLE
+    return (Part(1 - VALIDATION_PART, "training"), Part(VALIDATION_PART, "validation"))
+
+
 def local_files(urls, cfg: DataConfig) -> list[str]:
     """Readers' local paths for `urls`: while a stream's payloads are built, where its files will be
     (nothing is copied: the stream fetches them); otherwise `storage.localize`, the whole copy."""
@@ -140,26 +180,28 @@ def limit_bytes(cfg: DataConfig, reclaimable: int = 0) -> int:
     return int(AUTO_FRACTION * (shutil.disk_usage(where).free + reclaimable))
 
 
-def payloads(share: Split, cfg: DataConfig, seed: int | None, build: Callable[[], tf.data.Dataset]
-             ) -> tuple[tf.data.Dataset, "Stream | NoStream"]:
-    """The training payloads `build()` makes, and the stream that feeds them from a bucket through the bounded
-    cache; (`build()`, NO_STREAM) when nothing is streamed: local files, the tf.data service, `data.cache`, an
-    unseeded order (which the fetcher could not follow), or a share within `data.cache_limit` (copied whole,
-    by the readers, as always)."""
+def payloads(share: Split, cfg: DataConfig, ordered: bool, build: Callable[[], tf.data.Dataset], *,
+             endless: bool = True, part: Part = WHOLE) -> tuple[tf.data.Dataset, "Stream | NoStream"]:
+    """The payloads `build()` makes, and the stream that feeds them from a bucket through the bounded cache
+    (`part` of it); (`build()`, NO_STREAM) when nothing is streamed: local files, the tf.data service,
+    `data.cache`, an order drawn at random where the stream runs (`ordered` false: the fetcher could not
+    follow it), or a share within the limit (copied whole, by the readers, as always). `endless`: a training
+    stream, which ends only when fetching failed; else one pass, which ends when the split does."""
     urls = tuple(share.files)
-    if (share.kind not in KINDS or seed is None or cfg.cache or cfg.service_address
+    if (share.kind not in KINDS or not ordered or cfg.cache or cfg.service_address
             or not urls or not storage.is_remote_url(urls[0])):
         return build(), NO_STREAM
     sizes = _sizes(urls)
     local = dict(zip(urls, storage.cache_paths(urls, cfg.cache_dir)))
     there = _on_disk(local)
-    limit = limit_bytes(cfg, sum(there.values()))
+    total = limit_bytes(cfg, sum(there.values()))
+    limit = part.of(total)
     if sum(sizes.values()) <= limit:
         return build(), NO_STREAM
     needed = KINDS[share.kind].at_once(sorted(sizes.values(), reverse=True))
     if needed > limit:
         what = "its largest file" if share.kind == "images" else "the largest shards the interleave reads at once"
-        raise UserError(f"data.cache_limit ({_human(limit)}) is smaller than {what} in {cfg.dir} "
+        raise UserError(f"{part.describe(total)} is smaller than {what} in {cfg.dir} "
                         f"({_human(needed)}): raise data.cache_limit")
     key = (os.path.expanduser(cfg.cache_dir), urls)
     previous = OPEN_STREAMS.pop(key, NO_STREAM)
@@ -168,8 +210,9 @@ def payloads(share: Split, cfg: DataConfig, seed: int | None, build: Callable[[]
         if local[u] not in kept:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(local[u])
-    stream = OPEN_STREAMS[key] = Stream(share.kind, {local[u]: (u, sizes[u]) for u in urls}, limit, cfg.remote_timeout)
-    stream.previous = previous
+    stream = OPEN_STREAMS[key] = Stream(share.kind, {local[u]: (u, sizes[u]) for u in urls}, limit,
+                                        cfg.remote_timeout, endless)
+    stream.previous, stream.room = previous, part.describe(total)
     _building.append(stream)
     try:
         read, order = build(), build()
@@ -248,8 +291,10 @@ class Stream(NoStream):
     the gate and deleted once read. `high_water` is the most bytes it ever held (downloads included) and
     `fetched` the objects it downloaded, in order."""
 
-    def __init__(self, kind: str, files: dict[str, tuple[str, int]], limit: int, remote_timeout: float):
-        self.kind, self.limit = KINDS[kind], limit
+    def __init__(self, kind: str, files: dict[str, tuple[str, int]], limit: int, remote_timeout: float,
+                 endless: bool = True):
+        self.kind, self.limit, self.endless = KINDS[kind], limit, endless
+        self.room = f"data.cache_limit ({_human(limit)})"   # what the messages call the limit
         self.url = {path: url for path, (url, _) in files.items()}
         self.size = {path: size for path, (_, size) in files.items()}
         self._urls = set(self.url.values())
@@ -423,19 +468,24 @@ class Stream(NoStream):
             read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def examples(self, ds: tf.data.Dataset) -> tf.data.Dataset:
-        """Decoded examples, then the fetcher's error, if the stream ever ends (an endless stream ends only
-        when fetching failed): raised after `ignore_errors`, so it reaches the user."""
-        def fail(_):
-            done = tf.py_function(self._raise, [], tf.int64)
-            with tf.control_dependencies([done]):
-                return tf.nest.map_structure(
-                    lambda spec: tf.zeros([d or 0 for d in spec.shape], spec.dtype), ds.element_spec)
-        return ds.concatenate(tf.data.Dataset.range(1).map(fail))
+        """Decoded examples, then the fetcher's error, if it failed: raised after `ignore_errors`, so it
+        reaches the user. An endless stream ends only when fetching failed (or was stopped); a pass that
+        ended without an error ends there."""
+        def failed(_):
+            return tf.reshape(tf.py_function(self._check, [], tf.bool), [])
+
+        def nothing(_):
+            return tf.nest.map_structure(lambda spec: tf.zeros([d or 0 for d in spec.shape], spec.dtype),
+                                         ds.element_spec)
+        return ds.concatenate(tf.data.Dataset.range(1).filter(failed).map(nothing))
 
     def _alive(self) -> np.bool_:
         return np.bool_(self._error is None and not self._stopped)
 
-    def _raise(self) -> np.int64:
+    def _check(self) -> np.bool_:
+        """At the stream's end: raises why it failed; False (nothing more) after a whole pass."""
+        if self._error is None and not self.endless:
+            return np.bool_(False)
         raise StreamFailed((RESTART_TAG if self._unreachable else ERROR_TAG)
                            + (self._error or "the input stream was closed"))
 
@@ -458,7 +508,7 @@ class Stream(NoStream):
                     continue
                 stalls = stalls + 1 if self._stuck() else 0
                 if stalls >= STALL_CHECKS:
-                    self._error = (f"data.cache_limit ({_human(self.limit)}) cannot hold the files the input stream "
+                    self._error = (f"{self.room} cannot hold the files the input stream "
                                    f"reads at once (it holds {_human(self._held)} and needs "
                                    f"{_human(self.size[self._waiting_for])} more): raise data.cache_limit or "
                                    f"lower data.shuffle_buffer")
