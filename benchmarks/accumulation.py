@@ -37,10 +37,10 @@ def peak_bytes() -> dict:
 def measure(args) -> dict:
     """One k, in this process: images/s and peak memory."""
     import tfdp  # noqa: F401
-    from tfdp.benchmark import fit_rate
+    from tfdp.commands.benchmark import fit_rate
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
-    from tfdp.task import Plan, compile_model
+    from tfdp.train.assembly import Plan, compile_model
     k = args.k
     cfg = validate({"model": {"name": args.model, "num_classes": 1000}, "data": {"image_size": args.size},
                     "train": {"jit_compile": args.xla, "batch_size_per_replica": args.batch // max(k, 1),

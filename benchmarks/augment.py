@@ -3,7 +3,7 @@
 Rows: each switch alone, then each recipe in configs/ with its own `augment`
 section. Synthetic uint8 batches already in memory (no input pipeline: the host's
 share is nothing), one replica, the same model and batch for every row; each
-row is a steady-state rate (`tfdp.benchmark.fit_rate`). The augmentations run
+row is a steady-state rate (`tfdp.commands.benchmark.fit_rate`). The augmentations run
 on the device as the first program of each step, so their cost shows here and
 nowhere in the input pipeline (which `benchmarks/input_pipeline.py` measures,
 switches or not: they do not touch it).
@@ -49,10 +49,10 @@ def recipe_switches() -> dict[str, dict]:
 def measure(section: dict, args) -> float:
     import keras
 
-    from tfdp.benchmark import fit_rate
+    from tfdp.commands.benchmark import fit_rate
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
-    from tfdp.task import Plan, compile_model
+    from tfdp.train.assembly import Plan, compile_model
     keras.backend.clear_session()
     cfg = validate({"model": {"name": args.model, "num_classes": 100}, "data": {"image_size": args.size},
                     "augment": section, "train": {"batch_size_per_replica": args.batch, "jit_compile": args.jit}})

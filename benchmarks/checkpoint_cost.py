@@ -34,13 +34,13 @@ SETUPS = {  # name: (registry model, image size, classes, per-replica batch)
 def measure(name: str, args, runtime) -> dict:
     import keras
 
-    from tfdp.callbacks import Checkpointer, CheckpointSettings
-    from tfdp.checkpoints import CheckpointStore
+    from tfdp.train.callbacks import Checkpointer, CheckpointSettings
+    from tfdp.rundir.checkpoints import CheckpointStore
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
-    from tfdp.preemption import PreemptionWatch
-    from tfdp.replica_state import ReplicaSnapshot, state_averager
-    from tfdp.task import Plan, compile_model
+    from tfdp.distribute.preemption import PreemptionWatch
+    from tfdp.distribute.replica_state import ReplicaSnapshot, state_averager
+    from tfdp.train.assembly import Plan, compile_model
 
     model_name, size, classes, batch = SETUPS[name]
     global_batch = batch * runtime.num_replicas
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=200_000, help="paths in the resumed input stream")
     args = parser.parse_args()
     import tfdp  # noqa: F401
-    from tfdp.strategy import local_replicas, make_runtime
+    from tfdp.distribute.strategy import local_replicas, make_runtime
     runtime = make_runtime(local_replicas(args.replicas))
     print(f"{runtime.num_replicas} replica(s) on {', '.join(runtime.devices)}; seconds are medians")
     print(f"{'model':<10}{'step s':>9}{'check/step':>12}{'ckpt s':>9}{'ckpt MB':>9}{'ckpt/step':>11}"

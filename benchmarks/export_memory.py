@@ -2,11 +2,11 @@
 
 Each (model, format) runs in a fresh process: the registry model, randomly
 initialised (nothing to download, no training), at a small image size and
-10 classes, is written in that one format by `tfdp.export.export`, as
+10 classes, is written in that one format by `tfdp.commands.export.export`, as
 `tfdp export --format=...` writes it. The process reports its resident
 memory before the export (TensorFlow and the Keras model) and its peak
 (`ru_maxrss`), so the table shows what the export itself adds, next to the
-float32 weights' bytes and the bound `tfdp.export.onnx_memory_bound` states
+float32 weights' bytes and the bound `tfdp.commands.export.onnx_memory_bound` states
 for ONNX. A watchdog kills a process whose resident memory passes
 `--limit_gb`, so a runaway conversion cannot take a shared machine down; it
 is reported as "killed". The figures go to docs/benchmarks.md.
@@ -39,13 +39,13 @@ def child(model: str, fmt: str, size: int, out: str) -> None:
     import resource
 
     import tfdp  # noqa: F401  (TensorFlow's environment defaults)
-    from tfdp.console import import_tensorflow
+    from tfdp.startup.console import import_tensorflow
     import_tensorflow()
     import keras
 
     from tfdp.config import validate
-    from tfdp.export import export, inference_network, onnx_memory_bound, weight_bytes
-    from tfdp.task import serving_model
+    from tfdp.commands.export import export, inference_network, onnx_memory_bound, weight_bytes
+    from tfdp.train.assembly import serving_model
 
     cfg = validate({"model_dir": out, "model": {"name": model, "num_classes": 10},
                     "data": {"format": "synthetic", "image_size": size, "eval_crop_fraction": 1.0}})

@@ -70,7 +70,7 @@ def plain_keras_probe(args) -> None:
     import keras
     import tfdp  # noqa: F401  (TensorFlow environment defaults)
 
-    from tfdp.benchmark import fit_rate
+    from tfdp.commands.benchmark import fit_rate
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
     from tfdp.models import build_model

@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def measure(name: str, precision: str, jit: bool, args) -> float:
     import keras
 
-    from tfdp.benchmark import fit_rate
+    from tfdp.commands.benchmark import fit_rate
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
-    from tfdp.task import Plan, compile_model
+    from tfdp.train.assembly import Plan, compile_model
     keras.backend.clear_session()
     cfg = validate({"model": {"name": name, "num_classes": 1000}, "data": {"image_size": 224},
                     "train": {"precision": precision, "jit_compile": jit, "batch_size_per_replica": args.batch}})

@@ -43,7 +43,7 @@ def reduce_ms(args, multi_worker: bool) -> float:
     if not multi_worker:
         out = subprocess.run(probe + ["--strategy=mirrored"], cwd=REPO, check=True, capture_output=True, text=True)
         return float(out.stdout.split()[-1])
-    from tfdp.cluster import free_ports
+    from tfdp.distribute.cluster import free_ports
     addresses = [f"127.0.0.1:{p}" for p in free_ports(2)]
     procs = [subprocess.Popen(probe + ["--strategy=multi_worker"], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True,
@@ -57,7 +57,7 @@ def reduce_ms(args, multi_worker: bool) -> float:
 def probe(args) -> None:
     import tfdp  # noqa: F401
     from tfdp.config import DistributeConfig, validate
-    from tfdp.strategy import make_runtime
+    from tfdp.distribute.strategy import make_runtime
     runtime = make_runtime(DistributeConfig(strategy=args.strategy, cpu_replicas=2))
     import tensorflow as tf
 

@@ -45,7 +45,7 @@ import tempfile
 
 from absl import app, flags
 
-from tfdp.checkpoints import atomic_write_text
+from tfdp.errors import atomic_write_text
 from tfdp.config import DataConfig
 from tfdp.data import build_source
 from tfdp.data.records import shard_name

@@ -15,11 +15,11 @@ import sys
 import pytest
 
 import tfdp  # noqa: F401  (sets TensorFlow's environment defaults before TF loads)
-from tfdp import allocator
-from tfdp.console import import_tensorflow
+from tfdp.startup import allocator
+from tfdp.startup.console import import_tensorflow
 
-import_tensorflow()  # as tfdp's own processes import it (tfdp.tf_setup), before anything else does
-from tfdp.strategy import split_cpu  # noqa: E402
+import_tensorflow()  # as tfdp's own processes import it (tfdp.startup.tf_setup), before anything else does
+from tfdp.distribute.strategy import split_cpu  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_DEVICES = split_cpu(2)
@@ -30,7 +30,7 @@ DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
 
 def pytest_configure(config):
     """The test processes xdist starts, and what they start, run on the allocator tfdp's own processes use
-    (`tfdp.allocator`); this one, already running, keeps its own. (In a worker it is already preloaded, so
+    (`tfdp.startup.allocator`); this one, already running, keeps its own. (In a worker it is already preloaded, so
     nothing changes there.)"""
     env = allocator.with_tcmalloc(os.environ)
     if env is not None:
@@ -53,6 +53,16 @@ def pytest_collection_modifyitems(config, items):
     with open(DURATIONS, encoding="utf-8") as f:
         seconds = json.load(f)
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 60))
+    if not has_gpu():
+        skip = pytest.mark.skip(reason="needs a GPU: no NVIDIA device on this host (/dev/nvidiactl)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def has_gpu() -> bool:
+    """An NVIDIA GPU's device node, which its driver makes; asked without loading TensorFlow."""
+    return os.path.exists("/dev/nvidiactl")
 
 
 _file_seconds: collections.Counter = collections.Counter()

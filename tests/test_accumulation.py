@@ -15,11 +15,11 @@ import tensorflow as tf
 
 from tests.conftest import assert_one_line_error, run_tfdp
 from support.fixed_steps import train_fixed_batches
-from tfdp.batching import CheckpointBatch, batch_layout, resumed_layout
+from tfdp.train.global_batch import CheckpointBatch, batch_layout, resumed_layout
 from tfdp.config import validate
 from tfdp.errors import UserError
 from tfdp.keras_patches import train_step as train_step_module
-from tfdp.replica_state import replica_copies
+from tfdp.distribute.replica_state import replica_copies
 
 STEPS = 4
 GLOBAL_BATCH = 32
@@ -238,6 +238,7 @@ def test_keras_own_gradient_accumulation_cannot_run_under_mirrored_strategy():
 
 
 @pytest.mark.slow
+@pytest.mark.multiworker
 def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_path, digits_dir):
     """2 workers (`tfdp launch`), whole-step XLA, 2 micro-batches of 16 per worker and step, against one process
     with 2 replicas of 32 and Keras' own step: the same weights after 4 steps (rtol 1e-4, atol 1e-5)."""

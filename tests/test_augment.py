@@ -16,7 +16,7 @@ from PIL import Image, ImageEnhance, ImageOps
 
 from conftest import CPU_DEVICES
 from tfdp import augment as aug
-from tfdp.augment.policy_spec import RAND_AUGMENT_OP_NAMES, RandAugmentSpec, parse_rand_augment
+from tfdp.config.rand_augment import RAND_AUGMENT_OP_NAMES, RandAugmentSpec, parse_rand_augment
 from tfdp.config import AugmentConfig, validate
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
@@ -419,8 +419,8 @@ def test_every_switch_trains_through_the_real_step_on_two_replicas(digits_dir):
     jit = True
     from tfdp.data import build_source
     from tfdp.data.pipeline import Bookkeeping, train_dataset
-    from tfdp.strategy import make_runtime
-    from tfdp.task import Plan, compile_model
+    from tfdp.distribute.strategy import make_runtime
+    from tfdp.train.assembly import Plan, compile_model
     cfg = validate({"data": {"format": "image_folder", "dir": digits_dir, "image_size": 16},
                     "model": {"name": "simple_cnn"},
                     # RandAugment's XLA program takes a minute to compile on 2 cores; it is compiled above.

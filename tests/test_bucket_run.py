@@ -229,6 +229,7 @@ def _listening_pid(port: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.multiworker
 def test_two_workers_killed_between_a_checkpoints_objects_and_its_marker_resume_exactly(s3, fs, small_dir, tmp_path):
     """`tfdp launch` of 2 workers reading their images from the bucket and keeping the run there. The chief
     is killed with -9 mid-epoch at the worst moment: a step checkpoint's objects are in the bucket and its

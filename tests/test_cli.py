@@ -167,7 +167,7 @@ def test_console_shows_what_a_person_needs_and_verbosity_brings_back_the_rest(tm
 FILTERED_PROCESS = """
 import os, sys, time
 sys.argv = ["tfdp"]
-from tfdp import console
+from tfdp.startup import console
 console.filter_native_stderr()
 os.write(2, b"Improper call to JPEG library in state 201\\n")
 os.write(2, b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\\n")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO, assert_one_line_error
-from tfdp import cluster as cluster_lib
+from tfdp.distribute import cluster as cluster_lib
 from tfdp.errors import UserError
 
 

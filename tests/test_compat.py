@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tfdp.keras_patches import MODEL_ATTRIBUTES, RELIED_ON, VARIABLE_ATTRIBUTES, fit_fixes as compat
 from tfdp.config import DistributeConfig
-from tfdp.strategy import make_runtime
+from tfdp.distribute.strategy import make_runtime
 
 
 def test_upstream_still_has_the_bugs_the_workaround_patches():
@@ -99,19 +99,19 @@ def test_every_keras_internal_a_patch_relies_on_is_still_there(patch):
 
 
 def test_keras_still_calls_the_ema_hook_tfdp_overrides():
-    """tfdp/optimizers.py's EMA warm-up overrides `_update_model_variables_moving_average`: it works only while
+    """tfdp/optim/optimizers.py's EMA warm-up overrides `_update_model_variables_moving_average`: it works only while
     Keras' apply calls that hook after each update. Fails, naming the module, when an upgrade stops calling it."""
     from keras.src.optimizers.base_optimizer import BaseOptimizer
     assert "self._update_model_variables_moving_average(" in inspect.getsource(BaseOptimizer._backend_apply_gradients), \
-        "tfdp/optimizers.py's EmaWarmup is no longer called by Keras: re-check it"
+        "tfdp/optim/optimizers.py's EmaWarmup is no longer called by Keras: re-check it"
 
 
 def test_keras_still_decays_through_the_hook_the_per_layer_rates_override():
-    """tfdp/finetune.py moves weight decay from `_apply_weight_decay` (a no-op there) into `update_step`, scaled per
+    """tfdp/optim/finetune.py moves weight decay from `_apply_weight_decay` (a no-op there) into `update_step`, scaled per
     layer: right only while Keras' apply decays through that hook and asks `_use_weight_decay` per variable."""
     from keras.src.optimizers.base_optimizer import BaseOptimizer
     assert "self._apply_weight_decay(" in inspect.getsource(BaseOptimizer._backend_apply_gradients), \
-        "tfdp/finetune.py's ScaledLearningRates: Keras no longer decays through _apply_weight_decay; re-check it"
+        "tfdp/optim/finetune.py's ScaledLearningRates: Keras no longer decays through _apply_weight_decay; re-check it"
     assert "self._use_weight_decay(" in inspect.getsource(BaseOptimizer._apply_weight_decay)
 
 

@@ -322,6 +322,7 @@ def test_a_service_worker_killed_mid_epoch_does_not_stop_training(small_dir, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.multiworker
 def test_launch_starts_a_service_for_two_trainers_and_stops_it(small_dir, tmp_path):
     """`tfdp launch --data_workers=2`: a dispatcher and 2 service workers beside 2 trainers that share one
     job; all of it stopped once training is done."""

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from tfdp import cluster as cluster_lib
+from tfdp.distribute import cluster as cluster_lib
 from tfdp import config as config_lib
 from tfdp.errors import UserError
 

@@ -1,4 +1,4 @@
-"""Elastic resume (`tfdp.elastic`): a checkpoint of W workers x R replicas goes on at W' x R' with the same global
+"""Elastic resume (`tfdp.train.input_streams`): a checkpoint of W workers x R replicas goes on at W' x R' with the same global
 batch and, step by step, the same examples in every global batch."""
 
 import collections
@@ -21,7 +21,7 @@ from tests.conftest import REPO, assert_one_line_error, run_tfdp
 from tfdp.config import validate
 from tfdp.data import build_source
 from tfdp.data.pipeline import Bookkeeping, StreamPosition, streams_dataset, train_dataset
-from tfdp.elastic import plan_streams
+from tfdp.train.input_streams import plan_streams
 
 GLOBAL = 64
 
@@ -190,6 +190,7 @@ def test_a_requeued_run_on_other_replicas_goes_on_at_the_checkpoints_global_batc
 
 
 @pytest.mark.slow
+@pytest.mark.multiworker
 def test_killed_on_two_workers_and_resumed_on_one_ends_as_the_uninterrupted_run(tmp_path, small_dir):
     """Killed after step 3 of 10 on 2 workers (1 replica each), restarted on 1 worker and 1 replica: the
     checkpoint's 2 input streams are both read by the one worker, at the checkpoint's global batch 64 (32 x 2

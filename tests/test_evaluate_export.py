@@ -13,9 +13,10 @@ from conftest import last_line, run_tfdp
 from tfdp.config import validate
 from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
-from tfdp.evaluate import evaluate, export_checkpoint
+from tfdp.commands.evaluate import evaluate
+from tfdp.commands.export import export_checkpoint
 from tfdp.models import build_model
-from tfdp.strategy import make_runtime
+from tfdp.distribute.strategy import make_runtime
 
 VAL_IMAGES = 37  # prime: never a multiple of the global batch
 

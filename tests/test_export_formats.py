@@ -17,14 +17,15 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, assert_one_line_error, run_tfdp
-from tfdp.checkpoints import CheckpointStore
+from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import DistributeConfig, load_config, validate
 from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
-from tfdp.evaluate import export_checkpoint, load_checkpoint
-from tfdp.export import inference_network
-from tfdp.strategy import make_runtime
-from tfdp.task import model_in_precision, serving_model
+from tfdp.commands.export import export_checkpoint
+from tfdp.rundir.checkpoints import load_checkpoint
+from tfdp.commands.export import inference_network
+from tfdp.distribute.strategy import make_runtime
+from tfdp.train.assembly import model_in_precision, serving_model
 
 MIN_AGREEMENT = 0.995
 
@@ -208,7 +209,7 @@ def test_bad_export_requests_are_one_line(small_dir, tmp_path):
 def test_a_model_onnx_cannot_take_is_named_and_leaves_no_file(digits_dir, tmp_path):
     """An op tf2onnx has no conversion for (lgamma): one line naming the op and the layer, and no broken
     model.onnx; the SavedModel asked for in the same call is written all the same."""
-    from tfdp.export import export
+    from tfdp.commands.export import export
     from tfdp.models.build import Standardize
     cfg = validate({"model_dir": str(tmp_path), "model": {"name": "simple_cnn", "num_classes": 10},
                     "data": {"format": "image_folder", "dir": digits_dir, "image_size": 16}})
@@ -249,7 +250,7 @@ def test_one_format_that_cannot_be_written_does_not_cost_the_others(trained_run,
 def test_the_difference_is_printed_relative_to_the_logits_scale(small_dir, tmp_path, capsys):
     """Logits of about 1e7 (the classifier's weights scaled up): the absolute difference of float32 rounding is
     large, the printed relative one is what rounding gives, and it is the absolute one over the largest logit."""
-    from tfdp.evaluate import export_checkpoint
+    from tfdp.commands.export import export_checkpoint
     cfg = validate({"model_dir": str(tmp_path), "model": {"name": "resnet18_small", "num_classes": 10},
                     "data": {"format": "image_folder", "dir": small_dir, "image_size": 16, "eval_crop_fraction": 1.0}})
     keras.utils.set_random_seed(1)
@@ -280,9 +281,9 @@ def test_onnx_weights_above_the_inline_limit_go_to_external_data(small_dir, tmp_
     here so that the demo's ResNet takes that path."""
     import onnx
 
-    import tfdp.export
-    from tfdp.export import weight_bytes
-    monkeypatch.setattr(tfdp.export, "ONNX_INLINE_BYTES", 0)
+    import tfdp.commands.export
+    from tfdp.commands.export import weight_bytes
+    monkeypatch.setattr(tfdp.commands.export, "ONNX_INLINE_BYTES", 0)
     cfg = validate({"model_dir": str(tmp_path), "model": {"name": "resnet18_small", "num_classes": 10},
                     "data": {"format": "image_folder", "dir": small_dir, "image_size": 16, "eval_crop_fraction": 1.0}})
     keras.utils.set_random_seed(3)

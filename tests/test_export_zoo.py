@@ -4,7 +4,7 @@ Each model is randomly initialised (no training: what is checked is the
 conversion, not accuracy), at a small image size and 10 classes, saved as a
 checkpoint and exported by the real `tfdp export` in a fresh process, whose
 peak resident memory is read back (`ru_maxrss` of the finished child) and held
-to `tfdp.export.export_memory_bound` for the model's weights (docs/export.md).
+to `tfdp.commands.export.export_memory_bound` for the model's weights (docs/export.md).
 One model per family runs by default, ResNeXt (grouped convolutions) among
 them; the larger ones are `slow`. VGG is measured by benchmarks/export_memory.py
 (its export needs more memory than a test may take beside the suite's other
@@ -23,8 +23,8 @@ import pytest
 
 from conftest import REPO
 from tfdp.config import validate
-from tfdp.export import FORMATS, export_memory_bound, inference_network, weight_bytes
-from tfdp.task import serving_model
+from tfdp.commands.export import FORMATS, export_memory_bound, inference_network, weight_bytes
+from tfdp.train.assembly import serving_model
 
 # Reports the peak resident memory of the command it runs (its only child) on its last stderr line.
 MEASURED = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "

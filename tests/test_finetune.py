@@ -18,13 +18,13 @@ from tfdp.config import validate
 from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
 from tfdp.errors import UserError
-from tfdp.finetune import Freezing, frozen_layers, learning_rate_scales, scale_learning_rates, weight_layers
+from tfdp.optim.finetune import Freezing, frozen_layers, learning_rate_scales, scale_learning_rates, weight_layers
 from tfdp.keras_patches.train_step import stateless_update
 from tfdp.models import build_model
-from tfdp.optimizers import build_optimizer
-from tfdp.replica_state import replica_copies
-from tfdp.strategy import make_runtime
-from tfdp.task import Plan, compile_model
+from tfdp.optim.optimizers import build_optimizer
+from tfdp.distribute.replica_state import replica_copies
+from tfdp.distribute.strategy import make_runtime
+from tfdp.train.assembly import Plan, compile_model
 
 
 # ---- layer-wise decay: timm's numbers ----
@@ -246,7 +246,7 @@ def test_freeze_patterns_name_stages_layers_and_the_backbone():
 
 
 def test_split_puts_the_switch_between_two_fits():
-    from tfdp.trainer import Segment, segments
+    from tfdp.train.trainer import Segment, segments
     freezing = Freezing(layers=[object()], until_epoch=2)
     assert freezing.split(segments(0, 0, 5, 10)) == [Segment(0, 2, 10), Segment(2, 5, 10)]
     assert freezing.split(segments(1, 4, 5, 10)) == [Segment(1, 2, 6), Segment(2, 5, 10)]  # resumed mid-epoch
@@ -332,6 +332,7 @@ def test_killed_before_and_after_the_switch_resumes_bit_identical(tmp_path, smal
 
 
 @pytest.mark.slow
+@pytest.mark.multiworker
 def test_two_workers_freeze_switch_and_agree(tmp_path, small_dir):
     launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--",
                         *common_args(small_dir, tmp_path / "mw", 2), "--model=simple_cnn",

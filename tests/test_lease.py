@@ -1,4 +1,4 @@
-"""One writer per run (tfdp/lease.py): the chief's lease on model_dir, on local disk and on real GCS and S3
+"""One writer per run (tfdp/rundir/lease.py): the chief's lease on model_dir, on local disk and on real GCS and S3
 servers on loopback; a second run refused, a killed or expired holder taken over, the lease released."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, assert_one_line_error, last_line, read_jsonl, run_tfdp
 from tfdp.errors import UserError
-from tfdp.lease import LEASE_FILE, Lease, store_for
+from tfdp.rundir.lease import LEASE_FILE, Lease, store_for
 
 HOST = socket.gethostname()
 
@@ -39,7 +39,7 @@ def place(request, tmp_path):
 
 def hold_in_process(model_dir: str, timeout: float = 2.0, host: str = "") -> subprocess.Popen:
     """Another process holding the lease on `model_dir` (renewing it) until it is killed."""
-    code = ("import sys, time; from tfdp.lease import Lease; "
+    code = ("import sys, time; from tfdp.rundir.lease import Lease; "
             f"Lease({model_dir!r}, timeout={timeout}, host={host!r} or None).acquire(); "
             "print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,

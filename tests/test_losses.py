@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tfdp.losses import SparseSmoothedCrossentropy, Top1, TopK
+from tfdp.optim.losses import SparseSmoothedCrossentropy, Top1, TopK
 
 
 def _ce(logits, target):
@@ -59,7 +59,7 @@ def _timm_bce(logits, target, num_classes, smoothing=0.0, threshold=None):
 
 @pytest.mark.parametrize("smoothing, threshold", [(0.0, None), (0.1, None), (0.0, 0.2), (0.1, 0.2)])
 def test_bce_matches_timm_on_integer_and_soft_labels(smoothing, threshold):
-    from tfdp.losses import BinaryCrossEntropy
+    from tfdp.optim.losses import BinaryCrossEntropy
     rng = np.random.default_rng(1)
     logits = (3 * rng.normal(size=(8, 10))).astype("float32")
     a, b = rng.integers(0, 10, 8), rng.integers(0, 10, 8)
@@ -73,7 +73,7 @@ def test_bce_matches_timm_on_integer_and_soft_labels(smoothing, threshold):
 
 def test_bce_threshold_makes_both_mixed_classes_positive():
     """With RSB's threshold 0.2, a 0.7/0.3 mix trains both classes as present: the same loss as the 1/1 target."""
-    from tfdp.losses import BinaryCrossEntropy
+    from tfdp.optim.losses import BinaryCrossEntropy
     logits = np.array([[2.0, -1.0, 0.5, -3.0]], "float32")
     mixed = np.array([[0.7, 0.3, 0.0, 0.0]], "float32")
     both = np.array([[1.0, 1.0, 0.0, 0.0]], "float32")
@@ -84,7 +84,7 @@ def test_bce_threshold_makes_both_mixed_classes_positive():
 
 def test_bce_is_float32_under_bfloat16_logits_and_round_trips_its_config():
     import keras
-    from tfdp.losses import BinaryCrossEntropy
+    from tfdp.optim.losses import BinaryCrossEntropy
     loss = BinaryCrossEntropy(0.1, 0.2)
     value = loss(np.array([1, 0], "int32"), keras.ops.cast(np.array([[9.0, -9.0], [0.1, 0.2]], "float32"), "bfloat16"))
     assert "float32" in str(value.dtype)
@@ -94,8 +94,8 @@ def test_bce_is_float32_under_bfloat16_logits_and_round_trips_its_config():
 
 def test_the_configured_loss_is_the_one_compiled():
     from tfdp.config import validate
-    from tfdp.losses import BinaryCrossEntropy
-    from tfdp.task import build_loss
+    from tfdp.optim.losses import BinaryCrossEntropy
+    from tfdp.train.assembly import build_loss
     built = build_loss(validate({"train": {"loss": "bce", "label_smoothing": 0.1, "bce_target_threshold": 0.2}}).train)
     assert isinstance(built, BinaryCrossEntropy) and (built.label_smoothing, built.target_threshold) == (0.1, 0.2)
     assert isinstance(build_loss(validate({}).train), SparseSmoothedCrossentropy)

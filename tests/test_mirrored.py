@@ -5,11 +5,11 @@ import pytest
 import tensorflow as tf
 
 from support.fixed_steps import train_fixed_batches
-from tfdp.checkpoints import CheckpointStore
+from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import DistributeConfig, validate
-from tfdp.replica_state import ReplicaSnapshot, replica_copies, state_averager
-from tfdp.strategy import make_runtime
-from tfdp.task import Plan, compile_model
+from tfdp.distribute.replica_state import ReplicaSnapshot, replica_copies, state_averager
+from tfdp.distribute.strategy import make_runtime
+from tfdp.train.assembly import Plan, compile_model
 
 STEPS = 6
 GLOBAL_BATCH = 32
@@ -164,7 +164,7 @@ def test_each_replica_flips_its_own_images():
     ones; after `decorrelate_random_streams` each replica draws its own flips (and a second call after a
     restore, when all replicas again hold replica 0's state, gives the same streams)."""
     import keras
-    from tfdp.replica_state import decorrelate_random_streams
+    from tfdp.distribute.replica_state import decorrelate_random_streams
     strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
     with strategy.scope():
         model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.RandomFlip("horizontal", seed=7)])

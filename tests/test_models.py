@@ -48,7 +48,7 @@ def test_parameter_count_at_1000_classes_and_224_px(name):
 def strategy():
     """tfdp's own 2-replica strategy, as training builds it."""
     from tfdp.config import DistributeConfig
-    from tfdp.strategy import make_runtime
+    from tfdp.distribute.strategy import make_runtime
     return make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
 
 

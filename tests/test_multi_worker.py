@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, last_line, read_jsonl, run_tfdp, tf_log_lines
-from tfdp.cluster import free_ports
+from tfdp.distribute.cluster import free_ports
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 
 FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16"]
 
@@ -218,7 +218,7 @@ def test_after_one_preempted_exit_the_launcher_lets_the_others_exit_on_their_own
     """Workers that saved at an agreed step end a moment apart. The first one's status 75 must not get the
     others a SIGTERM while they finish (their preemption handler is gone by then, so it would kill them
     before they say where they saved): each says its line and ends with 75 itself."""
-    from tfdp.launch import _wait
+    from tfdp.distribute.launch import _wait
     finishing = ("import sys, time; time.sleep({}); print('saved at step 7', flush=True); sys.exit(75)")
     procs = [subprocess.Popen([sys.executable, "-c", finishing.format(delay)], stdout=subprocess.PIPE, text=True)
              for delay in (0.0, 1.5)]

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from conftest import read_jsonl, run_tfdp
-from tfdp.benchmark import verdict
+from tfdp.commands.benchmark import verdict
 
 FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16"]
 
@@ -107,7 +107,7 @@ def test_verdict_follows_from_real_and_synthetic_training(real, synthetic, alone
 
 def test_scaling_rows_from_recorded_probes():
     """Two replicas at 150 images/s against one at 100: 75 per replica, efficiency 0.75."""
-    from tfdp.benchmark import analyse
+    from tfdp.commands.benchmark import analyse
     from tfdp.config import validate
     probes = [{"replicas": 1, "global_batch": 32, "synthetic_images_per_sec": 100.0, "real_data_images_per_sec": 99.0},
               {"replicas": 2, "global_batch": 64, "synthetic_images_per_sec": 150.0, "real_data_images_per_sec": 90.0}]
@@ -121,7 +121,7 @@ def test_scaling_rows_from_recorded_probes():
 
 def test_probes_wait_for_two_windows_that_agree():
     """Windows of 2 steps: a warming-up rate is not steady, two windows within 3% are."""
-    from tfdp.benchmark import steady
+    from tfdp.commands.benchmark import steady
     warming = [0.0, 1.0, 2.0, 2.5, 3.0]            # windows of 2.0 s then 1.0 s
     assert not steady(warming, 2)
     settled = warming + [3.5, 4.0]                  # then 1.0 s and 1.0 s

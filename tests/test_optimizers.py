@@ -7,8 +7,8 @@ import tensorflow as tf
 from tfdp.config import OptimizerConfig, validate
 from tfdp.errors import UserError
 from tfdp.keras_patches.train_step import compile_train_step
-from tfdp.optimizers import LARS, build_optimizer
-from tfdp.strategy import make_runtime
+from tfdp.optim.optimizers import LARS, build_optimizer
+from tfdp.distribute.strategy import make_runtime
 from tfdp.config import DistributeConfig
 
 STEPS, BATCH = 5, 16

@@ -20,10 +20,10 @@ from tfdp.data import build_source
 from tfdp.errors import UserError
 from tfdp.data.corrupt import LOG as CORRUPT_LOG
 from tfdp.data.pipeline import Bookkeeping, eval_dataset, train_dataset
-from tfdp.evaluate import evaluate
+from tfdp.commands.evaluate import evaluate
 from tfdp.models import build_model
-from tfdp.predict import predict, read_rows, request
-from tfdp.strategy import local_replicas, make_runtime
+from tfdp.commands.predict import predict, read_rows, request
+from tfdp.distribute.strategy import local_replicas, make_runtime
 
 SETTINGS = {"model": {"name": "simple_cnn"},
             "data": {"format": "image_folder", "image_size": 16, "eval_crop_fraction": 1.0},

@@ -1,4 +1,4 @@
-"""Pretrained weights bring their preprocessing (tfdp/pretrained.py): the data config follows the weights of
+"""Pretrained weights bring their preprocessing (tfdp/config/pretrained.py): the data config follows the weights of
 `model.init_from` unless the user set the field, and the model's first layer then sees what Keras' own
 `preprocess_input` (or the model's built-in preprocessing) gives it.
 """
@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from tfdp import pretrained
+from tfdp.config import pretrained
 from tfdp.config import IMAGENET_MEAN, IMAGENET_STD, dump_yaml, validate
 from tfdp.errors import UserError
 from tfdp.models import build_model

@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO, last_line, read_jsonl, run_tfdp
 from tfdp.config import load_config, validate
 from tfdp.models import build_model
-from tfdp.resolution import variable_size
-from tfdp.schedules import build_schedule
-from tfdp.task import Plan, compile_model
+from tfdp.config.image_sizes import variable_size
+from tfdp.optim.schedules import build_schedule
+from tfdp.train.assembly import Plan, compile_model
 
 
 def recipe(name):

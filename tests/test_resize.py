@@ -14,8 +14,8 @@ from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
 from tfdp.errors import UserError
 from tfdp.models import build_model
-from tfdp.resolution import eval_image_size, size_runs, train_image_size
-from tfdp.trainer import Segment, segments, size_line, split_by_image_size
+from tfdp.config.image_sizes import eval_image_size, size_runs, train_image_size
+from tfdp.train.trainer import Segment, segments, size_line, split_by_image_size
 
 
 def ffcv_get_resolution(epoch, min_res, max_res, end_ramp, start_ramp, step=32):
@@ -124,8 +124,8 @@ def test_the_smallest_size_used_is_checked_against_the_models_minimum():
 def test_each_segments_stream_has_its_size_and_the_same_records(small_dir):
     """The trainer's per-size datasets: batches of each size, and (crop windows and order drawn from the seed and
     the stream position) the same records at every size, so resuming at any segment stays exact."""
-    from tfdp.strategy import make_runtime
-    from tfdp.task import TrainStream, make_plan
+    from tfdp.distribute.strategy import make_runtime
+    from tfdp.train.assembly import TrainStream, make_plan
     cfg = validate({"data": {"format": "image_folder", "dir": small_dir, "image_size": 32, "progressive_min_size": 16,
                              "progressive_end_epoch": 3, "progressive_step": 8},
                     "train": {"batch_size_per_replica": 8, "deterministic": True},
@@ -146,7 +146,7 @@ def test_each_segments_stream_has_its_size_and_the_same_records(small_dir):
 @pytest.fixture(scope="module")
 def strategy_of_two():
     from tfdp.config import DistributeConfig
-    from tfdp.strategy import make_runtime
+    from tfdp.distribute.strategy import make_runtime
     return make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
 
 
@@ -179,7 +179,7 @@ def test_whole_step_xla_compiles_each_size(strategy_of_two):
 
 
 def test_evaluation_and_export_run_at_the_evaluation_size(small_dir, tmp_path):
-    from tfdp.export import export
+    from tfdp.commands.export import export
     cfg = validate({"model": {"name": "resnet18_small"},
                     "data": {"format": "image_folder", "dir": small_dir, "image_size": 16, "eval_image_size": 24,
                              "eval_crop_fraction": 1.0, "hflip": False}})

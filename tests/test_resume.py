@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, last_line, read_jsonl, run_tfdp
-from tfdp.checkpoints import CheckpointStore
+from tfdp.rundir.checkpoints import CheckpointStore
 
 
 def small_model():

@@ -23,7 +23,7 @@ from pipelines.convert_imagenet import convert
 from support.photos import write_imagenet_tree
 from support.s3_server import s3_server
 from test_imagenet_data import CLASSES, listed_pairs, record_pairs, truth_labels
-from tfdp.cluster import free_ports
+from tfdp.distribute.cluster import free_ports
 from tfdp.config import DataConfig
 from tfdp.data import build_source, storage
 from tfdp.data.pipeline import eval_dataset

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tfdp.config import ScheduleConfig
-from tfdp.schedules import build_schedule, peak_lr
+from tfdp.optim.schedules import build_schedule, peak_lr
 
 
 def lr_at(schedule, step):

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO, read_jsonl, tf_log_lines
 from support import slurm as slurm_support
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 TEMPLATE = os.path.join(REPO, "docker", "slurm", "train.sbatch")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")

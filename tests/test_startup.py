@@ -1,5 +1,5 @@
-"""How a tfdp process starts: on TCMalloc when the system has it (tfdp.allocator), and TensorFlow imported without
-scikit-learn and with tfdp's own functions left to trace as written (tfdp.tf_setup)."""
+"""How a tfdp process starts: on TCMalloc when the system has it (tfdp.startup.allocator), and TensorFlow imported without
+scikit-learn and with tfdp's own functions left to trace as written (tfdp.startup.tf_setup)."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from tfdp import allocator
+from tfdp.startup import allocator
 
 
 def mapped_libraries(env: dict, tmp_path) -> tuple[int, str]:
@@ -50,7 +50,7 @@ def test_an_allocator_the_user_preloads_is_kept():
 
 
 def test_tensorflow_as_tfdp_imports_it_brings_no_scikit_learn():
-    code = "from tfdp.console import import_tensorflow; import_tensorflow(); import sys; print('sklearn' in sys.modules)"
+    code = "from tfdp.startup.console import import_tensorflow; import_tensorflow(); import sys; print('sklearn' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["False"]
@@ -72,7 +72,7 @@ def same_in_tfdp(x):
     return -x
 
 
-same_in_tfdp.__module__ = "tfdp.tf_setup"  # a module of tfdp's that this process has imported
+same_in_tfdp.__module__ = "tfdp.startup.tf_setup"  # a module of tfdp's that this process has imported
 
 
 def test_autograph_converts_other_code_but_leaves_tfdp_functions_as_written():

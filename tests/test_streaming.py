@@ -181,7 +181,7 @@ def test_a_training_run_splits_the_limit_between_its_two_streams(datasets, tmp_p
     with pytest.raises(UserError) as error:
         eval_dataset(split, _config(tmp_path, limit), BATCH, cache_part=val)
     assert "\n" not in str(error.value)
-    assert str(error.value).startswith(f"the validation stream's 25% of data.cache_limit ("), str(error.value)
+    assert str(error.value).startswith("the validation stream's 25% of data.cache_limit ("), str(error.value)
 
 
 def test_a_resumed_stream_continues_the_uninterrupted_one_and_fetches_only_what_it_still_needs(datasets, tmp_path):

@@ -124,10 +124,67 @@ def test_the_check_catches_each_way_of_reaching_a_private_name(tmp_path):
     ])
 
 
+# tfdp's packages and top-level modules from the bottom up, the order data flows in: each imports only units
+# before it (and the package root, which sets TensorFlow's environment). The folder list is the architecture.
+LAYERS = ("errors", "config", "startup", "augment", "data", "rundir", "models", "optim", "keras_patches",
+          "distribute", "train", "commands", "cli")
+ROOT_FILES = {"__init__", "__main__"}
+# (importing file, unit imported) -> why this one import goes upward. Keep it short; empty is the aim.
+UPWARD: dict[tuple[str, str], str] = {}
+
+
+def unit_imports(root: Path) -> list[tuple[str, int, str, str]]:
+    """(file, line, its unit, the unit it imports) for every import of another tfdp unit, function-level ones
+    included; a unit is a package under tfdp/ or a top-level module."""
+    found = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        rel = path.relative_to(root / PACKAGE).with_suffix("").parts
+        own = rel[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == PACKAGE:
+                names = ([f"{node.module}.{a.name}" for a in node.names] if node.module == PACKAGE else [node.module])
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == PACKAGE]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                target = parts[1] if len(parts) > 1 else PACKAGE
+                if target != own and own not in ROOT_FILES:
+                    found.append((path.relative_to(root).as_posix(), node.lineno, own, target))
+    return found
+
+
+def test_the_folders_are_the_layers():
+    """Every package and top-level module of tfdp/ is a layer, so a new one has to be given its place."""
+    units = {p.stem if p.is_file() else p.name for p in (Path(REPO) / PACKAGE).iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    assert units == set(LAYERS) | ROOT_FILES
+
+
+def test_data_flows_one_way_between_the_layers():
+    upward = [f"{file}:{line}: {own} imports {target}" for file, line, own, target in unit_imports(Path(REPO))
+              if target != PACKAGE and LAYERS.index(target) > LAYERS.index(own) and (file, target) not in UPWARD]
+    assert not upward, "imports against the flow (move the shared code down, or the caller up):\n" + "\n".join(upward)
+    still = {(file, target) for file, _, own, target in unit_imports(Path(REPO))
+             if target != PACKAGE and LAYERS.index(target) > LAYERS.index(own)}
+    assert set(UPWARD) <= still, f"listed in UPWARD but gone (take them off): {set(UPWARD) - still}"
+
+
+def test_the_module_map_in_the_architecture_page_matches_the_folders():
+    """docs/architecture.md's module map names every layer's folder or file, and only those that exist."""
+    text = (Path(REPO) / "docs" / "architecture.md").read_text()
+    block = text.split("## Module map", 1)[1].split("```", 2)[1]
+    named = {line.split()[0] for line in block.splitlines() if line.startswith("tfdp/")}
+    expected = {f"tfdp/{u}/" if (Path(REPO) / PACKAGE / u).is_dir() else f"tfdp/{u}.py" for u in LAYERS}
+    assert named == expected
+
+
 def test_config_and_the_rand_augment_parser_load_without_tensorflow():
-    """config.py validates augment.rand_augment with tfdp/augment/policy_spec.py; the augment package loads
-    its TensorFlow modules only when one of their names is used, so a config check stays TensorFlow-free."""
-    code = ("import sys, tfdp.config, tfdp.augment.policy_spec, tfdp.metrics_file\n"
+    """The config is loaded and validated (RandAugment's grammar, the weights' preprocessing included) without
+    TensorFlow; the augment package loads its TensorFlow modules only when one of their names is used."""
+    code = ("import sys, tfdp.config, tfdp.config.rand_augment, tfdp.rundir.metrics_file\n"
+            "tfdp.config.load_config(None, {'augment.rand_augment': 'rand-m9-n2'})\n"
             "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))\n"
             "from tfdp.augment import build_batch_augment\n"
             "print('tensorflow' in sys.modules, build_batch_augment.__module__)\n")

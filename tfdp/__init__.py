@@ -8,7 +8,7 @@ import os as _os
 # without them. The C++ log noise drowns tfdp's one-line errors. The user's own
 # environment wins in both cases.
 _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
-TF_LOG_LEVEL_DEFAULTED = "TF_CPP_MIN_LOG_LEVEL" not in _os.environ  # --verbosity may lift ours (tfdp.console)
+TF_LOG_LEVEL_DEFAULTED = "TF_CPP_MIN_LOG_LEVEL" not in _os.environ  # --verbosity may lift ours (tfdp.startup.console)
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 __version__ = "0.1.0"

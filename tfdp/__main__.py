@@ -1,8 +1,8 @@
-"""`python -m tfdp` and the `tfdp` command: TCMalloc first (`tfdp.allocator`), then the command line."""
+"""`python -m tfdp` and the `tfdp` command: TCMalloc first (`tfdp.startup.allocator`), then the command line."""
 
 
 def main() -> None:
-    from tfdp import allocator
+    from tfdp.startup import allocator
     allocator.preload_tcmalloc()
     from tfdp.cli import run
     run()

@@ -16,7 +16,7 @@ import sys
 from absl import app, flags
 
 from tfdp import config as config_lib
-from tfdp import console
+from tfdp.startup import console
 from tfdp.errors import PREEMPTED_EXIT_CODE, Preempted, Restartable, UserError
 
 FLAGS = flags.FLAGS
@@ -108,7 +108,7 @@ def config_and_runtime(args: list[str], training: bool = False):
         from tfdp.data.service_servers import check_service
         check_service(cfg.data.service_address, cfg.data.service_timeout)
     console.import_tensorflow()
-    from tfdp.strategy import make_runtime
+    from tfdp.distribute.strategy import make_runtime
     runtime = make_runtime(cfg.distribute)
     check_model(cfg)
     return cfg, runtime
@@ -123,7 +123,7 @@ def check_model(cfg: config_lib.Config) -> None:
 
 def cmd_train(args: list[str]) -> None:
     cfg, runtime = config_and_runtime(args, training=True)
-    from tfdp.trainer import train
+    from tfdp.train.trainer import train
     train(cfg, runtime)
 
 
@@ -131,8 +131,8 @@ def cmd_train(args: list[str]) -> None:
 def run_copy(cfg: config_lib.Config, outputs: tuple[str, ...] = ()):
     """`cfg` for a command that reads a run; for a bucket model_dir, with model_dir a local copy of what it
     reads (the best checkpoint, the config, the metrics), and the folders in `outputs` it wrote there
-    uploaded afterwards (tfdp/bucket.py)."""
-    from tfdp.bucket import place_for
+    uploaded afterwards (tfdp/rundir/bucket.py)."""
+    from tfdp.rundir.bucket import place_for
     place = place_for(cfg.model_dir, cfg.scratch_dir, own=False, retry_seconds=cfg.train.upload_retry_seconds)
     if not place.bucket:
         yield cfg
@@ -155,15 +155,15 @@ def run_copy(cfg: config_lib.Config, outputs: tuple[str, ...] = ()):
 
 def cmd_evaluate(args: list[str]) -> None:
     cfg, runtime = config_and_runtime(args)
-    from tfdp.evaluate import evaluate
+    from tfdp.commands.evaluate import evaluate
     with run_copy(cfg) as cfg:
         evaluate(cfg, runtime, FLAGS.checkpoint)
 
 
 def cmd_export(args: list[str]) -> None:
     cfg, runtime = config_and_runtime(args)
-    from tfdp.evaluate import export_checkpoint
-    from tfdp.export import parse_formats
+    from tfdp.commands.export import export_checkpoint
+    from tfdp.commands.export import parse_formats
     formats = parse_formats(FLAGS.format)
     with run_copy(cfg, () if FLAGS.export_dir else ("export",)) as cfg:
         export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir, formats,
@@ -173,10 +173,10 @@ def cmd_export(args: list[str]) -> None:
 def cmd_predict(args: list[str]) -> None:
     _no_positional(args)
     cfg = resolved_config()  # the training data need not be here: it only names the classes
-    from tfdp.predict import predict, request
+    from tfdp.commands.predict import predict, request
     job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
     console.import_tensorflow()
-    from tfdp.strategy import make_runtime
+    from tfdp.distribute.strategy import make_runtime
     runtime = make_runtime(cfg.distribute)
     check_model(cfg)
     with run_copy(cfg) as cfg:
@@ -186,8 +186,8 @@ def cmd_predict(args: list[str]) -> None:
 def cmd_report(args: list[str]) -> None:
     if len(args) != 1:
         raise UserError("usage: tfdp report MODEL_DIR")
-    from tfdp.bucket import check_model_dir
-    from tfdp.report import report
+    from tfdp.config.model_dir import check_model_dir
+    from tfdp.commands.report import report
     check_model_dir(args[0])
     with run_copy(config_lib.Config(model_dir=args[0]), ("report",)) as cfg:
         path = report(cfg.model_dir)
@@ -198,7 +198,7 @@ def cmd_report(args: list[str]) -> None:
 
 def cmd_benchmark(args: list[str]) -> None:
     _no_positional(args)
-    from tfdp.benchmark import benchmark, format_table
+    from tfdp.commands.benchmark import benchmark, format_table
     cfg = resolved_config()
     check_model(cfg)  # this process only starts the probes: Keras' import here splits no device
     out = FLAGS.benchmark_dir or os.path.join(os.path.expanduser(cfg.model_dir), "benchmark")
@@ -208,7 +208,7 @@ def cmd_benchmark(args: list[str]) -> None:
 
 
 def cmd_launch(args: list[str]) -> None:
-    from tfdp.launch import launch
+    from tfdp.distribute.launch import launch
     sys.exit(launch(FLAGS.workers, args, FLAGS.launch_logs, FLAGS.data_workers))
 
 

@@ -2,11 +2,17 @@
 
 Anything the user can fix (config, data, cluster spec) raises `UserError`; the
 CLI prints it as `tfdp: error: ...` and exits non-zero. Everything else is a
-bug and keeps its traceback.
+bug and keeps its traceback. A write that fails for a reason the user can fix
+(disk full, read-only, no permission) is one of them (`write_errors`,
+`atomic_write_text`: every module that writes a run's files uses these).
 """
 
-
+import contextlib
+import errno
+import os
 import re
+import shutil
+from typing import Iterator
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
@@ -44,3 +50,45 @@ class ServiceLost(Restartable):
 class StorageLost(Restartable):
     """A bucket the run reads or writes stopped answering for longer than its retries; the last (committed)
     checkpoint is where the same command goes on."""
+
+
+# --- writes that fail in one line -------------------------------------------
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with write_errors(f"{os.path.basename(path)}", os.path.dirname(path) or ".", len(text.encode())):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def write_errors(what: str, where: str, size: int = 0) -> Iterator[None]:
+    """Turns a failed write (disk full, read-only, no permission) into one line naming it."""
+    try:
+        yield
+    except OSError as e:
+        code = e.errno if e.errno is not None else _errno_in(str(e))
+        if code == errno.ENOSPC:
+            free = shutil.disk_usage(where).free if os.path.isdir(where) else 0
+            raise UserError(f"no space left on the device while writing {what} in {where} "
+                            f"(needed about {_mb(size)} MB, {_mb(free)} MB free)") from None
+        if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(f"cannot write {what} in {where}: {os.strerror(code).lower()}") from None
+        raise
+
+
+def _errno_in(message: str) -> int | None:
+    """h5py reports errors as text ('errno = 28'); fish the code out."""
+    match = re.search(r"errno\s*=\s*(\d+)", message)
+    return int(match.group(1)) if match else None
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.0f}" if size >= 1e6 else f"{size / 1e6:.2f}"

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from conftest import REPO, assert_one_line_error, run_tfdp
-from tfdp.cluster import free_ports
-from tfdp.launch import EXIT_CLUSTER_TIMEOUT, EXIT_WORKER_KILLED
+from tfdp.distribute.cluster import free_ports
+from tfdp.distribute.launch import EXIT_CLUSTER_TIMEOUT, EXIT_WORKER_KILLED
 
 
 # --- a bucket that cannot be reached --------------------------------------------------------
@@ -106,6 +106,7 @@ def finish(proc, timeout=180):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.multiworker
 def test_launch_removes_its_scratch_and_a_dead_launchers_after_a_worker_fails(tmp_path):
     """A worker's own failure is passed on; the scratch goes, and so does one a SIGKILLed launcher left."""
     tmpdir = tmp_path / "tmp"
@@ -120,6 +121,7 @@ def test_launch_removes_its_scratch_and_a_dead_launchers_after_a_worker_fails(tm
     assert scratch_left(tmpdir) == []
 
 
+@pytest.mark.multiworker
 def test_killed_worker_leaves_no_scratch_and_a_documented_status(tmp_path):
     proc, tmpdir, pids = start_launch(tmp_path, *SYNTHETIC)
     deadline = time.monotonic() + 240
@@ -135,6 +137,7 @@ def test_killed_worker_leaves_no_scratch_and_a_documented_status(tmp_path):
                    for pid, _ in pids.values())
 
 
+@pytest.mark.multiworker
 def test_worker_that_never_starts_is_not_reported_as_killed(tmp_path):
     """A frozen worker 1: worker 0's watchdog gives up, and the launcher says so, with its own status."""
     proc, tmpdir, pids = start_launch(tmp_path, *SYNTHETIC, "--set=distribute.startup_timeout=5")
@@ -202,6 +205,6 @@ def test_help_does_not_import_tensorflow(args):
 
 def test_the_import_check_does_see_tensorflow():
     """What `report` imported before (the Keras callbacks' module): the check must see it, or the tests above prove nothing."""
-    result, modules = imported_modules("-c", "import tfdp.callbacks", module=False)
+    result, modules = imported_modules("-c", "import tfdp.train.callbacks", module=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "tensorflow" in heavy(modules)

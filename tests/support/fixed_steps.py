@@ -4,8 +4,8 @@ import tensorflow as tf
 
 from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
-from tfdp.strategy import make_runtime
-from tfdp.task import Plan, compile_model
+from tfdp.distribute.strategy import make_runtime
+from tfdp.train.assembly import Plan, compile_model
 
 
 def train_fixed_batches(cfg, steps: int, global_batch: int, start=None):

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import time
 
-from tfdp.cluster import free_ports
+from tfdp.distribute.cluster import free_ports
 
 
 @contextlib.contextmanager

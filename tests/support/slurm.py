@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import time
 
-from tfdp.cluster import free_ports
+from tfdp.distribute.cluster import free_ports
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scancel", "scontrol", "sinfo", "squeue")

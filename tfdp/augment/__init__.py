@@ -61,15 +61,15 @@ The package, one module per topic (as timm's timm/data/):
 
   batch.py        build_batch_augment: the switches that are on, composed in timm's order
   policies.py     RandAugment (timm) and TrivialAugmentWide (torchvision), per image
-  policy_spec.py  RandAugment's string syntax and op lists (no TensorFlow: tfdp/config.py validates with it)
   mixing.py       Mixup/CutMix and the soft targets
   erasing.py      random erasing
   color.py        colour jitter and the pixel ops of the policies (PIL's maths)
   geometry.py     the affine ops and the XLA-compatible warp
   draws.py        the stateless Philox draws, step_seed
 
-Names are importable from `tfdp.augment` itself; they load on first use, so that importing
-`tfdp.augment.policy_spec` (what tfdp/config.py does) does not load TensorFlow.
+RandAugment's string syntax and op lists are configuration (`tfdp.config.rand_augment`, no TensorFlow):
+the config validates `augment.rand_augment` with the parser the training step uses. Names are importable
+from `tfdp.augment` itself and load on first use.
 """
 
 from __future__ import annotations
@@ -141,11 +141,11 @@ EXPORTS = {
     "trivial_augment_plan": "policies",
     "trivial_augment_arg": "policies",
     "trivial_augment_wide": "policies",
-    "RAND_AUGMENT_OPS": "policy_spec",
-    "RAND_AUGMENT_INCREASING_OPS": "policy_spec",
-    "RAND_AUGMENT_OP_NAMES": "policy_spec",
-    "RandAugmentSpec": "policy_spec",
-    "parse_rand_augment": "policy_spec",
+    "RAND_AUGMENT_OPS": "tfdp.config.rand_augment",
+    "RAND_AUGMENT_INCREASING_OPS": "tfdp.config.rand_augment",
+    "RAND_AUGMENT_OP_NAMES": "tfdp.config.rand_augment",
+    "RandAugmentSpec": "tfdp.config.rand_augment",
+    "parse_rand_augment": "tfdp.config.rand_augment",
 }
 __all__ = sorted(EXPORTS)
 
@@ -154,7 +154,8 @@ def __getattr__(name: str) -> Any:
     """PEP 562: `tfdp.augment.X` imports the submodule that defines X when first asked for."""
     if name not in EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{EXPORTS[name]}"), name)
+    module = EXPORTS[name]
+    value = getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 

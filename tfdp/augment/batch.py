@@ -11,7 +11,7 @@ from tfdp.augment.draws import split_seed
 from tfdp.augment.erasing import random_erasing
 from tfdp.augment.mixing import mixup_cutmix, smooth_one_hot
 from tfdp.augment.policies import rand_augment, trivial_augment_wide
-from tfdp.augment.policy_spec import RAND_AUGMENT_INCREASING_OPS, RAND_AUGMENT_OPS, parse_rand_augment
+from tfdp.config.rand_augment import RAND_AUGMENT_INCREASING_OPS, RAND_AUGMENT_OPS, parse_rand_augment
 from tfdp.config import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig
 
 # Stages draw from their own sub-seed, always split the same way, so switching one on leaves the others' draws alone.

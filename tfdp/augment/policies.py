@@ -1,7 +1,7 @@
 """Per-image op policies: timm's RandAugment and torchvision's TrivialAugmentWide.
 
-Their string syntax and op lists live in policy_spec.py, which imports no TensorFlow, so tfdp/config.py can
-validate a config with them.
+Their string syntax and op lists live in tfdp/config/rand_augment.py, which imports no TensorFlow, so the
+config is validated with the same parser.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tensorflow as tf
 from tfdp.augment.color import PIXEL_OPS, truncate_levels
 from tfdp.augment.draws import normal, random_index, random_sign, split_seed, uniform
 from tfdp.augment.geometry import AFFINE_OPS, affine_rows, warp_affine
-from tfdp.augment.policy_spec import RAND_AUGMENT_OPS, RandAugmentSpec
+from tfdp.config.rand_augment import RAND_AUGMENT_OPS, RandAugmentSpec
 
 
 def apply_ops_per_image(images, op_names: tuple[str, ...], choice, args, fill, interpolation: str) -> tf.Tensor:

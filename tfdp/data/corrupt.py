@@ -99,7 +99,7 @@ class CorruptLog:
                 self._write()
 
     def _write(self) -> None:
-        from tfdp.checkpoints import atomic_write_text
+        from tfdp.errors import atomic_write_text
         listed = {**self.earlier, **self.entries}
         atomic_write_text(self.file, "".join(f"{p}\t{e}\n" for p, e in listed.items()))
 

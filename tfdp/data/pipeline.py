@@ -33,7 +33,7 @@ from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.preprocess import eval_transform, train_transform
 from tfdp.data.sources import Split
 from tfdp.errors import StorageLost, UserError
-from tfdp.resolution import eval_image_size
+from tfdp.config.image_sizes import eval_image_size
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -148,7 +148,7 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
 
 def streams_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int, count: int,
                     streams: dict[int, Bookkeeping], input_context: tf.distribute.InputContext) -> tf.data.Dataset:
-    """This worker's per-replica batches read from several of the run's `count` input streams (`tfdp.elastic`).
+    """This worker's per-replica batches read from several of the run's `count` input streams (`tfdp.train.input_streams`).
 
     Stream s is exactly the pipeline worker s of a `count`-worker run builds
     (file share s, its seeded order and crops, its position), batched by

@@ -15,7 +15,7 @@ import functools
 import tensorflow as tf
 
 from tfdp.config import DataConfig
-from tfdp.resolution import eval_image_size
+from tfdp.config.image_sizes import eval_image_size
 
 ASPECT_RATIO_RANGE = (3 / 4, 4 / 3)
 

@@ -41,7 +41,7 @@ stream may hold VALIDATION_PART of it and the training stream the rest
 (`Part`). The tf.data service still copies its files whole (`localize`), as
 does `data.cache`, which keeps the whole share in memory anyway; `tfdp
 predict` goes through bucket images larger than the limit in chunks of its
-own (`tfdp.predict.Downloads`).
+own (`tfdp.commands.predict.Downloads`).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class Part:
         return int(limit * self.fraction)
 
     def divided(self, streams: int) -> "Part":
-        """Each of `streams` training streams' share, when one process reads several (`tfdp.elastic`)."""
+        """Each of `streams` training streams' share, when one process reads several (`tfdp.train.input_streams`)."""
         if streams == 1:
             return self
         return Part(self.fraction / streams, "training")

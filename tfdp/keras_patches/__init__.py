@@ -4,7 +4,7 @@ Keras' `fit` is kept (callbacks, metrics, progress, distribution), and three
 pieces of it are replaced:
 
 - `fit_fixes`: two workarounds for `fit` under MultiWorkerMirroredStrategy
-  (keras-team/keras#20585), installed once by `tfdp.strategy.make_runtime`
+  (keras-team/keras#20585), installed once by `tfdp.distribute.strategy.make_runtime`
   (`install()`);
 - `train_step`: the training step compiled with XLA, optimizer update
   included, per replica with the gradient all-reduce between;
@@ -47,7 +47,7 @@ RELIED_ON = {
     ),
     # Outside this package (keys that are not a patch name a module of tfdp/): the EMA warm-up overrides the
     # hook Keras' apply calls after each update; LARS and RMSProp read an optimizer variable's slot and ask
-    # whether it is decayed; `ema_weights` in tfdp/callbacks.py reads the averages an EMA optimizer builds.
+    # whether it is decayed; `ema_weights` in tfdp/train/callbacks.py reads the averages an EMA optimizer builds.
     "optimizers": (
         "keras.src.optimizers.base_optimizer.BaseOptimizer._update_model_variables_moving_average",
         "keras.src.optimizers.base_optimizer.BaseOptimizer._get_variable_index",

@@ -41,9 +41,9 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from tfdp.accumulation import accumulate, has_collectives
+from tfdp.optim.accumulation import accumulate, has_collectives
 from tfdp.augment import step_seed
-from tfdp.finetune import expand_to_built
+from tfdp.optim.finetune import expand_to_built
 
 
 def use_xla(setting, devices, sync_bn: bool = False) -> tuple[bool, str]:
@@ -60,7 +60,7 @@ def use_xla(setting, devices, sync_bn: bool = False) -> tuple[bool, str]:
 
 def compile_train_step(model: keras.Model, jit_compile: bool = True, accum_steps: int = 1) -> None:
     """Makes `model.fit` run the whole training step through XLA on every replica (`train.jit_compile`),
-    over `accum_steps` micro-batches per optimizer step (`tfdp.accumulation`).
+    over `accum_steps` micro-batches per optimizer step (`tfdp.optim.accumulation`).
 
     Without XLA and without accumulation Keras' own step runs op by op: the
     reference the compiled step is tested against. Accumulation without XLA
@@ -81,7 +81,7 @@ def compile_train_step(model: keras.Model, jit_compile: bool = True, accum_steps
         return loss, tape.gradient(scaled, trainable), y_pred, new_non_trainable
 
     # The update runs over every variable the optimizer was built with (`built`); frozen ones (train.freeze, not in
-    # the model's trainable set) get a None gradient and come back unchanged (tfdp/finetune.py).
+    # the model's trainable set) get a None gradient and come back unchanged (tfdp/optim/finetune.py).
     spread = lambda gradients: expand_to_built(optimizer, model.trainable_variables, gradients)  # noqa: E731
 
     def forward_backward(trainable, non_trainable, x, y, sample_weight):

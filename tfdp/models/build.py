@@ -13,7 +13,7 @@ import keras
 from tfdp.config import DataConfig, ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import DROP_PATH, FIXED_SIZE, MIN_INPUT_SIZE, MODELS
-from tfdp.resolution import image_sizes, variable_size
+from tfdp.config.image_sizes import image_sizes, variable_size
 
 
 # channel order the backbone sees → the input's (RGB) channels in that order

@@ -46,8 +46,8 @@ import h5py
 import keras
 import numpy as np
 
-from tfdp.checkpoints import STATE, WEIGHTS, CheckpointStore
-from tfdp import pretrained
+from tfdp.rundir.checkpoints import STATE, WEIGHTS, CheckpointStore
+from tfdp.config import pretrained
 from tfdp.config import DataConfig, ModelConfig
 from tfdp.errors import UserError, first_line
 
@@ -545,6 +545,6 @@ def init_from(model: keras.Model, model_cfg: ModelConfig, data_cfg: DataConfig, 
     loaded, new = load_into(model, weights, model_cfg)
     print(f"tfdp: init_from: loaded {len(loaded)} of {len(loaded) + len(new)} layers from {weights.what}; "
           f"new: {', '.join(new) if new else 'none'}", flush=True)
-    said = pretrained.line(model_cfg, data_cfg)  # resolved with the config (tfdp/pretrained.py); said here, once
+    said = pretrained.line(model_cfg, data_cfg)  # resolved with the config (tfdp/config/pretrained.py); said here, once
     if said:
         print(said, flush=True)

@@ -3,8 +3,8 @@
 `Run.build` compiles the model in the strategy's scope, plans its frozen
 layers, restores the latest checkpoint and fills a fresh run from
 `model.init_from`; the `Plan` it is given already holds the run's two
-decisions, the batch layout and XLA (`tfdp.task.make_plan`, made once). What
-runs the run (`tfdp.trainer.fit_all`) takes the run and asks it for the parts
+decisions, the batch layout and XLA (`tfdp.train.assembly.make_plan`, made once). What
+runs the run (`tfdp.train.trainer.fit_all`) takes the run and asks it for the parts
 it needs, the input streams, the validation data, the checkpointer's settings,
 rather than taking ten of them, as Model Garden's task holds the config once
 and builds inputs, model, losses and metrics from it.
@@ -16,17 +16,17 @@ import dataclasses
 
 import keras
 
-from tfdp.callbacks import CheckpointSettings
-from tfdp.checkpoints import CheckpointStore
+from tfdp.train.callbacks import CheckpointSettings
+from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import Config
 from tfdp.data import Source
 from tfdp.data.pipeline import CorruptCounter
-from tfdp.elastic import Streams, check_global_batch, plan_streams, run_facts
-from tfdp.finetune import Freezing
+from tfdp.train.input_streams import Streams, check_global_batch, plan_streams, run_facts
+from tfdp.optim.finetune import Freezing
 from tfdp.models.weights import init_from
-from tfdp.replica_state import ReplicaSnapshot
-from tfdp.strategy import Runtime
-from tfdp.task import Plan, TrainStream, compile_model, validation_dataset
+from tfdp.distribute.replica_state import ReplicaSnapshot
+from tfdp.distribute.strategy import Runtime
+from tfdp.train.assembly import Plan, TrainStream, compile_model, validation_dataset
 
 
 @dataclasses.dataclass
@@ -65,7 +65,7 @@ class Run:
         return TrainStream(self.cfg, self.source, self.runtime, self.plan, corrupt)
 
     def input_streams(self) -> Streams:
-        """The input streams this worker reads, at the checkpoint's positions (`tfdp.elastic`; a fresh run:
+        """The input streams this worker reads, at the checkpoint's positions (`tfdp.train.input_streams`; a fresh run:
         its own stream from the start). A layout change is one line: exact, or why not."""
         state, runtime = self.state, self.runtime
         steps_done = state.get("step", state["epoch"] * self.plan.steps_per_epoch) if state else 0

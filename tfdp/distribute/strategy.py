@@ -19,8 +19,8 @@ from typing import Callable
 import tensorflow as tf
 from absl import logging
 
-from tfdp import cluster as cluster_lib
-from tfdp import watchdog
+from tfdp.distribute import cluster as cluster_lib
+from tfdp.distribute import watchdog
 from tfdp.config import DistributeConfig
 from tfdp.errors import UserError
 

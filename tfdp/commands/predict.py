@@ -38,12 +38,12 @@ from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.sources import IMAGE_PATTERNS, Ignored, is_image_file
 from tfdp.data.storage import cache_paths, filesystem, is_remote, is_remote_url, localize, url
 from tfdp.errors import UserError, first_line
-from tfdp.resolution import eval_image_size
+from tfdp.config.image_sizes import eval_image_size
 
 if TYPE_CHECKING:  # TensorFlow loads only once the request is known to be good
     import tensorflow as tf
 
-    from tfdp.strategy import Runtime
+    from tfdp.distribute.strategy import Runtime
 
 GLOB_CHARACTERS = "*?["
 
@@ -230,11 +230,12 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     """Writes `job.output` with one row per image of `job.files`; returns a summary (images, failed, seconds)."""
     import tensorflow as tf
 
-    from tfdp.checkpoints import CheckpointStore, atomic_write_text
+    from tfdp.errors import atomic_write_text
+    from tfdp.rundir.checkpoints import CheckpointStore
     from tfdp.data.preprocess import eval_transform
     from tfdp.data.streaming import limit_bytes
-    from tfdp.evaluate import load_checkpoint
-    from tfdp.task import serving_model
+    from tfdp.rundir.checkpoints import load_checkpoint
+    from tfdp.train.assembly import serving_model
 
     if runtime.num_workers > 1:
         raise UserError("predict runs on one host's replicas: use distribute.strategy mirrored or one_device")
@@ -332,7 +333,7 @@ class Downloads:
 def undecoded(local: list[str], predicted, transform) -> dict[int, str]:
     """Image number → why it could not be read or decoded, for every image of `local` the pipeline did not
     return."""
-    from tfdp.console import stderr_to_devnull
+    from tfdp.startup.console import stderr_to_devnull
     with stderr_to_devnull():  # libjpeg's own complaint ("Improper call to JPEG library"): the reason is enough
         return {k: decode_error(local[k], transform) for k in range(len(local)) if k not in predicted}
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 from tfdp.errors import UserError
-from tfdp.metrics_file import METRICS_FILE, read_metrics
-from tfdp.places import writable_dir
+from tfdp.rundir.metrics_file import METRICS_FILE, read_metrics
+from tfdp.rundir.writable import writable_dir
 
 # (file, title, y label, [(metrics key, legend label)])
 PLOTS = (

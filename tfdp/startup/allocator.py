@@ -26,7 +26,7 @@ SWITCH = "TFDP_ALLOCATOR"  # "system": glibc's malloc
 LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                 "/usr/local/lib")
-# gperftools prints a line for every allocation above 1 GiB; tfdp's console is its own (tfdp.console).
+# gperftools prints a line for every allocation above 1 GiB; tfdp's console is its own (tfdp.startup.console).
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 62)}
 
 

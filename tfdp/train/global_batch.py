@@ -49,7 +49,7 @@ class BatchLayout:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointBatch:
-    """What a checkpoint's state.json records about the batch that trained it (`tfdp.elastic.run_facts`)."""
+    """What a checkpoint's state.json records about the batch that trained it (`tfdp.train.input_streams.run_facts`)."""
     name: str                       # the checkpoint's folder, as error lines name it
     global_batch: int
     layout: BatchLayout | None      # None where the checkpoint does not record it

@@ -20,10 +20,10 @@ import pydantic
 import yaml
 from pydantic import ConfigDict, Field, Strict
 
-from tfdp.augment.policy_spec import RAND_AUGMENT_OP_NAMES, parse_rand_augment
-from tfdp.bucket import DEFAULT_SCRATCH_DIR, check_model_dir
+from tfdp.config.rand_augment import RAND_AUGMENT_OP_NAMES, parse_rand_augment
+from tfdp.config.model_dir import DEFAULT_SCRATCH_DIR, check_model_dir
 from tfdp.errors import UserError
-from tfdp.resolution import ramp_sizes
+from tfdp.config.image_sizes import ramp_sizes
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -81,7 +81,7 @@ class DataConfig:
     eval_image_size: NonNegInt = 0
     # Progressive resizing (FFCV): train at progressive_min_size up to progressive_start_epoch (0-based), then
     # at sizes rising to image_size at progressive_end_epoch, rounded to multiples of progressive_step
-    # (FFCV's get_resolution, tfdp/resolution.py); 0 = off, every epoch at image_size.
+    # (FFCV's get_resolution, tfdp/config/image_sizes.py); 0 = off, every epoch at image_size.
     progressive_min_size: NonNegInt = 0
     progressive_start_epoch: NonNegInt = 0   # last 0-based epoch at progressive_min_size
     progressive_end_epoch: NonNegInt = 0   # first 0-based epoch at image_size
@@ -144,7 +144,7 @@ class ModelConfig:
 class OptimizerConfig:
     __pydantic_config__ = _FORBID
     # sgd (momentum) | adamw | lamb | lars (layer-wise trust ratio, for very large batches) | rmsprop (TensorFlow 1's,
-    # as the EfficientNet recipes); see tfdp/optimizers.py
+    # as the EfficientNet recipes); see tfdp/optim/optimizers.py
     name: Literal["sgd", "adamw", "lamb", "lars", "rmsprop"] = "sgd"
     # Learning rate per 256 images; scaled linearly with the global batch.
     lr: PosFloat = 0.1
@@ -228,7 +228,7 @@ class TrainConfig:
     # Bit-identical runs: TensorFlow op determinism and seeded input (implies data.deterministic), so a
     # run killed and resumed any number of times ends with exactly the weights of an uninterrupted one.
     deterministic: Bool = False
-    # Seconds the chief's lease on model_dir (tfdp/lease.py, docs/one-writer.md) stays valid without a renewal
+    # Seconds the chief's lease on model_dir (tfdp/rundir/lease.py, docs/one-writer.md) stays valid without a renewal
     # (it renews every quarter of this). A run on another host finding a lease older than this takes it over;
     # a dead holder on the same host is taken over at once. Hosts' clocks must agree to well within it.
     lease_timeout: PosFloat = 60.0
@@ -248,7 +248,7 @@ class TrainConfig:
 @dataclasses.dataclass
 class DistributeConfig:
     __pydantic_config__ = _FORBID
-    strategy: Literal["one_device", "mirrored", "multi_worker"] = "mirrored"   # the tf.distribute strategy (tfdp/strategy.py)
+    strategy: Literal["one_device", "mirrored", "multi_worker"] = "mirrored"   # the tf.distribute strategy (tfdp/distribute/strategy.py)
     # On a host without GPUs, split the CPU into this many logical devices so
     # `mirrored` really runs that many replicas. 0 keeps one CPU device.
     cpu_replicas: NonNegInt = 0
@@ -260,7 +260,7 @@ class DistributeConfig:
 
 @dataclasses.dataclass
 class LogConfig:
-    """What the chief records besides metrics.jsonl (see tfdp/callbacks.py)."""
+    """What the chief records besides metrics.jsonl (see tfdp/train/callbacks.py)."""
     __pydantic_config__ = _FORBID
     tensorboard: Bool = True   # TensorBoard event files under model_dir/tensorboard
     # Profile training steps [first, last] (1-based, first epoch) into the TensorBoard logs; [0, 0] = off.
@@ -281,7 +281,7 @@ class AugmentConfig:
     # mstd<magnitude noise> mmax<magnitude cap> inc<0|1> p<chance per op>; timm's ImageNet recipes use
     # "rand-m9-mstd0.5-inc1" (n2, p0.5 by default).
     rand_augment: Str = ""
-    # Restrict RandAugment to these ops (timm names, augment.policy_spec.RAND_AUGMENT_OP_NAMES); empty: timm's 15 (inc1: its
+    # Restrict RandAugment to these ops (timm names, config.rand_augment.RAND_AUGMENT_OP_NAMES); empty: timm's 15 (inc1: its
     # increasing variants).
     rand_augment_ops: tuple[Str, ...] = ()
     # torchvision TrivialAugmentWide: one op per image, its magnitude uniform over 31 bins. Excludes rand_augment.
@@ -377,7 +377,7 @@ def validate(raw: dict[str, Any]) -> Config:
     except pydantic.ValidationError as e:
         raise UserError(_describe(e.errors()[0])) from None
     _check_cross_field(cfg)
-    from tfdp.pretrained import resolve  # imports this module
+    from tfdp.config.pretrained import resolve  # imports this module
     data = raw.get("data") or {}
     # the weights' preprocessing, where the user set none (a DataConfig given whole counts as set)
     resolve(cfg, set_by_user=set(data) if isinstance(data, dict)
@@ -448,7 +448,7 @@ def _check_cross_field(cfg: Config) -> None:
 
 
 def _check_fine_tuning(cfg: Config) -> None:
-    """Freezing that can happen; what needs the model itself (patterns, a head) is checked in tfdp/finetune.py."""
+    """Freezing that can happen; what needs the model itself (patterns, a head) is checked in tfdp/optim/finetune.py."""
     t = cfg.train
     if t.freeze_epochs and not t.freeze:
         raise UserError("train.freeze_epochs needs train.freeze (the layers to keep frozen for those epochs)")

@@ -1,6 +1,6 @@
 """The metrics log's name and reader: one JSON object per epoch in model_dir/metrics.jsonl.
 
-Kept apart from the Keras callback that writes it (tfdp/callbacks.py), so
+Kept apart from the Keras callback that writes it (tfdp/train/callbacks.py), so
 that reading a run (`tfdp report`) never imports TensorFlow: that costs
 seconds of start-up to draw a few PNGs.
 """

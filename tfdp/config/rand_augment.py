@@ -1,5 +1,5 @@
 """RandAugment's string syntax (timm's `rand-m9-n2-mstd0.5-inc1`) and op lists; no TensorFlow here, so
-tfdp/config.py validates `augment.rand_augment` with the same parser the training step uses."""
+tfdp/config/__init__.py validates `augment.rand_augment` with the same parser the training step uses."""
 
 from __future__ import annotations
 

@@ -45,10 +45,10 @@ import tempfile
 import threading
 import time
 
-from tfdp import watchdog
-from tfdp.cluster import free_ports, workers_tf_config
+from tfdp.distribute import watchdog
+from tfdp.distribute.cluster import free_ports, workers_tf_config
 from tfdp.errors import PREEMPTED_EXIT_CODE, UserError
-from tfdp.lease import process_exists
+from tfdp.rundir.lease import process_exists
 
 GRACE_SECONDS = 10.0
 SCRATCH_PREFIX = "tfdp-launch-"

@@ -16,10 +16,11 @@ from typing import Any, Callable
 
 import keras
 
-from tfdp.checkpoints import CheckpointStore, atomic_write_text
+from tfdp.errors import atomic_write_text
+from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.errors import Preempted
-from tfdp.preemption import PreemptionWatch
-from tfdp.replica_state import ReplicaSnapshot, metric_totals, restore_metric_totals
+from tfdp.distribute.preemption import PreemptionWatch
+from tfdp.distribute.replica_state import ReplicaSnapshot, metric_totals, restore_metric_totals
 
 
 class EpochStats(keras.callbacks.Callback):
@@ -186,7 +187,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.snapshot = snapshot
         self._epoch = self._offset = 0
         self._fit_steps = 0
-        self.facts: dict[str, Any] = {}  # the batch and layout that wrote the checkpoints (tfdp.elastic.run_facts)
+        self.facts: dict[str, Any] = {}  # the batch and layout that wrote the checkpoints (tfdp.train.input_streams.run_facts)
 
     def on_train_begin(self, logs=None):
         self._fit_steps = 0

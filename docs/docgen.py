@@ -1,13 +1,13 @@
-"""The reference pages of the documentation, generated from the code: `python -m tfdp.docgen`.
+"""The reference pages of the documentation, generated from the code: `python docs/docgen.py`.
 
-`docs/reference/config.md` comes from the dataclasses in `tfdp/config.py`
+`docs/reference/config.md` comes from the dataclasses in `tfdp/config/__init__.py`
 (each field's type, default, and the comment above it or beside it) and
 `docs/reference/cli.md` from the absl flags' help texts, so a new field or
 flag is documented where it is written and the pages cannot drift from the
 code. `tests/test_docs.py` fails when a field has no comment, a flag no help,
 or a committed page differs from what this module generates.
 
-`python -m tfdp.docgen --check` writes nothing and exits 1 when a page is stale.
+`python docs/docgen.py --check` writes nothing and exits 1 when a page is stale.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tokenize
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIG_PAGE = REPO / "docs" / "reference" / "config.md"
 CLI_PAGE = REPO / "docs" / "reference" / "cli.md"
-REGENERATE = "python -m tfdp.docgen"
+REGENERATE = "python docs/docgen.py"
 
 # How config.py's type aliases read in the reference.
 ALIASES = {"PosInt": "int > 0", "NonNegInt": "int ≥ 0", "PosFloat": "float > 0", "NonNegFloat": "float ≥ 0",
@@ -128,7 +128,7 @@ def config_page() -> str:
     lines, comments = source.splitlines(), _comments_by_line(source)
     missing = []
     parts = ["# Config reference", "",
-             f"<!-- Generated from tfdp/config.py by `{REGENERATE}`; do not edit by hand. -->", "",
+             f"<!-- Generated from tfdp/config/__init__.py by `{REGENERATE}`; do not edit by hand. -->", "",
              "Every field of a config file, its type, its default, and what it does. A YAML config sets",
              "any of them; `--set=section.key=value` overrides one from the command line (see",
              "[Configs](../configs.md) for a tour and [CLI reference](cli.md) for the flags).", ""]
@@ -151,7 +151,7 @@ def config_page() -> str:
         parts.append("")
     if missing:
         raise UndocumentedError(
-            f"config field(s) without a comment in tfdp/config.py: {', '.join(missing)}; write a comment above "
+            f"config field(s) without a comment in tfdp/config/__init__.py: {', '.join(missing)}; write a comment above "
             f"each (what it does), then run `{REGENERATE}`")
     return "\n".join(parts).rstrip() + "\n"
 
@@ -226,12 +226,12 @@ def main(argv: list[str]) -> int:
     try:
         generated = pages()
     except UndocumentedError as e:
-        sys.stderr.write(f"tfdp.docgen: error: {e}\n")
+        sys.stderr.write(f"docs/docgen.py: error: {e}\n")
         return 2
     if "--check" in argv:
         stale = [str(p.relative_to(REPO)) for p, text in generated.items() if not p.exists() or p.read_text() != text]
         if stale:
-            sys.stderr.write(f"tfdp.docgen: stale: {', '.join(stale)}; run `{REGENERATE}`\n")
+            sys.stderr.write(f"docs/docgen.py: stale: {', '.join(stale)}; run `{REGENERATE}`\n")
             return 1
         return 0
     for path, text in generated.items():

@@ -1,8 +1,8 @@
 """`tfdp train`: config → data → model (in the strategy's scope) → fit → summary.
 
 Read top to bottom, this is the whole training run: the data (`tfdp.data`),
-the plan that sizes the run and makes its decisions once (`tfdp.task.make_plan`:
-global batch and its layout, XLA), the run built from them (`tfdp.run.Run`:
+the plan that sizes the run and makes its decisions once (`tfdp.train.assembly.make_plan`:
+global batch and its layout, XLA), the run built from them (`tfdp.train.run.Run`:
 model, restored checkpoint, input streams, validation data, checkpointer
 settings), then the fit calls and their callbacks; everything else it calls
 lives in a module of its own.
@@ -25,25 +25,26 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import config as config_lib
-from tfdp.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluation, EpochStats, MetricsLog, WandbLog,
+from tfdp.train.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluation, EpochStats, MetricsLog, WandbLog,
                             tensorboard)
-from tfdp.checkpoints import CheckpointStore, atomic_write_text
+from tfdp.errors import atomic_write_text
+from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import Config, DataConfig
 from tfdp.data import build_source, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
-from tfdp.bucket import Place, place_for
+from tfdp.rundir.bucket import Place, place_for
 from tfdp.data.sources import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
-from tfdp.lease import writer_lease
-from tfdp.metrics_file import METRICS_FILE, read_metrics
-from tfdp.places import writable_tree
-from tfdp.preemption import PreemptionWatch
-from tfdp.replica_state import decorrelate_random_streams, state_averager
-from tfdp.resolution import size_runs
-from tfdp.strategy import Runtime
-from tfdp.run import Run
-from tfdp.task import Plan, make_plan
+from tfdp.rundir.lease import writer_lease
+from tfdp.rundir.metrics_file import METRICS_FILE, read_metrics
+from tfdp.rundir.writable import writable_tree
+from tfdp.distribute.preemption import PreemptionWatch
+from tfdp.distribute.replica_state import decorrelate_random_streams, state_averager
+from tfdp.config.image_sizes import size_runs
+from tfdp.distribute.strategy import Runtime
+from tfdp.train.run import Run
+from tfdp.train.assembly import Plan, make_plan
 
 
 @dataclasses.dataclass(frozen=True)

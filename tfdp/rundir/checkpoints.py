@@ -21,64 +21,24 @@ was being written, where, and how much space it needed.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
 import shutil
 import sys
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import keras
 import numpy as np
 
-from tfdp.errors import UserError
+from tfdp.config import Config
+from tfdp.errors import UserError, atomic_write_text, write_errors
 
 KEEP_EPOCHS = 2
 KEEP_STEPS = 2
 _CHECKPOINT_DIR = re.compile(r"^(epoch|step)-(\d+)$")
 WEIGHTS, STATE, REPLICAS = "model.weights.h5", "state.json", "replicas.npy"
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with write_errors(f"{os.path.basename(path)}", os.path.dirname(path) or ".", len(text.encode())):
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-
-
-@contextlib.contextmanager
-def write_errors(what: str, where: str, size: int = 0) -> Iterator[None]:
-    """Turns a failed write (disk full, read-only, no permission) into one line naming it."""
-    try:
-        yield
-    except OSError as e:
-        code = e.errno if e.errno is not None else _errno_in(str(e))
-        if code == errno.ENOSPC:
-            free = shutil.disk_usage(where).free if os.path.isdir(where) else 0
-            raise UserError(f"no space left on the device while writing {what} in {where} "
-                            f"(needed about {_mb(size)} MB, {_mb(free)} MB free)") from None
-        if code in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise UserError(f"cannot write {what} in {where}: {os.strerror(code).lower()}") from None
-        raise
-
-
-def _errno_in(message: str) -> int | None:
-    """h5py reports errors as text ('errno = 28'); fish the code out."""
-    match = re.search(r"errno\s*=\s*(\d+)", message)
-    return int(match.group(1)) if match else None
-
-
-def _mb(size: int) -> str:
-    return f"{size / 1e6:.0f}" if size >= 1e6 else f"{size / 1e6:.2f}"
 
 
 def weights_size(model: keras.Model) -> int:
@@ -110,7 +70,7 @@ def load_weights(model: keras.Model, path: str, what: str) -> None:
 
 class CheckpointStore:
     """The checkpoints of the run whose (local) folder is `model_dir`; with an `uploader`
-    (`tfdp.bucket.Uploader`), each one is also committed to the bucket the run lives in, once complete here."""
+    (`tfdp.rundir.bucket.Uploader`), each one is also committed to the bucket the run lives in, once complete here."""
 
     def __init__(self, model_dir: str, uploader=None):
         self.root = os.path.join(model_dir, "checkpoints")
@@ -139,10 +99,10 @@ class CheckpointStore:
         """The state.json of the newest checkpoint that has a readable one (its `path` added), weights unread;
         None if there is none.
 
-        A resumed run is sized by its checkpoint (the global batch, `tfdp.task.make_plan`) before its model
+        A resumed run is sized by its checkpoint (the global batch, `tfdp.train.assembly.make_plan`) before its model
         exists to load weights into, so this reads the state alone, quietly: `restore_latest` warns about
         what it skips. Should it go back past this checkpoint to an older one, every checkpoint of a run
-        holds the same global batch, and `tfdp.run.Run.build` checks it.
+        holds the same global batch, and `tfdp.train.run.Run.build` checks it.
         """
         for _, _, path in reversed(self.checkpoints(warn=False)):
             try:
@@ -190,7 +150,7 @@ class CheckpointStore:
         """Writes `epoch-N/` (N = state['epoch']) or `step-N/` (N = state['step']) atomically, then prunes.
 
         `replica_state` (every replica's own non-trained state, see
-        `tfdp.replica_state.ReplicaSnapshot`) goes beside the weights.
+        `tfdp.distribute.replica_state.ReplicaSnapshot`) goes beside the weights.
         """
         if self.uploader:
             self.uploader.wait()   # the previous checkpoint's upload reads its folder, which pruning may delete
@@ -248,6 +208,14 @@ class CheckpointStore:
             if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
+
+
+def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
+    """Loads weights, turning Keras' mismatch errors into one line that says what does not fit."""
+    if not os.path.exists(path):
+        raise UserError(f"no checkpoint at {path}")
+    load_weights(model, path, f"model '{cfg.model.name}' with {cfg.model.num_classes} classes at "
+                              f"{cfg.data.image_size} px (another architecture or class count?)")
 
 def kept(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     """Of checkpoints as (global step, 1 for an epoch checkpoint else 0, name), oldest first, those to keep:

@@ -157,7 +157,7 @@ class EmaWarmup:
         checkpoint (holding the trained weights) would not: the two would part. The average stays where
         timm keeps its `model_ema`, beside the weights: evaluated each epoch (`val_ema_*`), saved in every
         checkpoint with the optimizer, and the best checkpoint's weights when `train.best_metric` is a
-        `val_ema_*` metric (tfdp/callbacks.py).
+        `val_ema_*` metric (tfdp/train/callbacks.py).
         """
 
 

@@ -44,10 +44,16 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.config import Config
+from tfdp.data import build_source
+from tfdp.data.pipeline import data_errors
+from tfdp.distribute.strategy import Runtime
+from tfdp.rundir.checkpoints import CheckpointStore, load_checkpoint
+from tfdp.rundir.writable import writable_dir
+from tfdp.train.assembly import serving_model
 from tfdp.data.preprocess import center_crop
 from tfdp.errors import UserError, first_line
 from tfdp.models.layers import split_grouped_convolutions
-from tfdp.resolution import eval_image_size
+from tfdp.config.image_sizes import eval_image_size
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -505,3 +511,39 @@ def agreement_line(name: str, path: str, a: Agreement) -> str:
     return (f"tfdp: export: {name}: {path}: top-1 agrees with the Keras model on {a.agreeing}/{a.images} validation "
             f"images ({a.percent:.2f}%), max |{a.compared} difference| / max |{a.compared}| "
             f"{a.relative_difference:.2e} ({a.max_difference:.2e} of {a.scale:.2e})")
+
+
+def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out_dir: str | None,
+                      formats: tuple[str, ...] | None = None, verify_images: int | None = 1000) -> dict:
+    """Writes the export formats, then (`verify_images` not None; 0: the whole split) runs that many validation
+    images through each, loaded back in its own runtime, and prints its agreement with the Keras model.
+
+    A format that could not be written does not stop the others: they are written and checked first, then
+    its reason is raised as one line naming the formats that were written."""
+    formats = formats or DEFAULT_FORMATS
+    if verify_images is not None and verify_images < 0:
+        raise UserError(f"--verify_images must be 0 (the whole validation split) or more, got {verify_images}")
+    check_packages(formats)
+    model_dir = os.path.expanduser(cfg.model_dir)
+    out_dir = writable_dir(out_dir or os.path.join(model_dir, "export"), "the export folder")
+    source = build_source(cfg.data, splits=(cfg.data.val_split,))  # for the class names and the verification
+    # Exports are float32 whatever the training precision (ONNX's exporter requires it; the weights are float32).
+    model = serving_model(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="float32")))
+    load_checkpoint(model, checkpoint or CheckpointStore(model_dir).best_weights, cfg)
+    written = export(model, cfg, source.class_names, out_dir, formats)
+    paths = written.paths
+    made = [f for f in formats if f in paths]
+    if made:
+        print(f"tfdp: export: wrote {', '.join(paths[f] for f in made)} and {paths['classes']}", flush=True)
+    if verify_images is not None and made:
+        split = source.split(cfg.data.val_split)
+        with data_errors():
+            # The reference is Keras' own network (grouped convolutions as Keras runs them, not as exported).
+            agreements = verify(inference_network(model, portable=False), cfg, split, paths, tuple(made),
+                                verify_images)
+        for name, agreement in agreements.items():
+            print(agreement_line(name, paths[name], agreement), flush=True)
+        paths["agreement"] = agreements
+    if written.failed:  # after the others are written and checked: one line, exit status 2
+        raise UserError(written.failure_line())
+    return paths

@@ -10,7 +10,7 @@ layout: none skipped, none repeated, in this epoch and every later one.
 The replicas and the accumulation may change freely (the per-replica and
 micro-batch cut of a worker's share of the step is the trainer's business);
 the global batch may not: the checkpoint records it, and the resumed run
-keeps it (`tfdp.batching.resumed_layout`, decided in the run's Plan).
+keeps it (`tfdp.train.global_batch.resumed_layout`, decided in the run's Plan).
 
 Where this is impossible one line says what happens instead: S streams
 cannot be dealt evenly to W' workers (more workers than streams, or not a
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from tfdp.batching import BatchLayout
+from tfdp.train.global_batch import BatchLayout
 from tfdp.errors import UserError
 
 
@@ -49,7 +49,7 @@ def run_facts(layout: BatchLayout, workers: int, streams: int) -> dict:
 
 def check_global_batch(state: dict | None, layout: BatchLayout) -> None:
     """The restored checkpoint must hold the global batch the run was sized by, the newest checkpoint's
-    (`tfdp.batching.resumed_layout`): its schedule, learning rate and steps per epoch are counted in it. They
+    (`tfdp.train.global_batch.resumed_layout`): its schedule, learning rate and steps per epoch are counted in it. They
     differ only where the restore went back past a damaged checkpoint to one of another run in the same
     model_dir; a one-line UserError says so."""
     if not state or not state.get("global_batch") or state["global_batch"] == layout.global_batch:

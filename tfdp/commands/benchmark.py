@@ -131,7 +131,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def _run_probe(config_path: str, replicas: int, steps: int, warmup: int, measure_input: bool) -> dict:
-    cmd = [sys.executable, "-m", "tfdp.benchmark", config_path, str(replicas), str(steps), str(warmup),
+    cmd = [sys.executable, "-m", "tfdp.commands.benchmark", config_path, str(replicas), str(steps), str(warmup),
            "1" if measure_input else "0"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -154,12 +154,12 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     warm-up and compilation are not averaged in (a short probe read well below
     what training then achieved on one H100).
     """
-    from tfdp.strategy import local_replicas, make_runtime
+    from tfdp.distribute.strategy import local_replicas, make_runtime
     runtime = make_runtime(local_replicas(replicas))
 
     from tfdp.data import build_source
     from tfdp.data.pipeline import synthetic_dataset, train_dataset
-    from tfdp.task import Plan, compile_model
+    from tfdp.train.assembly import Plan, compile_model
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     plan = Plan(global_batch, warmup + steps, 0, 0, cfg.model.num_classes)

@@ -6,7 +6,7 @@ never, when a worker is missing). This process sleeps beside it instead: if
 the worker has not closed the pipe by the deadline, the watchdog names the
 members that accept no connection, on the worker's stderr, and kills it.
 
-  python -m tfdp.watchdog PID SECONDS   (TF_CONFIG in the environment; stdin is the pipe)
+  python -m tfdp.distribute.watchdog PID SECONDS   (TF_CONFIG in the environment; stdin is the pipe)
 
 A SIGKILL reads like any other kill (the OOM killer's, say), so when
 TFDP_WATCHDOG_MARK names a file the watchdog also writes its message there:
@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 
-from tfdp import cluster as cluster_lib
+from tfdp.distribute import cluster as cluster_lib
 
 MARK_ENV = "TFDP_WATCHDOG_MARK"
 
@@ -30,7 +30,7 @@ MARK_ENV = "TFDP_WATCHDOG_MARK"
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Watches the current process for `seconds`; leaving the block in time calls it off."""
-    proc = subprocess.Popen([sys.executable, "-m", "tfdp.watchdog", str(os.getpid()), str(seconds)],
+    proc = subprocess.Popen([sys.executable, "-m", "tfdp.distribute.watchdog", str(os.getpid()), str(seconds)],
                             stdin=subprocess.PIPE)
     try:
         yield

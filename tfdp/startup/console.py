@@ -161,11 +161,11 @@ def stderr_to_devnull() -> None:
 
 def import_tensorflow() -> None:
     """Imports TensorFlow (and Keras), without its start-up chatter unless verbosity was asked for, and without
-    what tfdp does not use (`tfdp.tf_setup`).
+    what tfdp does not use (`tfdp.startup.tf_setup`).
 
     A failing import still raises; Python prints its traceback after stderr is back.
     """
-    from tfdp import tf_setup
+    from tfdp.startup import tf_setup
     quiet = "tensorflow" not in sys.modules and not verbose_requested(sys.argv)
     with stderr_to_devnull() if quiet else contextlib.nullcontext(), tf_setup.without_scikit_learn():
         import keras  # noqa: F401

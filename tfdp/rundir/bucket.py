@@ -42,35 +42,19 @@ import uuid
 from collections import defaultdict
 from typing import Callable, TypeVar
 
+from tfdp.config.model_dir import DEFAULT_SCRATCH_DIR, is_bucket
 from tfdp.errors import StorageLost, UserError, first_line
 
-BUCKET_PROTOCOLS = ("gs", "gcs", "s3", "s3a")   # stores with the conditional writes the lease needs
 COMMIT = "commit.json"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics"
 TENSORBOARD = "tensorboard"
 WHOLE_FILES = ("config.yaml", "corrupt_images.txt")   # small files uploaded whole when they change
-DEFAULT_SCRATCH_DIR = "~/.cache/tfdp/runs"
 T = TypeVar("T")
 
 
 class BucketLost(StorageLost):
     """The bucket holding model_dir stopped answering; the newest committed checkpoint is where to go on."""
-
-
-def is_bucket(model_dir: str) -> bool:
-    return "://" in model_dir and model_dir.split("://", 1)[0] in BUCKET_PROTOCOLS
-
-
-def check_model_dir(model_dir: str) -> None:
-    """A local path, or a bucket of a store with conditional writes; anything else is one line."""
-    if "://" not in model_dir or is_bucket(model_dir):
-        return
-    scheme = model_dir.split("://", 1)[0]
-    if scheme == "file":
-        raise UserError(f"model_dir {model_dir}: give the path without file://")
-    raise UserError(f"model_dir {model_dir}: tfdp keeps runs on a local or shared file system path, gs:// or "
-                    f"s3://, not {scheme}:// (the one-writer lease needs a store with conditional writes)")
 
 
 def scratch_path(url: str, scratch_dir: str) -> str:
@@ -265,7 +249,7 @@ class Uploader:
         import concurrent.futures
         self.bucket = bucket
         self.local = local
-        from tfdp.metrics_file import METRICS_FILE, read_metrics
+        from tfdp.rundir.metrics_file import METRICS_FILE, read_metrics
         # The rows pulled from the bucket are there already.
         self._epochs_sent = {int(r["epoch"]) for r in read_metrics(os.path.join(local, METRICS_FILE))}
         self._event_offsets: dict[str, int] = {}     # local event file → bytes of whole records uploaded
@@ -297,7 +281,7 @@ class Uploader:
 
     def sync_logs(self) -> None:
         """Uploads new metrics rows, new TensorBoard records and changed small files."""
-        from tfdp.metrics_file import METRICS_FILE, read_metrics
+        from tfdp.rundir.metrics_file import METRICS_FILE, read_metrics
         for row in read_metrics(os.path.join(self.local, METRICS_FILE)):
             epoch = int(row["epoch"])
             if epoch not in self._epochs_sent:

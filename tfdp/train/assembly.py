@@ -24,18 +24,18 @@ from tfdp.data.pipeline import (Bookkeeping, CorruptCounter, StreamPosition, eva
                                 train_dataset)
 from tfdp.data.storage import is_remote_url
 from tfdp.errors import UserError
-from tfdp.finetune import scale_learning_rates
+from tfdp.optim.finetune import scale_learning_rates
 from tfdp.keras_patches.eval_step import install_exact_eval_loss
 from tfdp.augment import build_batch_augment
-from tfdp.batching import BatchLayout, CheckpointBatch, batch_layout, resumed_layout
-from tfdp.elastic import Streams
+from tfdp.train.global_batch import BatchLayout, CheckpointBatch, batch_layout, resumed_layout
+from tfdp.train.input_streams import Streams
 from tfdp.keras_patches.train_step import augment_before_step, compile_train_step, use_xla
-from tfdp.losses import BinaryCrossEntropy, SparseSmoothedCrossentropy, Top1, TopK
+from tfdp.optim.losses import BinaryCrossEntropy, SparseSmoothedCrossentropy, Top1, TopK
 from tfdp.models import build_model
-from tfdp.optimizers import build_optimizer
-from tfdp.replica_state import WorkerGather
-from tfdp.schedules import build_schedule
-from tfdp.strategy import Runtime
+from tfdp.optim.optimizers import build_optimizer
+from tfdp.distribute.replica_state import WorkerGather
+from tfdp.optim.schedules import build_schedule
+from tfdp.distribute.strategy import Runtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Plan:
     lost_records: int = 0           # listed in counts.json but cut off their shards (both splits)
     damaged: tuple[str, ...] = ()   # the shards those records were lost from
     accum_steps: int = 1            # micro-batches per optimizer step (a step is always an optimizer step)
-    # How the global batch is cut on the replicas found (`tfdp.batching`); None in a Plan built by hand.
+    # How the global batch is cut on the replicas found (`tfdp.train.global_batch`); None in a Plan built by hand.
     layout: BatchLayout | None = None
     # Whole-step XLA, on or off, and why (`use_xla` on the run's devices): decided here, once per run.
     # None in a Plan built by hand: `compile_model` then decides on the devices of the scope it runs in.
@@ -67,7 +67,7 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime, checkpoint: dict | 
 
     `checkpoint` is the state of the checkpoint the run resumes (None: a fresh
     run). A resume keeps its global batch whatever the hardware found
-    (`tfdp.batching.resumed_layout`), so the schedule, steps per epoch and
+    (`tfdp.train.global_batch.resumed_layout`), so the schedule, steps per epoch and
     stream position built from this Plan are the checkpoint's."""
     if source.num_classes and source.num_classes != cfg.model.num_classes:  # 0: unknown until labels are read
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
@@ -103,7 +103,7 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     if augment is not None:
         augment_before_step(model, augment, cfg.train.seed, jit)
     # Built now, not lazily in the first step, so a checkpoint can restore its state; over every variable, before
-    # train.freeze freezes any (tfdp/finetune.py), so its state has one shape in every phase.
+    # train.freeze freezes any (tfdp/optim/finetune.py), so its state has one shape in every phase.
     optimizer.build(model.trainable_variables)
     scales = scale_learning_rates(cfg, model, optimizer)  # optimizer.layer_decay, optimizer.head_lr_multiplier
     if scales:
@@ -215,7 +215,7 @@ class TrainStream:
         self.cfg, self.source, self.runtime, self.plan, self.corrupt = cfg, source, runtime, plan, corrupt
         self.start: tuple[int, int] = (0, 0)
         self.position: StreamPosition | None = None   # made with each dataset
-        # The run's input streams this worker reads (`tfdp.elastic`): its own one unless a resume says otherwise.
+        # The run's input streams this worker reads (`tfdp.train.input_streams`): its own one unless a resume says otherwise.
         self.streams = Streams(runtime.num_workers, (runtime.worker_index,), ((0, 0),))
         self.positions: list[StreamPosition] = []
         self.image_size = 0                             # the side of the current dataset's images
@@ -254,7 +254,7 @@ class TrainStream:
         return ds
 
     def _streams_dataset(self, train, data, starts):
-        """Several of the run's streams on this worker (a resume on fewer workers, `tfdp.elastic`)."""
+        """Several of the run's streams on this worker (a resume on fewer workers, `tfdp.train.input_streams`)."""
         self.starts = [tuple(p) for p in starts]
         self.positions = [StreamPosition() for _ in self.streams.mine]
         cfg, plan, streams = self.cfg, self.plan, self.streams

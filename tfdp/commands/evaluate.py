@@ -1,0 +1,72 @@
+"""`tfdp evaluate`: a checkpoint's top-1/top-5 over the whole validation split."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+
+from tfdp.rundir.checkpoints import CheckpointStore, load_checkpoint
+from tfdp.config import Config
+from tfdp.data import build_source
+from tfdp.data.pipeline import data_errors
+from tfdp.data.sources import require_complete
+from tfdp.errors import UserError
+from tfdp.distribute.strategy import Runtime
+from tfdp.train.assembly import evaluation_model, validation_dataset
+
+
+def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> dict:
+    """Top-1/top-5 over the whole validation split, spread over the replicas, each image once."""
+    source = build_source(cfg.data, splits=(cfg.data.val_split,))  # the training split is not even listed
+    if source.num_classes and source.num_classes != cfg.model.num_classes:
+        raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
+    split = source.split(cfg.data.val_split)
+    require_complete(split)
+    with runtime.strategy.scope():
+        model = evaluation_model(cfg)
+    load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
+    with data_errors():
+        result = model.evaluate(validation_dataset(cfg, source, runtime), verbose=0, return_dict=True)
+    result["examples"] = evaluated_images(model)
+    skipped = split.num_examples - result["examples"]
+    if skipped:
+        name_unnamed_corrupt(split, cfg, runtime, skipped)
+    print("tfdp: evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
+          + f" over {result['examples']} images"
+          + (f" ({skipped} of the {split.num_examples} listed could not be decoded)" if skipped else ""), flush=True)
+    return result
+
+
+def name_unnamed_corrupt(split, cfg: Config, runtime: Runtime, skipped: int) -> None:
+    """The pipeline names a corrupt image at the next image it decodes; one at the end of a pipeline's share has
+    none, so it is named here, by decoding that share's last files again."""
+    if split.kind != "images":
+        return
+    from tfdp.data.corrupt import LOG, name_trailing
+    from tfdp.data.preprocess import eval_transform
+    from tfdp.data.storage import localize
+    named = sum(path in LOG.entries for path in split.files)
+    if named >= skipped:
+        return
+    pipelines = runtime.num_workers if len(split.files) >= runtime.num_workers else 1
+    for k in range(pipelines):
+        share = list(split.files[k::pipelines])
+        tail = share[-(skipped - named + 1):]
+        name_trailing(localize(tail, cfg.data.cache_dir), skipped - named, eval_transform(cfg.data), LOG)
+
+
+def evaluated_images(model: keras.Model) -> int:
+    """Images the metrics really cover: the weight top-1 was averaged over (padding and corrupt images weigh 0).
+
+    Read from the metric itself, summed over all replicas, rather than taken
+    from the listing, so the printed count can never claim images that were
+    not evaluated.
+    """
+    def walk(metrics):
+        for metric in metrics:
+            yield metric
+            yield from walk(getattr(metric, "metrics", None) or [])
+    top1 = next(m for m in walk(model.metrics) if m.name == "top1")
+    count = next(v for v in top1.variables if v.path.endswith("count"))
+    return int(round(float(keras.ops.convert_to_numpy(count))))

@@ -1,0 +1,1 @@
+"""Optimisation: optimizers, learning-rate schedules and losses, each a registry from config names."""
