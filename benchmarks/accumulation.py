@@ -40,7 +40,7 @@ def measure(args) -> dict:
     from tfdp.commands.benchmark import fit_rate
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
-    from tfdp.train.assembly import Plan, compile_model
+    from tfdp.train.task import Plan, compile_model
     k = args.k
     cfg = validate({"model": {"name": args.model, "num_classes": 1000}, "data": {"image_size": args.size},
                     "train": {"jit_compile": args.xla, "batch_size_per_replica": args.batch // max(k, 1),

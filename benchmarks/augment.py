@@ -52,7 +52,7 @@ def measure(section: dict, args) -> float:
     from tfdp.commands.benchmark import fit_rate
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
-    from tfdp.train.assembly import Plan, compile_model
+    from tfdp.train.task import Plan, compile_model
     keras.backend.clear_session()
     cfg = validate({"model": {"name": args.model, "num_classes": 100}, "data": {"image_size": args.size},
                     "augment": section, "train": {"batch_size_per_replica": args.batch, "jit_compile": args.jit}})

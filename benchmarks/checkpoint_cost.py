@@ -40,7 +40,7 @@ def measure(name: str, args, runtime) -> dict:
     from tfdp.data.pipeline import synthetic_dataset
     from tfdp.distribute.preemption import PreemptionWatch
     from tfdp.distribute.replica_state import ReplicaSnapshot, state_averager
-    from tfdp.train.assembly import Plan, compile_model
+    from tfdp.train.task import Plan, compile_model
 
     model_name, size, classes, batch = SETUPS[name]
     global_batch = batch * runtime.num_replicas

@@ -45,7 +45,7 @@ def child(model: str, fmt: str, size: int, out: str) -> None:
 
     from tfdp.config import validate
     from tfdp.commands.export import export, inference_network, onnx_memory_bound, weight_bytes
-    from tfdp.train.assembly import serving_model
+    from tfdp.train.task import serving_model
 
     cfg = validate({"model_dir": out, "model": {"name": model, "num_classes": 10},
                     "data": {"format": "synthetic", "image_size": size, "eval_crop_fraction": 1.0}})

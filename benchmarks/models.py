@@ -23,7 +23,7 @@ def measure(name: str, precision: str, jit: bool, args) -> float:
     from tfdp.commands.benchmark import fit_rate
     from tfdp.config import validate
     from tfdp.data.pipeline import synthetic_dataset
-    from tfdp.train.assembly import Plan, compile_model
+    from tfdp.train.task import Plan, compile_model
     keras.backend.clear_session()
     cfg = validate({"model": {"name": name, "num_classes": 1000}, "data": {"image_size": 224},
                     "train": {"precision": precision, "jit_compile": jit, "batch_size_per_replica": args.batch}})

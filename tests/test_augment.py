@@ -420,7 +420,7 @@ def test_every_switch_trains_through_the_real_step_on_two_replicas(digits_dir):
     from tfdp.data import build_source
     from tfdp.data.pipeline import Bookkeeping, train_dataset
     from tfdp.distribute.strategy import make_runtime
-    from tfdp.train.assembly import Plan, compile_model
+    from tfdp.train.task import Plan, compile_model
     cfg = validate({"data": {"format": "image_folder", "dir": digits_dir, "image_size": 16},
                     "model": {"name": "simple_cnn"},
                     # RandAugment's XLA program takes a minute to compile on 2 cores; it is compiled above.

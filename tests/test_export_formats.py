@@ -25,7 +25,7 @@ from tfdp.commands.export import export_checkpoint
 from tfdp.rundir.checkpoints import load_checkpoint
 from tfdp.commands.export import inference_network
 from tfdp.distribute.strategy import make_runtime
-from tfdp.train.assembly import model_in_precision, serving_model
+from tfdp.train.task import model_in_precision, serving_model
 
 MIN_AGREEMENT = 0.995
 

@@ -24,7 +24,7 @@ import pytest
 from conftest import REPO
 from tfdp.config import validate
 from tfdp.commands.export import FORMATS, export_memory_bound, inference_network, weight_bytes
-from tfdp.train.assembly import serving_model
+from tfdp.train.task import serving_model
 
 # Reports the peak resident memory of the command it runs (its only child) on its last stderr line.
 MEASURED = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "

@@ -24,7 +24,7 @@ from tfdp.models import build_model
 from tfdp.optim.optimizers import build_optimizer
 from tfdp.distribute.replica_state import replica_copies
 from tfdp.distribute.strategy import make_runtime
-from tfdp.train.assembly import Plan, compile_model
+from tfdp.train.task import Plan, compile_model
 
 
 # ---- layer-wise decay: timm's numbers ----

@@ -95,7 +95,7 @@ def test_bce_is_float32_under_bfloat16_logits_and_round_trips_its_config():
 def test_the_configured_loss_is_the_one_compiled():
     from tfdp.config import validate
     from tfdp.optim.losses import BinaryCrossEntropy
-    from tfdp.train.assembly import build_loss
+    from tfdp.train.task import build_loss
     built = build_loss(validate({"train": {"loss": "bce", "label_smoothing": 0.1, "bce_target_threshold": 0.2}}).train)
     assert isinstance(built, BinaryCrossEntropy) and (built.label_smoothing, built.target_threshold) == (0.1, 0.2)
     assert isinstance(build_loss(validate({}).train), SparseSmoothedCrossentropy)

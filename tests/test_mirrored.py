@@ -9,7 +9,7 @@ from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import DistributeConfig, validate
 from tfdp.distribute.replica_state import ReplicaSnapshot, replica_copies, state_averager
 from tfdp.distribute.strategy import make_runtime
-from tfdp.train.assembly import Plan, compile_model
+from tfdp.train.task import Plan, compile_model
 
 STEPS = 6
 GLOBAL_BATCH = 32

@@ -13,7 +13,7 @@ from tfdp.config import load_config, validate
 from tfdp.models import build_model
 from tfdp.config.image_sizes import variable_size
 from tfdp.optim.schedules import build_schedule
-from tfdp.train.assembly import Plan, compile_model
+from tfdp.train.task import Plan, compile_model
 
 
 def recipe(name):

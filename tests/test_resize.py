@@ -125,7 +125,7 @@ def test_each_segments_stream_has_its_size_and_the_same_records(small_dir):
     """The trainer's per-size datasets: batches of each size, and (crop windows and order drawn from the seed and
     the stream position) the same records at every size, so resuming at any segment stays exact."""
     from tfdp.distribute.strategy import make_runtime
-    from tfdp.train.assembly import TrainStream, make_plan
+    from tfdp.train.task import TrainStream, make_plan
     cfg = validate({"data": {"format": "image_folder", "dir": small_dir, "image_size": 32, "progressive_min_size": 16,
                              "progressive_end_epoch": 3, "progressive_step": 8},
                     "train": {"batch_size_per_replica": 8, "deterministic": True},

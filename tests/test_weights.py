@@ -22,7 +22,7 @@ from tfdp.models import build_model
 from tfdp.models.weights import (MIRROR_ENV, SOURCES, init_from, keras_cache_dir, layers_with_weights, load_into,
                                  read_source)
 from tfdp.distribute.strategy import make_runtime
-from tfdp.train.assembly import model_in_precision
+from tfdp.train.task import model_in_precision
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 SQUEEZENET = os.path.join(FIXTURES, "squeezenet1_1.safetensors")

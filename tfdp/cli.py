@@ -107,11 +107,16 @@ def config_and_runtime(args: list[str], training: bool = False):
     if training and cfg.data.service_address:
         from tfdp.data.service_servers import check_service
         check_service(cfg.data.service_address, cfg.data.service_timeout)
+    return cfg, started_runtime(cfg)
+
+
+def started_runtime(cfg: config_lib.Config):
+    """TensorFlow imported, the strategy built, the model's name checked: in this order, once per command."""
     console.import_tensorflow()
     from tfdp.distribute.strategy import make_runtime
     runtime = make_runtime(cfg.distribute)
     check_model(cfg)
-    return cfg, runtime
+    return runtime
 
 
 def check_model(cfg: config_lib.Config) -> None:
@@ -175,10 +180,7 @@ def cmd_predict(args: list[str]) -> None:
     cfg = resolved_config()  # the training data need not be here: it only names the classes
     from tfdp.commands.predict import predict, request
     job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
-    console.import_tensorflow()
-    from tfdp.distribute.strategy import make_runtime
-    runtime = make_runtime(cfg.distribute)
-    check_model(cfg)
+    runtime = started_runtime(cfg)
     with run_copy(cfg) as cfg:
         predict(cfg, runtime, FLAGS.checkpoint, job)
 

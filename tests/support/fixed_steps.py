@@ -5,7 +5,7 @@ import tensorflow as tf
 from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
 from tfdp.distribute.strategy import make_runtime
-from tfdp.train.assembly import Plan, compile_model
+from tfdp.train.task import Plan, compile_model
 
 
 def train_fixed_batches(cfg, steps: int, global_batch: int, start=None):

@@ -159,12 +159,12 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
 
     from tfdp.data import build_source
     from tfdp.data.pipeline import synthetic_dataset, train_dataset
-    from tfdp.train.assembly import Plan, compile_model
+    from tfdp.train.task import ClassificationTask, Plan
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     plan = Plan(global_batch, warmup + steps, 0, 0, cfg.model.num_classes)
     with runtime.strategy.scope():
-        model = compile_model(cfg, plan)
+        model = ClassificationTask(cfg, runtime).build_model("train", plan)
     result = {"replicas": runtime.num_replicas, "global_batch": global_batch}
     synthetic = runtime.strategy.distribute_datasets_from_function(
         lambda ctx: synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch, ctx))

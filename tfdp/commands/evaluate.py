@@ -13,7 +13,7 @@ from tfdp.data.pipeline import data_errors
 from tfdp.data.sources import require_complete
 from tfdp.errors import UserError
 from tfdp.distribute.strategy import Runtime
-from tfdp.train.assembly import evaluation_model, validation_dataset
+from tfdp.train.task import ClassificationTask
 
 
 def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> dict:
@@ -23,11 +23,12 @@ def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> di
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
     split = source.split(cfg.data.val_split)
     require_complete(split)
+    task = ClassificationTask(cfg, runtime, source)
     with runtime.strategy.scope():
-        model = evaluation_model(cfg)
+        model = task.build_model("evaluate")
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
     with data_errors():
-        result = model.evaluate(validation_dataset(cfg, source, runtime), verbose=0, return_dict=True)
+        result = model.evaluate(task.build_validation_inputs(), verbose=0, return_dict=True)
     result["examples"] = evaluated_images(model)
     skipped = split.num_examples - result["examples"]
     if skipped:

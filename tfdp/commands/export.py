@@ -49,7 +49,7 @@ from tfdp.data.pipeline import data_errors
 from tfdp.distribute.strategy import Runtime
 from tfdp.rundir.checkpoints import CheckpointStore, load_checkpoint
 from tfdp.rundir.writable import writable_dir
-from tfdp.train.assembly import serving_model
+from tfdp.train.task import ClassificationTask
 from tfdp.data.preprocess import center_crop
 from tfdp.errors import UserError, first_line
 from tfdp.models.layers import split_grouped_convolutions
@@ -528,7 +528,8 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
     out_dir = writable_dir(out_dir or os.path.join(model_dir, "export"), "the export folder")
     source = build_source(cfg.data, splits=(cfg.data.val_split,))  # for the class names and the verification
     # Exports are float32 whatever the training precision (ONNX's exporter requires it; the weights are float32).
-    model = serving_model(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="float32")))
+    model = ClassificationTask(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="float32"))
+                               ).build_model("serve")
     load_checkpoint(model, checkpoint or CheckpointStore(model_dir).best_weights, cfg)
     written = export(model, cfg, source.class_names, out_dir, formats)
     paths = written.paths

@@ -235,7 +235,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     from tfdp.data.preprocess import eval_transform
     from tfdp.data.streaming import limit_bytes
     from tfdp.rundir.checkpoints import load_checkpoint
-    from tfdp.train.assembly import serving_model
+    from tfdp.train.task import ClassificationTask
 
     if runtime.num_workers > 1:
         raise UserError("predict runs on one host's replicas: use distribute.strategy mirrored or one_device")
@@ -243,7 +243,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     names, text = class_names(cfg)
     parts = chunks(job.sizes, len(files), limit_bytes(cfg.data))
     with runtime.strategy.scope():
-        model = serving_model(cfg)
+        model = ClassificationTask(cfg).build_model("serve")
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas

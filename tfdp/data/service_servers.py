@@ -40,7 +40,7 @@ from tfdp.errors import UserError, first_line
 HEARTBEAT_MS = 1_000
 # A job no trainer has read for JOB_GC_TIMEOUT_MS is deleted (checked every JOB_GC_CHECK_MS), its tasks
 # with it. TensorFlow keeps `distributed_epoch` jobs forever by default, since one recreated under
-# the same name would break its visit-once guarantee; tfdp never reuses a job name (`tfdp.train.assembly`), and
+# the same name would break its visit-once guarantee; tfdp never reuses a job name (`tfdp.train.task`), and
 # its jobs are endless, so without this every finished run would leave its tasks on every worker.
 JOB_GC_TIMEOUT_MS = 300_000
 JOB_GC_CHECK_MS = 60_000

@@ -99,7 +99,7 @@ class CheckpointStore:
         """The state.json of the newest checkpoint that has a readable one (its `path` added), weights unread;
         None if there is none.
 
-        A resumed run is sized by its checkpoint (the global batch, `tfdp.train.assembly.make_plan`) before its model
+        A resumed run is sized by its checkpoint (the global batch, `tfdp.train.task.make_plan`) before its model
         exists to load weights into, so this reads the state alone, quietly: `restore_latest` warns about
         what it skips. Should it go back past this checkpoint to an older one, every checkpoint of a run
         holds the same global batch, and `tfdp.train.run.Run.build` checks it.

@@ -1,3 +1,3 @@
-"""The training run: the model, data and optimizer assembled for a command (`assembly`), one run held
-(`run`) and fitted (`trainer`) with its callbacks; what sizes it (`global_batch`, `accumulation`,
-`image_sizes`, `input_streams`) and fine-tuning's phases (`finetune`)."""
+"""The training run: what every command builds from the config (`task`: `ClassificationTask` and the run's
+`Plan`), one run held (`run`) and fitted (`trainer`) with its callbacks, and what sizes it (`global_batch`,
+`input_streams`)."""

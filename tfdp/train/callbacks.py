@@ -149,13 +149,15 @@ def ema_weights(model: keras.Model):
 class CheckpointSettings:
     """What a run tells its `Checkpointer`: the metric that picks the best epoch (and the best so far), the
     epoch length, how often to save mid-epoch, and where the run resumed (epoch, step in it) with that
-    checkpoint's metric totals."""
+    checkpoint's metric totals, and the facts every checkpoint records about the batch and layout that wrote
+    it (`tfdp.train.input_streams.run_facts`)."""
     monitor: str
     steps_per_epoch: int
     every_steps: int = 0
     best: dict[str, Any] | None = None
     resume: tuple[int, int] = (0, 0)
     resume_metrics: dict[str, list[float]] | None = None
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Checkpointer(keras.callbacks.Callback):
@@ -187,7 +189,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.snapshot = snapshot
         self._epoch = self._offset = 0
         self._fit_steps = 0
-        self.facts: dict[str, Any] = {}  # the batch and layout that wrote the checkpoints (tfdp.train.input_streams.run_facts)
+        self.facts = settings.facts
 
     def on_train_begin(self, logs=None):
         self._fit_steps = 0

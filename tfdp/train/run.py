@@ -1,13 +1,14 @@
 """A training run held in one object: built once from (config, runtime, source, plan), read by the trainer.
 
-`Run.build` compiles the model in the strategy's scope, plans its frozen
-layers, restores the latest checkpoint and fills a fresh run from
-`model.init_from`; the `Plan` it is given already holds the run's two
-decisions, the batch layout and XLA (`tfdp.train.assembly.make_plan`, made once). What
-runs the run (`tfdp.train.trainer.fit_all`) takes the run and asks it for the parts
-it needs, the input streams, the validation data, the checkpointer's settings,
-rather than taking ten of them, as Model Garden's task holds the config once
-and builds inputs, model, losses and metrics from it.
+`Run.build` asks the run's `ClassificationTask` for the model compiled for
+training (in the strategy's scope), plans its frozen layers, restores the
+latest checkpoint and lets the task fill a fresh run from `model.init_from`;
+the `Plan` it is given already holds the run's two decisions, the batch
+layout and XLA (`tfdp.train.task.make_plan`, made once). What runs the run
+(`tfdp.train.trainer.fit_all`) takes the run and asks it for the parts it
+needs, the input streams, the validation data, the checkpointer's settings,
+rather than taking ten of them. Nothing here prints: the trainer prints what
+the run reports (`xla_line`, `input_streams`' line).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from tfdp.data import Source
 from tfdp.data.pipeline import CorruptCounter
 from tfdp.train.input_streams import Streams, check_global_batch, plan_streams, run_facts
 from tfdp.optim.finetune import Freezing
-from tfdp.models.weights import init_from
 from tfdp.distribute.replica_state import ReplicaSnapshot
 from tfdp.distribute.strategy import Runtime
-from tfdp.train.assembly import Plan, TrainStream, compile_model, validation_dataset
+from tfdp.train.task import ClassificationTask, Plan, TrainStream
 
 
 @dataclasses.dataclass
@@ -38,6 +38,7 @@ class Run:
     runtime: Runtime
     source: Source
     plan: Plan
+    task: ClassificationTask
     model: keras.Model
     freezing: Freezing
     state: dict | None
@@ -45,39 +46,40 @@ class Run:
     @classmethod
     def build(cls, cfg: Config, runtime: Runtime, source: Source, plan: Plan, model_dir: str) -> "Run":
         """Model (in the strategy's scope), frozen layers, XLA line, checkpoint restore, `model.init_from`."""
+        task = ClassificationTask(cfg, runtime, source)
         with runtime.strategy.scope():
-            model = compile_model(cfg, plan)
+            model = task.build_model("train", plan)
         freezing = Freezing.plan(cfg.train, cfg.model.name, model)  # train.freeze checked against the model's layers
-        jit, why = plan.xla
-        print(f"tfdp: xla: {'on' if jit else 'off'} ({why})", flush=True)
         state = CheckpointStore(model_dir).restore_latest(model)
         check_global_batch(state, plan.layout)
-        init_from(model, cfg.model, cfg.data, resumed=state is not None)
-        return cls(cfg, runtime, source, plan, model, freezing, state)
+        task.initialize(model, resumed=state is not None)
+        return cls(cfg, runtime, source, plan, task, model, freezing, state)
 
     @property
     def resume(self) -> tuple[int, int]:
         """(epoch, step in it) where this run starts: the checkpoint's, or (0, 0)."""
         return (self.state["epoch"], self.state.get("step_in_epoch", 0)) if self.state else (0, 0)
 
-    def train_stream(self, corrupt: CorruptCounter | None) -> TrainStream:
-        """This worker's training pipeline, startable at any position of its record stream."""
-        return TrainStream(self.cfg, self.source, self.runtime, self.plan, corrupt)
+    def train_stream(self, corrupt: CorruptCounter | None, streams: Streams) -> TrainStream:
+        """This worker's training pipeline over the input `streams` it reads, startable at any position."""
+        return self.task.build_train_inputs(self.plan, corrupt, streams)
 
-    def input_streams(self) -> Streams:
-        """The input streams this worker reads, at the checkpoint's positions (`tfdp.train.input_streams`; a fresh run:
-        its own stream from the start). A layout change is one line: exact, or why not."""
+    def input_streams(self) -> tuple[Streams, str]:
+        """The input streams this worker reads, at the checkpoint's positions (`tfdp.train.input_streams`; a
+        fresh run: its own stream from the start), and the line a layout change prints: exact, or why not
+        ('' when the layout is the checkpoint's)."""
         state, runtime = self.state, self.runtime
         steps_done = state.get("step", state["epoch"] * self.plan.steps_per_epoch) if state else 0
-        streams, line = plan_streams(state, runtime.num_workers, runtime.worker_index, steps_done,
-                                     self.plan.global_batch, bool(self.cfg.data.service_address))
-        if line:
-            print(line, flush=True)
-        return streams
+        return plan_streams(state, runtime.num_workers, runtime.worker_index, steps_done,
+                            self.plan.global_batch, bool(self.cfg.data.service_address))
+
+    def xla_line(self) -> str:
+        jit, why = self.plan.xla
+        return f"tfdp: xla: {'on' if jit else 'off'} ({why})"
 
     def validation(self):
         """Per-worker validation pipelines at the run's micro-batch per replica."""
-        return validation_dataset(self.cfg, self.source, self.runtime, self.plan.layout)
+        return self.task.build_validation_inputs(self.plan.layout)
 
     def replica_snapshot(self) -> ReplicaSnapshot:
         """Each replica's own non-trained state, put back as the checkpoint saved it when its layout fits."""
@@ -87,14 +89,12 @@ class Run:
             snapshot.put_back(own)  # each replica's statistics as they were, not just their saved average
         return snapshot
 
-    def checkpoint_settings(self) -> CheckpointSettings:
+    def checkpoint_settings(self, streams: Streams) -> CheckpointSettings:
         """The checkpointer's part of the run: best metric (and best so far), epoch length, step interval,
-        resume point and that checkpoint's metric totals."""
+        resume point and that checkpoint's metric totals, and what every checkpoint records about the batch
+        and layout that wrote it (the run's number of input `streams` among them)."""
         state = self.state
         return CheckpointSettings(self.cfg.train.best_metric, self.plan.steps_per_epoch,
                                   self.cfg.train.checkpoint_every_steps, state["best"] if state else None,
-                                  self.resume, state.get("metrics") if state else None)
-
-    def facts(self, streams: Streams) -> dict:
-        """What every checkpoint records about the batch and layout that wrote it."""
-        return run_facts(self.plan.layout, self.runtime.num_workers, streams.count)
+                                  self.resume, state.get("metrics") if state else None,
+                                  run_facts(self.plan.layout, self.runtime.num_workers, streams.count))

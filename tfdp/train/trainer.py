@@ -1,7 +1,7 @@
 """`tfdp train`: config → data → model (in the strategy's scope) → fit → summary.
 
 Read top to bottom, this is the whole training run: the data (`tfdp.data`),
-the plan that sizes the run and makes its decisions once (`tfdp.train.assembly.make_plan`:
+the plan that sizes the run and makes its decisions once (`tfdp.train.task.make_plan`:
 global batch and its layout, XLA), the run built from them (`tfdp.train.run.Run`:
 model, restored checkpoint, input streams, validation data, checkpointer
 settings), then the fit calls and their callbacks; everything else it calls
@@ -44,7 +44,7 @@ from tfdp.distribute.replica_state import decorrelate_random_streams, state_aver
 from tfdp.config.image_sizes import size_runs
 from tfdp.distribute.strategy import Runtime
 from tfdp.train.run import Run
-from tfdp.train.assembly import Plan, make_plan
+from tfdp.train.task import Plan, make_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +117,7 @@ def train_in(cfg: Config, runtime: Runtime, place: Place) -> dict:
     print(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
           f"global batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch", flush=True)
     run = Run.build(cfg, runtime, source, plan, model_dir)  # the model, restored or filled from init_from
+    print(run.xla_line(), flush=True)
     state = run.state
     epoch, step_in_epoch = run.resume
     previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
@@ -161,12 +162,15 @@ def fit_all(run: Run, fits: list[Segment], store: CheckpointStore, metrics_log: 
     cfg, runtime, model, freezing = run.cfg, run.runtime, run.model, run.freezing
     corrupt = CorruptCounter()
     CORRUPT_LOG.write_to(corrupt_images_file(model_dir, runtime.worker_index))
-    stream = run.train_stream(corrupt)
+    streams, line = run.input_streams()
+    if line:
+        print(line, flush=True)
+    stream = run.train_stream(corrupt, streams)
     average = state_averager(model)
     watch = PreemptionWatch(runtime.strategy, runtime.num_workers)
     snapshot = run.replica_snapshot()
     decorrelate_random_streams(model)  # each replica flips and drops its own images, not replica 0's choices
-    checkpointer = Checkpointer(store, run.checkpoint_settings(), average=average, input_state=stream.state,
+    checkpointer = Checkpointer(store, run.checkpoint_settings(streams), average=average, input_state=stream.state,
                                 snapshot=snapshot, watch=watch)
     # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
     # drops the killed run's copy of it (see `callbacks.tensorboard`).
@@ -177,9 +181,7 @@ def fit_all(run: Run, fits: list[Segment], store: CheckpointStore, metrics_log: 
                        image_size=(lambda: stream.image_size) if progressive else None)
     callbacks = [stats, AverageReplicaState(average), *ema, metrics_log,
                  *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
-    stream.streams = run.input_streams()
-    checkpointer.facts = run.facts(stream.streams)
-    start = list(stream.streams.starts)
+    start = list(streams.starts)
     watch.install()
     try:
         address = cfg.data.service_address

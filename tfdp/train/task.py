@@ -1,10 +1,14 @@
-"""One assembly for every command: the model compiled for what the command does, and only the data it reads.
+"""The image-classification task, as Model Garden's (`official/vision/tasks/image_classification.py`):
+one object, built once from the config, that builds each part a command needs and nothing it does not.
 
-`train` sizes a run (`make_plan`), compiles the model for training and
-streams its training split (`TrainStream`) and validation split; `evaluate`
-compiles for evaluation only and reads only the validation split (no
+`ClassificationTask` holds the config (and, for what reads data, the runtime
+and the listed source). `train` sizes a run first (`make_plan`: the global
+batch, its layout on the replicas, XLA), then asks the task for the model
+compiled for training, its losses and metrics, the weights it starts from,
+its training stream (`TrainStream`) and its validation data; `evaluate` asks
+for the model compiled for evaluation only and the validation data (no
 optimizer, no training pipeline, no listing of the training data); `export`
-builds the bare model. As Model Garden's task, everything is built inside the
+and `predict` ask for the bare model. Everything is built inside the
 strategy scope the caller holds; nothing here branches on the strategy.
 """
 
@@ -32,6 +36,7 @@ from tfdp.train.input_streams import Streams
 from tfdp.keras_patches.train_step import augment_before_step, compile_train_step, use_xla
 from tfdp.optim.losses import BinaryCrossEntropy, SparseSmoothedCrossentropy, Top1, TopK
 from tfdp.models import build_model
+from tfdp.models.weights import init_from
 from tfdp.optim.optimizers import build_optimizer
 from tfdp.distribute.replica_state import WorkerGather
 from tfdp.optim.schedules import build_schedule
@@ -60,6 +65,53 @@ class Plan:
     def micro_batch(self) -> int:
         """Images per micro-batch over all replicas: what one forward pass sees, and the evaluation batch."""
         return self.global_batch // self.accum_steps
+
+
+class ClassificationTask:
+    """What every command builds, from one config: `build_model` (for training, evaluation or serving),
+    `build_losses`, `build_metrics`, `initialize` (the weights a fresh run starts from), and the inputs:
+    `build_train_inputs` and `build_validation_inputs`. `runtime` and `source` are needed only by what reads
+    data; call the builders inside the runtime's strategy scope so variables are mirrored."""
+
+    def __init__(self, cfg: Config, runtime: Runtime | None = None, source: Source | None = None):
+        self.cfg, self.runtime, self.source = cfg, runtime, source
+
+    def build_model(self, purpose: str = "train", plan: "Plan | None" = None) -> keras.Model:
+        """`train`: compiled with the optimizer and schedule `plan` sizes (XLA as it decided); `evaluate`:
+        compiled with loss and metrics only; `serve`: the bare model, for export and prediction."""
+        if purpose not in MODELS_FOR:
+            raise ValueError(f"purpose must be one of {', '.join(MODELS_FOR)}, got {purpose!r}")
+        return MODELS_FOR[purpose](self.cfg, plan)
+
+    def build_losses(self) -> keras.losses.Loss:
+        return build_loss(self.cfg.train)
+
+    def build_metrics(self) -> list[keras.metrics.Metric]:
+        return build_metrics(self.cfg)
+
+    def initialize(self, model: keras.Model, resumed: bool) -> None:
+        """A fresh run's weights from `model.init_from` (none for a resumed one: its checkpoint has them)."""
+        init_from(model, self.cfg.model, self.cfg.data, resumed=resumed)
+
+    def build_train_inputs(self, plan: "Plan", corrupt: CorruptCounter | None,
+                           streams: Streams | None = None) -> "TrainStream":
+        """This worker's training pipeline over the input `streams` it reads, startable at any position."""
+        return TrainStream(self.cfg, self._source(), self._runtime(), plan, corrupt, streams)
+
+    def build_validation_inputs(self, layout: BatchLayout | None = None):
+        """Per-worker validation pipelines (`validation_dataset`): at a training run's `layout`, or, for
+        `tfdp evaluate` (None), at the replicas found."""
+        return validation_dataset(self.cfg, self._source(), self._runtime(), layout)
+
+    def _source(self) -> Source:
+        if self.source is None:
+            raise ValueError("this task was built without the data's source")
+        return self.source
+
+    def _runtime(self) -> Runtime:
+        if self.runtime is None:
+            raise ValueError("this task was built without a runtime")
+        return self.runtime
 
 
 def make_plan(cfg: Config, source: Source, runtime: Runtime, checkpoint: dict | None = None) -> Plan:
@@ -111,6 +163,12 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     return model
 
 
+def _training_model(cfg: Config, plan: "Plan | None") -> keras.Model:
+    if plan is None:
+        raise ValueError("a model for training needs the run's plan")
+    return compile_model(cfg, plan)
+
+
 def evaluation_model(cfg: Config) -> keras.Model:
     """The model compiled for evaluation only: loss and metrics, no optimizer, no schedule, no training data.
 
@@ -122,6 +180,14 @@ def evaluation_model(cfg: Config) -> keras.Model:
 def serving_model(cfg: Config) -> keras.Model:
     """The bare model, for export: no optimizer, no metrics."""
     return model_in_precision(cfg)
+
+
+# ClassificationTask.build_model's purposes -> (config, plan) -> the model built for it.
+MODELS_FOR = {
+    "train": _training_model,
+    "evaluate": lambda cfg, plan: evaluation_model(cfg),
+    "serve": lambda cfg, plan: serving_model(cfg),
+}
 
 
 def model_in_precision(cfg: Config) -> keras.Model:
@@ -156,15 +222,20 @@ def build_loss(train: TrainConfig) -> keras.losses.Loss:
     return LOSSES[train.loss](train)
 
 
-def _compiled(cfg: Config, optimizer) -> keras.Model:
-    model = model_in_precision(cfg)
+def build_metrics(cfg: Config) -> list[keras.metrics.Metric]:
+    """Top-1, and top-5 where there are more than 5 classes; weighted, so evaluation's padding never counts."""
     metrics = [Top1(name="top1")]
     if cfg.model.num_classes > 5:
         metrics.append(TopK(k=5, name="top5"))
+    return metrics
+
+
+def _compiled(cfg: Config, optimizer) -> keras.Model:
+    model = model_in_precision(cfg)
     # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer (dynamic loss scaling).
     # Weighted metrics, so evaluation's weight-0 padding images are not counted.
-    model.compile(optimizer=optimizer, loss=build_loss(cfg.train),
-                  weighted_metrics=metrics, jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
+    model.compile(optimizer=optimizer, loss=build_loss(cfg.train), weighted_metrics=build_metrics(cfg),
+                  jit_compile=False, steps_per_execution=cfg.train.steps_per_execution)
     install_exact_eval_loss(model)  # val_loss over the real images, not the evaluation padding
     return model
 
@@ -211,12 +282,14 @@ class TrainStream:
     (`tfdp.data.service`) and only the counting runs here.
     """
 
-    def __init__(self, cfg: Config, source: Source, runtime: Runtime, plan: Plan, corrupt: CorruptCounter | None):
+    def __init__(self, cfg: Config, source: Source, runtime: Runtime, plan: Plan, corrupt: CorruptCounter | None,
+                 streams: Streams | None = None):
         self.cfg, self.source, self.runtime, self.plan, self.corrupt = cfg, source, runtime, plan, corrupt
         self.start: tuple[int, int] = (0, 0)
         self.position: StreamPosition | None = None   # made with each dataset
-        # The run's input streams this worker reads (`tfdp.train.input_streams`): its own one unless a resume says otherwise.
-        self.streams = Streams(runtime.num_workers, (runtime.worker_index,), ((0, 0),))
+        # The run's input streams this worker reads (`tfdp.train.input_streams`, `Run.input_streams`): by
+        # default its own one, from the start.
+        self.streams = streams or Streams(runtime.num_workers, (runtime.worker_index,), ((0, 0),))
         self.positions: list[StreamPosition] = []
         self.image_size = 0                             # the side of the current dataset's images
         # Each step takes one batch per local replica from this worker's pipeline.
