@@ -36,7 +36,7 @@ def test_bad_config_fails_fast_with_one_line(tmp_path, config, extra, message):
 
 def test_a_model_dir_in_a_store_without_conditional_writes_is_one_line_and_writes_no_local_folder(tmp_path):
     """`os.path` would make hdfs://host/run a local folder 'hdfs:/host/run': the run's output not where asked.
-    Buckets (gs://, s3://) are model_dirs (tests/test_bucket_run.py); other stores lack the lease's writes."""
+    Buckets (gs://, s3://) are model_dirs (tests/rundir/test_bucket_run.py); other stores lack the lease's writes."""
     for command in ("train", "evaluate", "export"):
         result = run_tfdp(command, "--model_dir=hdfs://namenode/run", cwd=str(tmp_path), timeout=60)
         assert_one_line_error(result, 2, "model_dir hdfs://namenode/run: tfdp keeps runs on a local or shared file "

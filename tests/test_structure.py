@@ -4,7 +4,7 @@ without TensorFlow do.
 A leading underscore says "only this module uses it"; a second module that reaches for it couples the two
 behind the reader's back (say, a service module importing the pipeline's helpers).
 What two modules share is made public in one of them. Keras's and TensorFlow's private names are another
-matter: tfdp/keras_patches/__init__.py lists those in RELIED_ON, with a canary each (tests/test_compat.py).
+matter: tfdp/keras_patches/__init__.py lists those in RELIED_ON, with a canary each (tests/keras_patches/test_compat.py).
 """
 
 from __future__ import annotations
@@ -169,6 +169,15 @@ def test_data_flows_one_way_between_the_layers():
     still = {(file, target) for file, _, own, target in unit_imports(Path(REPO))
              if target != PACKAGE and LAYERS.index(target) > LAYERS.index(own)}
     assert set(UPWARD) <= still, f"listed in UPWARD but gone (take them off): {set(UPWARD) - still}"
+
+
+def test_the_test_folders_mirror_the_packages():
+    """A folder of tests per package of tfdp/ (and none for a package that does not exist); what spans the
+    packages stays at the top, and the fault tests keep their own folder."""
+    tests = Path(REPO) / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    packages = {u for u in LAYERS if (Path(REPO) / PACKAGE / u).is_dir()}
+    assert folders == packages | {"faults"}
 
 
 def test_the_module_map_in_the_architecture_page_matches_the_folders():

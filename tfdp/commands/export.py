@@ -141,7 +141,7 @@ ONNX_MEMORY_FIXED_BYTES = 1 << 30
 
 # The peak resident memory of a whole `tfdp export` process (TensorFlow, the model, every format written and loaded
 # back in its runtime for the check), as a fixed part plus a multiple of the weights' bytes: docs/export.md's bound,
-# which tests/test_export_zoo.py holds every zoo family to.
+# which tests/commands/test_export_zoo.py holds every zoo family to.
 EXPORT_MEMORY_FIXED_BYTES = 3 << 30
 EXPORT_MEMORY_PER_WEIGHT_BYTE = 16
 

@@ -12,7 +12,7 @@ pieces of it are replaced:
   images, not over the evaluation padding.
 
 Each relies on Keras internals. `RELIED_ON` names them all, and
-`tests/test_compat.py` resolves every name and checks the upstream code each
+`tests/keras_patches/test_compat.py` resolves every name and checks the upstream code each
 patch exists for: when a Keras upgrade moves or changes one, that test fails
 and says which patch to re-check.
 """
@@ -78,7 +78,7 @@ RELIED_ON = {
         "tf2onnx.graph.Node.update_proto",
     ),
     # AutoGraph leaves tfdp's functions unconverted: one more rule in TensorFlow's list of packages it does not
-    # convert (tests/test_startup.py checks the effect).
+    # convert (tests/startup/test_startup.py checks the effect).
     "tf_setup": (
         "tensorflow.python.autograph.core.config.CONVERSION_RULES",
         "tensorflow.python.autograph.core.config.DoNotConvert",

@@ -13,7 +13,7 @@ batch size, replica count or worker count. Accuracy metrics are already
 weighted (`weighted_metrics`) and unchanged.
 
 It relies on Keras 3's private `_compute_loss` and `_loss_tracker`, as its
-own `test_step` does; `tests/test_compat.py` fails when they change.
+own `test_step` does; `tests/keras_patches/test_compat.py` fails when they change.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Two upstream bugs, both in `keras/src/backend/tensorflow/trainer.py`:
    Fix: reduce across replicas with `axis=None`, the mean over all workers.
 
 The reduction fix only changes the multi-worker path; the build fix applies
-to every strategy, since reading one replica's batch is what the build needs. `tests/test_compat.py` fails as soon as
+to every strategy, since reading one replica's batch is what the build needs. `tests/keras_patches/test_compat.py` fails as soon as
 upstream's code no longer has the patched shape, so the workaround is
 re-checked on every Keras upgrade.
 """

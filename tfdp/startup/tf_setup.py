@@ -19,7 +19,7 @@ at start-up buy tfdp nothing:
   that reaches it, rather than being converted.
 
 The second uses a private TensorFlow name, listed in
-`tfdp.keras_patches.RELIED_ON` and checked by tests/test_compat.py.
+`tfdp.keras_patches.RELIED_ON` and checked by tests/keras_patches/test_compat.py.
 """
 
 from __future__ import annotations

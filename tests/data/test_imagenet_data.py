@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import last_line, read_jsonl, run_tfdp
+from conftest import REPO, last_line, read_jsonl, run_tfdp
 from pipelines.convert_imagenet import Item, Prepared, convert, image_example
 from support.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
@@ -534,7 +534,7 @@ def test_interrupted_conversion_resumes_to_byte_identical_shards(tmp_path):
     resumed = str(tmp_path / "resumed")
     cmd = [sys.executable, "-m", "pipelines.convert_imagenet", f"--src={tree}", f"--out={resumed}",
            "--train_shards=12", "--val_shards=2"]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO
     proc = subprocess.Popen(cmd + ["--workers=1"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     deadline = time.monotonic() + 120

@@ -123,7 +123,7 @@ def test_s3_data_larger_than_the_cache_limit_streams_within_it(local, remote, tm
     """The bounded cache against S3: a training stream over the bucket's raw tree with data.cache_limit a third of
     the split stays within the limit on disk (sampled from outside) and yields the examples, in order, of the same
     stream over a whole local copy. (The shards' streaming is tested against the GCS emulator in
-    tests/test_streaming.py: these 3 shards are fewer than the interleave reads at once.)"""
+    tests/data/test_streaming.py: these 3 shards are fewer than the interleave reads at once.)"""
     from test_streaming import DiskPeak
     from tfdp.data import streaming
     from tfdp.data.pipeline import Bookkeeping, train_dataset

@@ -137,6 +137,6 @@ def test_channel_order_is_rgb_or_bgr_and_the_config_keeps_it():
 
 
 def test_a_bucket_model_dir_is_accepted_as_it_is():
-    """gs:// and s3:// runs live in the bucket (tests/test_bucket_run.py): the URL stays a URL."""
+    """gs:// and s3:// runs live in the bucket (tests/rundir/test_bucket_run.py): the URL stays a URL."""
     for url in ("gs://bucket/run", "s3://bucket/run"):
         assert config_lib.validate({"model_dir": url}).model_dir == url

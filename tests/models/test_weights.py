@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import CPU_DEVICES, assert_one_line_error, run_tfdp
+from conftest import CPU_DEVICES, REPO, assert_one_line_error, run_tfdp
 from tfdp.config import validate
 from tfdp.errors import UserError
 from tfdp.models import build_model
@@ -24,7 +24,7 @@ from tfdp.models.weights import (MIRROR_ENV, SOURCES, init_from, keras_cache_dir
 from tfdp.distribute.strategy import make_runtime
 from tfdp.train.task import model_in_precision
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
 SQUEEZENET = os.path.join(FIXTURES, "squeezenet1_1.safetensors")
 # float32 logits against torchvision's (the differences measured are in docs/pretrained-weights.md)
 LOGITS_ATOL = 1e-5

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 import yaml
 
+from conftest import REPO
 from tfdp.config import pretrained
 from tfdp.config import IMAGENET_MEAN, IMAGENET_STD, dump_yaml, validate
 from tfdp.errors import UserError
@@ -21,7 +22,7 @@ from tfdp.models.build import Standardize
 from tfdp.models.keras_apps import APPS
 from tfdp.models.weights import MIRROR_ENV, init_from
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
 
 def photos(size: int) -> np.ndarray:
