@@ -242,7 +242,7 @@ def test_keras_own_gradient_accumulation_cannot_run_under_mirrored_strategy():
 def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_path, digits_dir):
     """2 workers (`tfdp launch`), whole-step XLA, 2 micro-batches of 16 per worker and step, against one process
     with 2 replicas of 32 and Keras' own step: the same weights after 4 steps (rtol 1e-4, atol 1e-5)."""
-    from tests.test_multi_worker import FAST, deterministic, layer_weights
+    from test_multi_worker import FAST, deterministic, layer_weights
     data = tmp_path / "tiny"  # 64 training digits, as test_multi_worker's: one step per epoch
     for split, per_class in (("train", None), ("val", 4)):
         for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
