@@ -131,7 +131,7 @@ class Part:
         """Each of `streams` training streams' share, when one process reads several (`tfdp.train.input_streams`)."""
         if streams == 1:
             return self
-        return Part(self.fraction / streams, "training")
+        return Part(self.fraction / streams, self.name or "training")
 
     def describe(self, limit: int) -> str:
         """How a message names this stream's room: the limit, or its share of it."""
@@ -211,8 +211,7 @@ def payloads(share: Split, cfg: DataConfig, ordered: bool, build: Callable[[], t
             with contextlib.suppress(FileNotFoundError):
                 os.remove(local[u])
     stream = OPEN_STREAMS[key] = Stream(share.kind, {local[u]: (u, sizes[u]) for u in urls}, limit,
-                                        cfg.remote_timeout, endless)
-    stream.previous, stream.room = previous, part.describe(total)
+                                        cfg.remote_timeout, endless, part.describe(total), previous)
     _building.append(stream)
     try:
         read, order = build(), build()
@@ -292,9 +291,9 @@ class Stream(NoStream):
     `fetched` the objects it downloaded, in order."""
 
     def __init__(self, kind: str, files: dict[str, tuple[str, int]], limit: int, remote_timeout: float,
-                 endless: bool = True):
+                 endless: bool = True, room: str = "", previous: NoStream = NO_STREAM):
         self.kind, self.limit, self.endless = KINDS[kind], limit, endless
-        self.room = f"data.cache_limit ({_human(limit)})"   # what the messages call the limit
+        self.room = room or f"data.cache_limit ({_human(limit)})"   # what the messages call the limit
         self.url = {path: url for path, (url, _) in files.items()}
         self.size = {path: size for path, (_, size) in files.items()}
         self._urls = set(self.url.values())
@@ -314,7 +313,7 @@ class Stream(NoStream):
         self._closed = threading.Event()
         # The stream this one replaces (the same files, rebuilt: a new image size, say). Its reader may still
         # drain what it prefetched, so it is closed, and this one starts fetching, at this one's first read.
-        self.previous: NoStream = NO_STREAM
+        self.previous = previous
         self._order: tf.data.Dataset | None = None
         # Each iteration of the dataset (Keras may start more than one; only the newest is read) is a
         # generation of its own: its fetcher walks the order from the start, and what the last one held goes.
