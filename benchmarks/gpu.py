@@ -17,6 +17,7 @@ The JPEGs are cut from the real photos in the scikit-image/scikit-learn
 wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
 
   python benchmarks/gpu.py                      # ResNet-50, batch 256, bf16, 224 px: the GPU table
+  python benchmarks/gpu.py --rows=syn,keras,demo,split --epochs=3     # the short set, for a short lease
   python benchmarks/gpu.py --model=resnet18_small --size=32 --batch=32 --images=512 --epochs=3 \
       --precision=float32 --max_side=64 --steps=5 --skip_fp16       # a CPU smoke run
 """
@@ -103,7 +104,55 @@ def benchmark_rows(args, model_dir: str, data: list[str]) -> list[tuple[str, str
 
 def full_decode_rate(files: list[str], batch: int) -> str:
     from input_pipeline import full_decode, rate
-    return f"{rate(full_decode(files, batch), batch, 40):,.0f}"
+    return f"{rate(full_decode(files, batch), batch, 40)[0]:,.0f}"
+
+
+def split_gpu_run(n: int, memory_mb: int, argv: list[str]) -> None:
+    """`tfdp ARGV` with the first GPU split into `n` logical GPUs, so `mirrored` runs n replicas on one card.
+
+    Multi-replica code (all-reduce, per-replica batch norm, the divided global
+    batch) then runs on a GPU host with one card; the replicas share the card,
+    so it is a check, not a speed-up.
+    """
+    import tensorflow as tf
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_logical_device_configuration(gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_mb)] * n)
+    else:  # a CPU smoke run: n logical CPUs, as tfdp splits a GPU-less host
+        argv = [*argv, f"--cpu_replicas={n}"]
+    sys.argv = ["tfdp", *argv]
+    from tfdp.cli import run
+    run()
+
+
+def split_rate(args, model_dir: str, data: list[str]) -> str:
+    """`tfdp train` on synthetic data, 2 replicas on one card, the same global batch as the one-GPU rows."""
+    argv = ["train", f"--model={args.model}", f"--model_dir={model_dir}", f"--epochs={args.epochs}",
+            f"--batch_size_per_replica={args.batch // 2}", f"--set=data.image_size={args.size}",
+            f"--set=train.precision={args.precision}", "--set=train.checkpoint_every_steps=0", "--strategy=mirrored", *data]
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--split_gpu=2", "--", *argv], cwd=REPO,
+                         capture_output=True, text=True, timeout=3600)
+    if run.returncode != 0:
+        return "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:160]
+    with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        rates = [json.loads(line)["images_per_sec"] for line in f if line.strip()]
+    return f"{statistics.median(rates[1:] or rates):,.0f} (epochs: {', '.join(f'{r:,.0f}' for r in rates)})"
+
+
+def split_demo(model_dir: str) -> str:
+    """The digits demo (configs/digits.yaml) on 2 logical GPUs of one card: its time and top-1."""
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--split_gpu=2", "--", "train",
+                          "--config=configs/digits.yaml", f"--model_dir={model_dir}"], cwd=REPO, capture_output=True,
+                         text=True, timeout=3600)
+    took = time.perf_counter() - start
+    if run.returncode != 0:
+        return "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:160]
+    strategy = next((line.strip() for line in (run.stdout + run.stderr).splitlines() if "replica" in line), "?")
+    with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        last = [json.loads(line) for line in f if line.strip()][-1]
+    top1 = next((v for k, v in last.items() if k.startswith("val") and ("top1" in k or "accuracy" in k)), None)
+    return f"{took:.0f} s, val top-1 {top1:.2%} ({strategy[:120]})" if top1 is not None else f"{took:.0f} s, no val top-1"
 
 
 def device_name() -> str:
@@ -112,6 +161,9 @@ def device_name() -> str:
                               text=True, timeout=30).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         return f"no GPU ({platform.processor() or platform.machine()})"
+
+
+ROWS = ("keras", "syn", "split", "demo", "nojit", "fp16", "files", "shards", "small", "benchmark", "decode")
 
 
 def main() -> None:
@@ -124,44 +176,64 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="benchmark window, in steps")
     parser.add_argument("--max_side", type=int, default=256, help="downscaled shards: longer side")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"which rows, in this order: {','.join(ROWS)}")
     parser.add_argument("--skip_fp16", action="store_true", help="leave out the mixed_float16 row (emulated on CPUs)")
     parser.add_argument("--plain_keras_probe", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--split_gpu", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--split_memory_mb", type=int, default=30_000, help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
     if args.plain_keras_probe:
         return plain_keras_probe(args)
+    if args.split_gpu:
+        return split_gpu_run(args.split_gpu, args.split_memory_mb, [a for a in rest if a != "--"])
+    wanted = [r for r in args.rows.split(",") if r and not (r == "fp16" and args.skip_fp16)]
+    unknown = set(wanted) - set(ROWS)
+    if unknown:
+        parser.error(f"unknown rows {sorted(unknown)}: choose from {','.join(ROWS)}")
 
-    from input_pipeline import make_data
-    rows: list[tuple[str, str]] = []
+    print(f"# {device_name()}, {os.cpu_count()} CPUs; {args.model}, batch {args.batch} per device, {args.size} px, "
+          f"{args.precision}\n\n| run | images/s |\n|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as work:
         start = time.perf_counter()
-        data = make_data(work, args.images, args.max_side)
-        files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(data["tree"], "train")) for f in fs]
-        classes = f"--set=model.num_classes={len(os.listdir(os.path.join(data['tree'], 'train')))}"
         synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={args.batch * 60}",
                      "--set=model.num_classes=1000"]
-        tree = [f"--data_dir={data['tree']}", "--data_format=imagenet", classes]
-        shards = [f"--data_dir={data['shards']}", "--data_format=tfrecord", classes]
-        small = [f"--data_dir={data['small']}", "--data_format=tfrecord", classes]
-        rows.append(("plain Keras fit, jit_compile=True, one device, synthetic", plain_keras_rate(args)))
         run = lambda name, *extra: train_rate(args, os.path.join(work, name), *extra)  # noqa: E731
-        rows.append(("tfdp train, synthetic, XLA auto", run("syn", synthetic)))
-        rows.append(("tfdp train, synthetic, train.jit_compile false", run("syn-nojit", synthetic,
-                                                                           "--set=train.jit_compile=false")))
-        if not args.skip_fp16:
-            rows.append(("tfdp train, synthetic, XLA, mixed_float16", run("syn-fp16", synthetic,
-                                                                           "--set=train.precision=mixed_float16")))
-        rows.append((f"tfdp train, {len(files):,} JPEG files (first process after writing them)", run("files", tree)))
-        rows.append(("tfdp train, TFRecord shards, full size", run("shards", shards)))
-        rows.append((f"tfdp train, TFRecord shards, longer side {args.max_side}", run("small", small)))
-        rows.extend(benchmark_rows(args, os.path.join(work, "bench"), shards))
-        rows.append(("full JPEG decode alone, same files", full_decode_rate(files, args.batch)))
-        took = time.perf_counter() - start
-    print(f"# {device_name()}, {os.cpu_count()} CPUs; {args.model}, batch {args.batch} per device, {args.size} px, "
-          f"{args.precision}; {took / 60:.0f} min\n")
-    print("| run | images/s |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+        real = {}
 
+        def data(kind: str) -> list[str]:
+            """The real-data flags, the files written on first use."""
+            if not real:
+                from input_pipeline import make_data
+                made = make_data(work, args.images, args.max_side)
+                classes = f"--set=model.num_classes={len(os.listdir(os.path.join(made['tree'], 'train')))}"
+                real["files"] = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(made["tree"], "train")) for f in fs]
+                real["tree"] = [f"--data_dir={made['tree']}", "--data_format=imagenet", classes]
+                real["shards"] = [f"--data_dir={made['shards']}", "--data_format=tfrecord", classes]
+                real["small"] = [f"--data_dir={made['small']}", "--data_format=tfrecord", classes]
+            return real[kind]
+
+        measure = {
+            "keras": lambda: [("plain Keras fit, jit_compile=True, one device, synthetic", plain_keras_rate(args))],
+            "syn": lambda: [("tfdp train, synthetic, XLA auto", run("syn", synthetic))],
+            "split": lambda: [("tfdp train, synthetic, XLA auto, 2 logical GPUs on one card (mirrored, same global batch)",
+                               split_rate(args, os.path.join(work, "split"), synthetic))],
+            "demo": lambda: [("digits demo (configs/digits.yaml), 2 logical GPUs on one card", split_demo(
+                os.path.join(work, "demo")))],
+            "nojit": lambda: [("tfdp train, synthetic, train.jit_compile false",
+                               run("syn-nojit", synthetic, "--set=train.jit_compile=false"))],
+            "fp16": lambda: [("tfdp train, synthetic, XLA, mixed_float16",
+                              run("syn-fp16", synthetic, "--set=train.precision=mixed_float16"))],
+            "files": lambda: [(f"tfdp train, {len(data('files')):,} JPEG files (first process after "
+                               "writing them)", run("files", data("tree")))],
+            "shards": lambda: [("tfdp train, TFRecord shards, full size", run("shards", data("shards")))],
+            "small": lambda: [(f"tfdp train, TFRecord shards, longer side {args.max_side}", run("small", data("small")))],
+            "benchmark": lambda: benchmark_rows(args, os.path.join(work, "bench"), data("shards")),
+            "decode": lambda: [("full JPEG decode alone, same files", full_decode_rate(data("files"), args.batch))],
+        }
+        for row in wanted:
+            for name, value in measure[row]():
+                print(f"| {name} | {value} |", flush=True)
+        print(f"\n{(time.perf_counter() - start) / 60:.1f} min", flush=True)
 
 if __name__ == "__main__":
     main()

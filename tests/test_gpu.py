@@ -17,3 +17,18 @@ def test_the_demo_trains_on_a_gpu_with_the_whole_step_compiled(tmp_path):
     assert "/device:GPU:0" in result.stdout and "tfdp: xla: on (auto: on for " in result.stdout
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert rows[-1]["val_top1"] > 0.9 and rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_the_demo_trains_on_two_logical_gpus_of_one_card(tmp_path):
+    """2-replica MirroredStrategy on one card: all-reduce and per-replica batch norm on GPU devices."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    result = subprocess.run([sys.executable, "benchmarks/gpu.py", "--split_gpu=2", "--", "train",
+                             "--config=configs/digits.yaml", f"--model_dir={tmp_path}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 replica(s) on /device:GPU:0, /device:GPU:1" in result.stdout
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[-1]["val_top1"] > 0.9 and rows[-1]["loss"] < rows[0]["loss"]

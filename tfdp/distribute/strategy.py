@@ -81,10 +81,13 @@ def _one_device(cfg: DistributeConfig) -> Runtime:
 
 def _mirrored(cfg: DistributeConfig) -> Runtime:
     devices = _local_devices(cfg)
-    # GPUs keep TensorFlow's default (NCCL). Logical CPU devices share one memory, so a plain
-    # reduce-and-broadcast is enough, and it avoids collective ops, whose instance keys restart
-    # with every new strategy and clash when a process builds more than one (tests, notebooks).
-    cross_device = tf.distribute.ReductionToOneDevice() if "CPU" in devices[0].upper() else None
+    # GPUs keep TensorFlow's default (NCCL), one rank per card. Logical CPU devices share one memory,
+    # so a plain reduce-and-broadcast is enough, and it avoids collective ops, whose instance keys
+    # restart with every new strategy and clash when a process builds more than one (tests, notebooks).
+    # Logical GPUs split from one card (testing multi-replica code on one GPU) share its memory too,
+    # and NCCL refuses two ranks on one card.
+    shared = "CPU" in devices[0].upper() or len(devices) > len(tf.config.list_physical_devices("GPU"))
+    cross_device = tf.distribute.ReductionToOneDevice() if shared else None
     return Runtime(tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device), "mirrored", tuple(devices))
 
 
