@@ -4,7 +4,7 @@
   `ignore_errors`, followed by a fallback element (a blank image and a
   py_function that records the reason) that only runs when the decode failed;
   the failure stays in the stream.
-- "listing + map" (what `tfdp predict` does, `tfdp.commands.predict.prediction_dataset`):
+- "listing + map" (what `tfdp predict` does, `tfdp.data.pipeline.prediction_dataset`):
   one parallel map with `ignore_errors`, images carried with their numbers;
   the rows are made from the listing, and a number that does not come back is
   explained afterwards by decoding that file again.
@@ -56,7 +56,7 @@ def main() -> None:
     from tfdp.config import DataConfig
     from tfdp.data.pipeline import decode_calls
     from tfdp.data.preprocess import eval_transform
-    from tfdp.commands.predict import prediction_dataset
+    from tfdp.data.pipeline import prediction_dataset
 
     cfg = DataConfig(image_size=args.size)
     transform = eval_transform(cfg)

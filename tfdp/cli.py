@@ -18,6 +18,7 @@ from absl import app, flags
 from tfdp import config as config_lib
 from tfdp.startup import console
 from tfdp.errors import PREEMPTED_EXIT_CODE, Preempted, Restartable, UserError
+from tfdp.startup.console import say
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "YAML config file (see configs/). Defaults apply to anything it leaves out.")
@@ -145,7 +146,7 @@ def run_copy(cfg: config_lib.Config, outputs: tuple[str, ...] = ()):
     def upload():
         for name in outputs:
             if (where := place.push_folder(name)):
-                print(f"tfdp: bucket: uploaded {name}/ to {where}", flush=True)
+                say(f"tfdp: bucket: uploaded {name}/ to {where}")
     try:
         place.pull_outputs()
         try:
@@ -194,8 +195,8 @@ def cmd_report(args: list[str]) -> None:
     with run_copy(config_lib.Config(model_dir=args[0]), ("report",)) as cfg:
         path = report(cfg.model_dir)
         shown = os.path.join(args[0].rstrip("/"), "report", os.path.basename(path)) if "://" in args[0] else path
-        print(f"tfdp: report: {shown}")
-        print(open(path, encoding="utf-8").read())
+        say(f"tfdp: report: {shown}")
+        say(open(path, encoding="utf-8").read())
 
 
 def cmd_benchmark(args: list[str]) -> None:
@@ -205,8 +206,8 @@ def cmd_benchmark(args: list[str]) -> None:
     check_model(cfg)  # this process only starts the probes: Keras' import here splits no device
     out = FLAGS.benchmark_dir or os.path.join(os.path.expanduser(cfg.model_dir), "benchmark")
     result = benchmark(cfg, FLAGS.max_replicas, FLAGS.steps, FLAGS.warmup_steps, out)
-    print(format_table(result))
-    print(f"tfdp: benchmark: wrote {out}/benchmark.json and {out}/scaling.png")
+    say(format_table(result))
+    say(f"tfdp: benchmark: wrote {out}/benchmark.json and {out}/scaling.png")
 
 
 def cmd_launch(args: list[str]) -> None:

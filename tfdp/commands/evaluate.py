@@ -14,6 +14,7 @@ from tfdp.data.sources import require_complete
 from tfdp.errors import UserError
 from tfdp.distribute.strategy import Runtime
 from tfdp.train.task import ClassificationTask
+from tfdp.startup.console import say
 
 
 def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> dict:
@@ -33,9 +34,9 @@ def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> di
     skipped = split.num_examples - result["examples"]
     if skipped:
         name_unnamed_corrupt(split, cfg, runtime, skipped)
-    print("tfdp: evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
-          + f" over {result['examples']} images"
-          + (f" ({skipped} of the {split.num_examples} listed could not be decoded)" if skipped else ""), flush=True)
+    say("tfdp: evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
+        + f" over {result['examples']} images"
+        + (f" ({skipped} of the {split.num_examples} listed could not be decoded)" if skipped else ""))
     return result
 
 

@@ -54,6 +54,7 @@ from tfdp.data.preprocess import center_crop
 from tfdp.errors import UserError, first_line
 from tfdp.models.layers import split_grouped_convolutions
 from tfdp.config.image_sizes import eval_image_size
+from tfdp.startup.console import say
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -535,7 +536,7 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
     paths = written.paths
     made = [f for f in formats if f in paths]
     if made:
-        print(f"tfdp: export: wrote {', '.join(paths[f] for f in made)} and {paths['classes']}", flush=True)
+        say(f"tfdp: export: wrote {', '.join(paths[f] for f in made)} and {paths['classes']}")
     if verify_images is not None and made:
         split = source.split(cfg.data.val_split)
         with data_errors():
@@ -543,7 +544,7 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
             agreements = verify(inference_network(model, portable=False), cfg, split, paths, tuple(made),
                                 verify_images)
         for name, agreement in agreements.items():
-            print(agreement_line(name, paths[name], agreement), flush=True)
+            say(agreement_line(name, paths[name], agreement))
         paths["agreement"] = agreements
     if written.failed:  # after the others are written and checked: one line, exit status 2
         raise UserError(written.failure_line())

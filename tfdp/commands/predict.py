@@ -32,17 +32,15 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from tfdp.config import Config, DataConfig
+from tfdp.config import Config
 from tfdp.data import build_source
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.sources import IMAGE_PATTERNS, Ignored, is_image_file
 from tfdp.data.storage import cache_paths, filesystem, is_remote, is_remote_url, localize, url
 from tfdp.errors import UserError, first_line
-from tfdp.config.image_sizes import eval_image_size
+from tfdp.startup.console import say
 
 if TYPE_CHECKING:  # TensorFlow loads only once the request is known to be good
-    import tensorflow as tf
-
     from tfdp.distribute.strategy import Runtime
 
 GLOB_CHARACTERS = "*?["
@@ -180,7 +178,7 @@ def class_names(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     try:
         source = build_source(cfg.data, splits=(cfg.data.val_split,))
     except UserError as e:
-        print(f"tfdp: predict: no class names ({first_line(e)}); classes are named by number", flush=True)
+        say(f"tfdp: predict: no class names ({first_line(e)}); classes are named by number")
         return (), ()
     if source.num_classes and source.num_classes != cfg.model.num_classes:
         raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
@@ -189,38 +187,6 @@ def class_names(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 # --- the pipeline ------------------------------------------------------------
-
-def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
-                       ctx: "tf.distribute.InputContext") -> "tf.data.Dataset":
-    """This input pipeline's share of `files` as per-replica batches of (image number, uint8 image).
-
-    Image i goes to pipeline i mod n. Every pipeline pads its share with
-    number -1 up to the same whole number of steps, so every replica gets
-    full batches (as `pipeline.eval_dataset`). An image that cannot be read
-    or decoded is left out (its number never comes back; `predict` explains
-    it) and the padding makes up for it. Numbers travel with the images, so
-    decoding need not keep their order.
-    """
-    import tensorflow as tf
-
-    from tfdp.data.pipeline import decode_calls
-    from tfdp.data.preprocess import eval_transform
-    transform = eval_transform(cfg)
-    size = eval_image_size(cfg)
-    blank = tf.zeros([size, size, 3], tf.uint8)
-    n, i = ctx.num_input_pipelines, ctx.input_pipeline_id
-    batch = ctx.get_per_replica_batch_size(global_batch)
-    per_step = batch * (ctx.num_replicas_in_sync // n)
-    padded = -(-len(range(0, len(files), n)) // per_step) * per_step
-    numbers = tf.constant(np.arange(len(files), dtype=np.int64)[i::n], tf.int64)
-    paths = tf.constant(files[i::n], tf.string)
-
-    ds = tf.data.Dataset.from_tensor_slices((numbers, paths)).map(
-        lambda k, p: (k, transform(tf.io.read_file(p), k)), num_parallel_calls=decode_calls(),
-        deterministic=False).ignore_errors()
-    padding = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), blank)).repeat()
-    return ds.concatenate(padding).take(padded).batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
-
 
 # train.loss → the tf.math function that turns the model's outputs into class probabilities
 PROBABILITIES = {"softmax": "softmax", "bce": "sigmoid"}
@@ -242,8 +208,9 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     files, top_k = list(job.files), job.top_k
     names, text = class_names(cfg)
     parts = chunks(job.sizes, len(files), limit_bytes(cfg.data))
+    task = ClassificationTask(cfg, runtime)
     with runtime.strategy.scope():
-        model = ClassificationTask(cfg).build_model("serve")
+        model = task.build_model("serve")
     load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
@@ -258,8 +225,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
 
     def predict_part(local: list[str], bar) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Image number within `local` → its top-k (values, class indices)."""
-        dataset = runtime.strategy.distribute_datasets_from_function(
-            lambda ctx: prediction_dataset(local, cfg.data, global_batch, ctx))
+        dataset = task.build_predict_inputs(local, global_batch)
         best = {}
         iterator = iter(dataset)
         for _ in range(-(-len(local) // global_batch)):
@@ -285,9 +251,9 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
         CORRUPT_LOG.record(files[k], error)
     rows = [_row(files[k], best.get(k), errors.get(k), names, text) for k in range(len(files))]
     atomic_write_text(job.output, job.write(rows, top_k))
-    print(f"tfdp: predict: {len(files)} image(s) → {job.output}"
-          + (f" ({len(errors)} could not be decoded)" if errors else "")
-          + f", {len(files) / max(seconds, 1e-9):.0f} images/s on {runtime.num_replicas} replica(s)", flush=True)
+    say(f"tfdp: predict: {len(files)} image(s) → {job.output}"
+        + (f" ({len(errors)} could not be decoded)" if errors else "")
+        + f", {len(files) / max(seconds, 1e-9):.0f} images/s on {runtime.num_replicas} replica(s)")
     return {"images": len(files), "failed": len(errors), "seconds": seconds, "chunks": len(parts)}
 
 

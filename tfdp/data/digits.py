@@ -17,6 +17,7 @@ import os
 import shutil
 
 import numpy as np
+from tfdp.startup.console import say
 
 IMAGE_SIDE = 32
 VAL_FRACTION = 0.2
@@ -84,7 +85,7 @@ def main() -> None:
     if os.path.exists(args.out):
         parser.error(f"{args.out} already exists")
     counts = write_digits(args.out)
-    print(" ".join(f"{k}={v}" for k, v in counts.items()))
+    say(" ".join(f"{k}={v}" for k, v in counts.items()))
 
 
 if __name__ == "__main__":

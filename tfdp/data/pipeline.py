@@ -340,6 +340,34 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)
 
 
+def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
+                       ctx: "tf.distribute.InputContext") -> "tf.data.Dataset":
+    """This input pipeline's share of `files` as per-replica batches of (image number, uint8 image).
+
+    Image i goes to pipeline i mod n. Every pipeline pads its share with
+    number -1 up to the same whole number of steps, so every replica gets
+    full batches (as `eval_dataset`). An image that cannot be read
+    or decoded is left out (its number never comes back; `predict` explains
+    it) and the padding makes up for it. Numbers travel with the images, so
+    decoding need not keep their order.
+    """
+    transform = eval_transform(cfg)
+    size = eval_image_size(cfg)
+    blank = tf.zeros([size, size, 3], tf.uint8)
+    n, i = ctx.num_input_pipelines, ctx.input_pipeline_id
+    batch = ctx.get_per_replica_batch_size(global_batch)
+    per_step = batch * (ctx.num_replicas_in_sync // n)
+    padded = -(-len(range(0, len(files), n)) // per_step) * per_step
+    numbers = tf.constant(np.arange(len(files), dtype=np.int64)[i::n], tf.int64)
+    paths = tf.constant(files[i::n], tf.string)
+
+    ds = tf.data.Dataset.from_tensor_slices((numbers, paths)).map(
+        lambda k, p: (k, transform(tf.io.read_file(p), k)), num_parallel_calls=decode_calls(),
+        deterministic=False).ignore_errors()
+    padding = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), blank)).repeat()
+    return ds.concatenate(padding).take(padded).batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
 def synthetic_dataset(cfg: DataConfig, num_classes: int, global_batch: int,
                       input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
     """One random uint8 batch, repeated: what benchmarks use to time the model with no input pipeline at all.

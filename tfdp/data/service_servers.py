@@ -34,6 +34,7 @@ import time
 
 from tfdp.config import DEFAULT_CACHE_DIR
 from tfdp.errors import UserError, first_line
+from tfdp.startup.console import say
 
 # Workers heartbeat this often; a heartbeat is how a worker, new or restarted, gets its tasks of the
 # running jobs, so with TensorFlow's default (30 s) a replaced worker would idle half a minute.
@@ -87,8 +88,7 @@ def worker(dispatcher_address: str, port: int, worker_address: str | None, mirro
     from tfdp.data import storage
     for url in mirror:
         files, size = storage.mirror(url, cache_dir)
-        print(f"tfdp: data-service: mirrored {files} files ({size / 2**20:.1f} MB) of {url} into {cache_dir}",
-              flush=True)
+        say(f"tfdp: data-service: mirrored {files} files ({size / 2**20:.1f} MB) of {url} into {cache_dir}")
     tf = _cpu_only_tensorflow()
     service = tf.data.experimental.service
     address = worker_address or "localhost"
@@ -274,8 +274,8 @@ def _serve(server, what: str) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    print(f"tfdp: data-service: {what}", flush=True)
+    say(f"tfdp: data-service: {what}")
     while not stop.wait(1.0):
         pass
-    print("tfdp: data-service: stopped", flush=True)
+    say("tfdp: data-service: stopped")
     os._exit(0)  # not sys.exit: the server's destructor (`server` is still referenced here) would call stop()

@@ -11,12 +11,12 @@ import concurrent.futures
 import dataclasses
 import os
 import posixpath
-import sys
 
 import fsspec
 
 from tfdp.data.storage import filesystem, is_remote, note_sizes, url
 from tfdp.errors import UserError
+from tfdp.startup.console import say
 
 # Every format `tf.io.decode_image` decodes (TensorFlow 2.21: JPEG, PNG, GIF, BMP, WebP; GIFs and WebPs by their
 # first frame), by file extension, compared without case. TIFF and HEIC are not among them.
@@ -56,7 +56,7 @@ class Ignored:
 
     def report(self, where: str) -> None:
         if self.total:
-            print(self.line(where), flush=True)
+            say(self.line(where))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +151,8 @@ def check_lost(split: Split, max_bad_fraction: float) -> None:
     if split.lost_records > max_bad_fraction * listed:
         raise UserError(f"split '{split.name}': {split.damage()}; {split.lost_records} of {listed} records lost is "
                         f"more than data.max_bad_fraction ({max_bad_fraction})")
-    print(f"tfdp: warning: split '{split.name}': {split.damage()}; going on without the "
-          f"{split.lost_records} lost record(s)", file=sys.stderr, flush=True)
+    say(f"tfdp: warning: split '{split.name}': {split.damage()}; going on without the "
+        f"{split.lost_records} lost record(s)", err=True)
 
 
 def image_folder(root: str, split_names: tuple[str, ...]) -> Source:

@@ -49,6 +49,7 @@ from tfdp.distribute import watchdog
 from tfdp.distribute.cluster import free_ports, workers_tf_config
 from tfdp.errors import PREEMPTED_EXIT_CODE, UserError
 from tfdp.rundir.lease import process_exists
+from tfdp.startup.console import say
 
 GRACE_SECONDS = 10.0
 SCRATCH_PREFIX = "tfdp-launch-"
@@ -122,7 +123,7 @@ def _start_service(data_workers: int, port: int, log_dir: str, scratch: str, pro
         proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         procs.append(proc)
-        print(f"tfdp: launch: {name} pid {proc.pid}, log {log}", flush=True)
+        say(f"tfdp: launch: {name} pid {proc.pid}, log {log}")
         threading.Thread(target=_pump, args=(proc, f"[{name}] ", log, lock), daemon=True).start()
     return f"grpc://{address}"
 
@@ -137,8 +138,8 @@ def _run(addresses: list[str], child_args: list[str], log_dir: str, scratch: str
         proc = subprocess.Popen(command, env=worker_env(addresses, i, scratch), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         procs.append(proc)
-        print(f"tfdp: launch: worker {i} pid {proc.pid} at {addresses[i]}, "
-              f"log {os.path.join(log_dir, f'worker-{i}.log')}", flush=True)
+        say(f"tfdp: launch: worker {i} pid {proc.pid} at {addresses[i]}, "
+            f"log {os.path.join(log_dir, f'worker-{i}.log')}")
         pump = threading.Thread(target=_pump, args=(proc, f"[worker {i}] ", os.path.join(log_dir, f"worker-{i}.log"), lock),
                                 daemon=True)
         pump.start()

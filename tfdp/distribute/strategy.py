@@ -23,6 +23,7 @@ from tfdp.distribute import cluster as cluster_lib
 from tfdp.distribute import watchdog
 from tfdp.config import DistributeConfig
 from tfdp.errors import UserError
+from tfdp.startup.console import say
 
 COMMUNICATION = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -139,6 +140,6 @@ def make_runtime(cfg: DistributeConfig) -> Runtime:
     runtime = STRATEGIES[cfg.strategy](cfg)
     from tfdp import keras_patches
     keras_patches.install()
-    print(f"tfdp: strategy {runtime.kind}: {runtime.num_replicas} replica(s) on {', '.join(runtime.devices)}, "
-          f"{runtime.num_workers} worker(s)", flush=True)
+    say(f"tfdp: strategy {runtime.kind}: {runtime.num_replicas} replica(s) on {', '.join(runtime.devices)}, "
+        f"{runtime.num_workers} worker(s)")
     return runtime

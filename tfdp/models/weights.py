@@ -50,6 +50,7 @@ from tfdp.rundir.checkpoints import STATE, WEIGHTS, CheckpointStore
 from tfdp.config import pretrained
 from tfdp.config import DataConfig, ModelConfig
 from tfdp.errors import UserError, first_line
+from tfdp.startup.console import say
 
 
 @dataclasses.dataclass
@@ -241,7 +242,7 @@ def download(model: str, file: str, url: str, file_hash: str, where: str) -> str
         raise UserError(f"model.init_from: cannot write Keras' cache {where}/ ({e.strerror}): put {file} "
                         f"(from {url}) into a KERAS_HOME/models/ that can be written") from None
     checked = f"{'sha256' if len(file_hash) == 64 else 'md5'} {file_hash}" if file_hash else "no hash: Keras lists none"
-    print(f"tfdp: init_from: downloading {file} from {url} into {where}/ ({checked})", flush=True)
+    say(f"tfdp: init_from: downloading {file} from {url} into {where}/ ({checked})")
     try:
         with _download_settings():
             fetched = keras.utils.get_file(file, url, file_hash=file_hash or None, cache_subdir=scratch)
@@ -538,13 +539,13 @@ def init_from(model: keras.Model, model_cfg: ModelConfig, data_cfg: DataConfig, 
     if not model_cfg.init_from:
         return
     if resumed:
-        print(f"tfdp: init_from: resumed run, continuing from its own checkpoint; model.init_from "
-              f"({model_cfg.init_from}) applies to a fresh run only", flush=True)
+        say(f"tfdp: init_from: resumed run, continuing from its own checkpoint; model.init_from "
+            f"({model_cfg.init_from}) applies to a fresh run only")
         return
     weights = read_source(model_cfg.init_from, model_cfg, data_cfg)
     loaded, new = load_into(model, weights, model_cfg)
-    print(f"tfdp: init_from: loaded {len(loaded)} of {len(loaded) + len(new)} layers from {weights.what}; "
-          f"new: {', '.join(new) if new else 'none'}", flush=True)
+    say(f"tfdp: init_from: loaded {len(loaded)} of {len(loaded) + len(new)} layers from {weights.what}; "
+        f"new: {', '.join(new) if new else 'none'}")
     said = pretrained.line(model_cfg, data_cfg)  # resolved with the config (tfdp/config/pretrained.py); said here, once
     if said:
-        print(said, flush=True)
+        say(said)

@@ -44,6 +44,7 @@ from typing import Callable, TypeVar
 
 from tfdp.config.model_dir import DEFAULT_SCRATCH_DIR, is_bucket
 from tfdp.errors import StorageLost, UserError, first_line
+from tfdp.startup.console import say
 
 COMMIT = "commit.json"
 CHECKPOINTS = "checkpoints"
@@ -471,4 +472,4 @@ def _warn(message: str) -> None:
 
 
 def _say(message: str) -> None:
-    print(message, flush=True)
+    say(message)

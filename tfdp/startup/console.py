@@ -74,6 +74,18 @@ for line in sys.stdin.buffer:
 """
 
 
+def say(line: str, err: bool = False) -> None:
+    """Prints one of the run's own lines: the one place tfdp writes what a person reads.
+
+    Flushed at once, so the lines keep their order among TensorFlow's native
+    output and the workers' logs, and the last one is out before a crash or a
+    preemption's exit; `err` for warnings that belong with the errors (stderr).
+    """
+    stream = sys.stderr if err else sys.stdout
+    stream.write(f"{line}\n")
+    stream.flush()
+
+
 def verbose_requested(argv: list[str]) -> bool:
     """True when the command line asks for absl's verbosity (or TFDP_VERBOSE=1 is set)."""
     if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):

@@ -5,7 +5,7 @@ training (in the strategy's scope), plans its frozen layers, restores the
 latest checkpoint and lets the task fill a fresh run from `model.init_from`;
 the `Plan` it is given already holds the run's two decisions, the batch
 layout and XLA (`tfdp.train.task.make_plan`, made once). What runs the run
-(`tfdp.train.trainer.fit_all`) takes the run and asks it for the parts it
+(`tfdp.train.trainer.Trainer.fit_all`) takes the run and asks it for the parts it
 needs, the input streams, the validation data, the checkpointer's settings,
 rather than taking ten of them. Nothing here prints: the trainer prints what
 the run reports (`xla_line`, `input_streams`' line).

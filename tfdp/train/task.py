@@ -24,8 +24,8 @@ import tensorflow as tf
 from tfdp.config import Config, TrainConfig
 from tfdp.data import Source
 from tfdp.data import service, streaming
-from tfdp.data.pipeline import (Bookkeeping, CorruptCounter, StreamPosition, eval_dataset, streams_dataset,
-                                train_dataset)
+from tfdp.data.pipeline import (Bookkeeping, CorruptCounter, StreamPosition, eval_dataset, prediction_dataset,
+                                streams_dataset, train_dataset)
 from tfdp.data.storage import is_remote_url
 from tfdp.errors import UserError
 from tfdp.optim.finetune import scale_learning_rates
@@ -41,6 +41,7 @@ from tfdp.optim.optimizers import build_optimizer
 from tfdp.distribute.replica_state import WorkerGather
 from tfdp.optim.schedules import build_schedule
 from tfdp.distribute.strategy import Runtime
+from tfdp.startup.console import say
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Plan:
 class ClassificationTask:
     """What every command builds, from one config: `build_model` (for training, evaluation or serving),
     `build_losses`, `build_metrics`, `initialize` (the weights a fresh run starts from), and the inputs:
-    `build_train_inputs` and `build_validation_inputs`. `runtime` and `source` are needed only by what reads
+    `build_train_inputs`, `build_validation_inputs` and `build_predict_inputs`. `runtime` and `source` are needed only by what reads
     data; call the builders inside the runtime's strategy scope so variables are mirrored."""
 
     def __init__(self, cfg: Config, runtime: Runtime | None = None, source: Source | None = None):
@@ -102,6 +103,12 @@ class ClassificationTask:
         """Per-worker validation pipelines (`validation_dataset`): at a training run's `layout`, or, for
         `tfdp evaluate` (None), at the replicas found."""
         return validation_dataset(self.cfg, self._source(), self._runtime(), layout)
+
+    def build_predict_inputs(self, files: list[str], global_batch: int):
+        """`files` as per-replica batches of (image number, uint8 image) for `tfdp predict`
+        (`pipeline.prediction_dataset`): every replica gets full batches, unreadable images are left out."""
+        return self._runtime().strategy.distribute_datasets_from_function(
+            lambda ctx: prediction_dataset(files, self.cfg.data, global_batch, ctx))
 
     def _source(self) -> Source:
         if self.source is None:
@@ -159,7 +166,7 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     optimizer.build(model.trainable_variables)
     scales = scale_learning_rates(cfg, model, optimizer)  # optimizer.layer_decay, optimizer.head_lr_multiplier
     if scales:
-        print(scales, flush=True)
+        say(scales)
     return model
 
 
@@ -299,7 +306,7 @@ class TrainStream:
         self._jobs = 0
         if cfg.data.service_address:
             train = source.split(cfg.data.train_split)
-            print(service_line(cfg, runtime.num_workers, any(map(is_remote_url, train.files))), flush=True)
+            say(service_line(cfg, runtime.num_workers, any(map(is_remote_url, train.files))))
             service.check_workers_read(train, cfg.data, cfg.data.service_timeout)
 
     def dataset(self, starts: list[tuple[int, int]], image_size: int = 0):
@@ -320,7 +327,7 @@ class TrainStream:
         if data.service_address:
             build, extra = service.train_dataset, {"job_name": self._job_name()}
             if any(self.start):
-                print(service.resume_note(train, data, self.start[0], self.runtime.num_workers), flush=True)
+                say(service.resume_note(train, data, self.start[0], self.runtime.num_workers))
         ds = self.runtime.strategy.distribute_datasets_from_function(
             lambda ctx: build(train, data, plan.global_batch, cfg.train.seed, ctx, books, **extra))
         self.image_size = data.image_size

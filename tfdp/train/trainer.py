@@ -30,7 +30,7 @@ from tfdp.train.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluati
 from tfdp.errors import atomic_write_text
 from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import Config, DataConfig
-from tfdp.data import build_source, streaming
+from tfdp.data import Source, build_source, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.rundir.bucket import Place, place_for
@@ -44,7 +44,9 @@ from tfdp.distribute.replica_state import decorrelate_random_streams, state_aver
 from tfdp.config.image_sizes import size_runs
 from tfdp.distribute.strategy import Runtime
 from tfdp.train.run import Run
-from tfdp.train.task import Plan, make_plan
+from tfdp.train.input_streams import Streams
+from tfdp.train.task import Plan, TrainStream, make_plan
+from tfdp.startup.console import say
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,123 +86,165 @@ def size_line(data: DataConfig, epoch: int, epochs: int) -> str:
 
 def train(cfg: Config, runtime: Runtime) -> dict:
     """Trains (or resumes) the run described by `cfg`; returns the final summary."""
-    if cfg.train.deterministic:
-        tf.config.experimental.enable_op_determinism()
-        print("tfdp: deterministic: TensorFlow op determinism on, seeded input; an op without a "
-              "deterministic kernel on this device fails instead of running", flush=True)
-    place = place_for(cfg.model_dir, cfg.scratch_dir, own=runtime.is_chief,
-                      retry_seconds=cfg.train.upload_retry_seconds)
-    if runtime.is_chief and place.bucket:  # the other workers write only into scratch
-        place.bucket.check_writable()
-    elif runtime.is_chief:
-        writable_tree(place.local, "model_dir")
-    try:
-        with writer_lease(place.lease_target, cfg.train.lease_timeout, runtime.is_chief):  # one writer per run
-            place.pull_run(runtime.is_chief)   # a bucket run: its committed state, into the local copy
-            return train_in(cfg, runtime, place)
-    finally:
-        place.close()
+    return Trainer(cfg, runtime).train()
 
 
-def train_in(cfg: Config, runtime: Runtime, place: Place) -> dict:
-    """`train` once model_dir is checked and, on the chief, leased to this run; `place.local` holds the run
-    (model_dir itself, or the local copy of a bucket run)."""
-    model_dir = place.local
-    keras.utils.set_random_seed(cfg.train.seed)
-    source = build_source(cfg.data)
-    plan = make_plan(cfg, source, runtime, CheckpointStore(model_dir).newest_state())  # a resume: its global batch
-    for split in (cfg.data.train_split, cfg.data.val_split):
-        check_lost(source.split(split), cfg.data.max_bad_fraction)
-    print(plan.layout.line() + f", {runtime.num_workers} worker(s)", flush=True)
-    if plan.resume_line:
-        print(plan.resume_line, flush=True)
-    print(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
-          f"global batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch", flush=True)
-    run = Run.build(cfg, runtime, source, plan, model_dir)  # the model, restored or filled from init_from
-    print(run.xla_line(), flush=True)
-    state = run.state
-    epoch, step_in_epoch = run.resume
-    previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
-    if epoch >= cfg.train.epochs:
-        print(f"tfdp: all {cfg.train.epochs} epochs already trained in {place.model_dir}", flush=True)
-    elif state:
-        where = f", step {step_in_epoch + 1} of {plan.steps_per_epoch}" if step_in_epoch else ""
-        print(f"tfdp: resuming at epoch {epoch + 1} of {cfg.train.epochs}{where} "
-              f"from {os.path.relpath(state['path'], model_dir)}", flush=True)
+class Trainer:
+    """Runs one training run, as Model Garden's runner does: `Trainer(cfg, runtime).train()`.
 
-    with output_dir(runtime, model_dir) as out:
-        uploader = place.uploader() if runtime.is_chief else None
-        store = CheckpointStore(out, uploader)
-        store.remove_partial()
-        save_config(cfg, out, f"{place.model_dir.rstrip('/')}/config.yaml" if uploader else None)
-        if uploader:
-            uploader.sync_logs()   # the resolved config, before the first step
-        metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
-        fits = split_by_image_size(segments(epoch, step_in_epoch, cfg.train.epochs, plan.steps_per_epoch), cfg.data)
-        fits = run.freezing.split(fits)  # one trainable set per fit
-        if fits:
-            try:
-                fit_all(run, fits, store, metrics_log, out, model_dir)
-            except BaseException:
-                if uploader:   # a preempted run's last checkpoint goes up before it exits
-                    uploader.finish(quiet=True)
-                raise
-        if uploader:
-            uploader.finish()
-    summary = summarize(metrics_log.rows, runtime, plan, cfg.train.best_metric)
-    summary["fingerprint"] = weights_fingerprint(run.model)
-    print(f"tfdp: worker {runtime.worker_index} of {runtime.num_workers}: weights fingerprint {summary['fingerprint']}",
-          flush=True)
-    print(format_summary(summary), flush=True)
-    return summary
+    `train` checks and leases model_dir, `train_in` sizes and builds the run
+    and prints what it is, `fit_all` runs the fit calls. What they are wired
+    from comes out of builder methods a subclass can override: `build_run`
+    (the task's model, restored or initialised), `build_callbacks` (what runs
+    around each step and epoch) and `build_loggers` (TensorBoard, Weights &
+    Biases).
+    """
 
+    def __init__(self, cfg: Config, runtime: Runtime):
+        self.cfg = cfg
+        self.runtime = runtime
 
-def fit_all(run: Run, fits: list[Segment], store: CheckpointStore, metrics_log: MetricsLog, out: str,
-            model_dir: str) -> None:
-    """Runs the `segments` fit calls, each continuing the input stream where the last one stopped (`out`: where
-    this worker writes; `model_dir`: the run's local folder, where every worker names its corrupt images)."""
-    cfg, runtime, model, freezing = run.cfg, run.runtime, run.model, run.freezing
-    corrupt = CorruptCounter()
-    CORRUPT_LOG.write_to(corrupt_images_file(model_dir, runtime.worker_index))
-    streams, line = run.input_streams()
-    if line:
-        print(line, flush=True)
-    stream = run.train_stream(corrupt, streams)
-    average = state_averager(model)
-    watch = PreemptionWatch(runtime.strategy, runtime.num_workers)
-    snapshot = run.replica_snapshot()
-    decorrelate_random_streams(model)  # each replica flips and drops its own images, not replica 0's choices
-    checkpointer = Checkpointer(store, run.checkpoint_settings(streams), average=average, input_state=stream.state,
-                                snapshot=snapshot, watch=watch)
-    # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
-    # drops the killed run's copy of it (see `callbacks.tensorboard`).
-    val_ds = run.validation()
-    ema = [EmaEvaluation(val_ds)] if cfg.optimizer.ema_decay else []
-    progressive = bool(cfg.data.progressive_min_size)
-    stats = EpochStats(run.plan.global_batch, corrupt, live=sys.stdout.isatty(),
-                       image_size=(lambda: stream.image_size) if progressive else None)
-    callbacks = [stats, AverageReplicaState(average), *ema, metrics_log,
-                 *loggers(cfg, out, runtime, fits[0].initial_epoch), checkpointer]
-    start = list(streams.starts)
-    watch.install()
-    try:
-        address = cfg.data.service_address
-        with warnings.catch_warnings(), data_errors(), peer_errors(runtime), service_errors(address):
-            warnings.filterwarnings("ignore", message=".*ran out of data.*")
-            size = None
-            for fit in fits:
-                if progressive and fit.image_size != size:
-                    print(size_line(cfg.data, fit.initial_epoch, cfg.train.epochs), flush=True)
-                size = fit.image_size
-                if (line := freezing.enter(model, fit.initial_epoch, cfg.train.epochs)):
-                    print(line, flush=True)
-                model.fit(stream.dataset(start, fit.image_size), validation_data=val_ds, epochs=fit.epochs,
-                          initial_epoch=fit.initial_epoch, steps_per_epoch=fit.steps, callbacks=callbacks,
-                          shuffle=False, verbose=1 if sys.stdout.isatty() else 2)
-                start = stream.local_state(fit.steps * (fit.epochs - fit.initial_epoch))
-    finally:
-        watch.uninstall()
-        streaming.close_all()   # the bounded cache's windows go with the run
+    def train(self) -> dict:
+        cfg, runtime = self.cfg, self.runtime
+        if cfg.train.deterministic:
+            tf.config.experimental.enable_op_determinism()
+            say("tfdp: deterministic: TensorFlow op determinism on, seeded input; an op without a "
+                "deterministic kernel on this device fails instead of running")
+        place = place_for(cfg.model_dir, cfg.scratch_dir, own=runtime.is_chief,
+                          retry_seconds=cfg.train.upload_retry_seconds)
+        if runtime.is_chief and place.bucket:  # the other workers write only into scratch
+            place.bucket.check_writable()
+        elif runtime.is_chief:
+            writable_tree(place.local, "model_dir")
+        try:
+            with writer_lease(place.lease_target, cfg.train.lease_timeout, runtime.is_chief):  # one writer per run
+                place.pull_run(runtime.is_chief)   # a bucket run: its committed state, into the local copy
+                return self.train_in(place)
+        finally:
+            place.close()
+
+    def build_run(self, source: Source, plan: Plan, model_dir: str) -> Run:
+        """The model (in the strategy's scope), restored from model_dir's latest checkpoint or filled from
+        `model.init_from`, with its frozen layers."""
+        return Run.build(self.cfg, self.runtime, source, plan, model_dir)
+
+    def train_in(self, place: Place) -> dict:
+        """`train` once model_dir is checked and, on the chief, leased to this run; `place.local` holds the run
+        (model_dir itself, or the local copy of a bucket run)."""
+        cfg, runtime = self.cfg, self.runtime
+        model_dir = place.local
+        keras.utils.set_random_seed(cfg.train.seed)
+        source = build_source(cfg.data)
+        plan = make_plan(cfg, source, runtime, CheckpointStore(model_dir).newest_state())  # a resume: its global batch
+        for split in (cfg.data.train_split, cfg.data.val_split):
+            check_lost(source.split(split), cfg.data.max_bad_fraction)
+        say(plan.layout.line() + f", {runtime.num_workers} worker(s)")
+        if plan.resume_line:
+            say(plan.resume_line)
+        say(f"tfdp: data: {plan.train_examples} train / {plan.val_examples} val images, {plan.num_classes} classes; "
+            f"global batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch")
+        run = self.build_run(source, plan, model_dir)
+        say(run.xla_line())
+        state = run.state
+        epoch, step_in_epoch = run.resume
+        previous = [r for r in read_metrics(os.path.join(model_dir, METRICS_FILE)) if r["epoch"] <= epoch]
+        if epoch >= cfg.train.epochs:
+            say(f"tfdp: all {cfg.train.epochs} epochs already trained in {place.model_dir}")
+        elif state:
+            where = f", step {step_in_epoch + 1} of {plan.steps_per_epoch}" if step_in_epoch else ""
+            say(f"tfdp: resuming at epoch {epoch + 1} of {cfg.train.epochs}{where} "
+                f"from {os.path.relpath(state['path'], model_dir)}")
+
+        with output_dir(runtime, model_dir) as out:
+            uploader = place.uploader() if runtime.is_chief else None
+            store = CheckpointStore(out, uploader)
+            store.remove_partial()
+            save_config(cfg, out, f"{place.model_dir.rstrip('/')}/config.yaml" if uploader else None)
+            if uploader:
+                uploader.sync_logs()   # the resolved config, before the first step
+            metrics_log = MetricsLog(os.path.join(out, METRICS_FILE), previous)
+            fits = split_by_image_size(segments(epoch, step_in_epoch, cfg.train.epochs, plan.steps_per_epoch), cfg.data)
+            fits = run.freezing.split(fits)  # one trainable set per fit
+            if fits:
+                try:
+                    self.fit_all(run, fits, store, metrics_log, out, model_dir)
+                except BaseException:
+                    if uploader:   # a preempted run's last checkpoint goes up before it exits
+                        uploader.finish(quiet=True)
+                    raise
+            if uploader:
+                uploader.finish()
+        summary = summarize(metrics_log.rows, runtime, plan, cfg.train.best_metric)
+        summary["fingerprint"] = weights_fingerprint(run.model)
+        say(f"tfdp: worker {runtime.worker_index} of {runtime.num_workers}: weights fingerprint "
+            f"{summary['fingerprint']}")
+        say(format_summary(summary))
+        return summary
+
+    def fit_all(self, run: Run, fits: list[Segment], store: CheckpointStore, metrics_log: MetricsLog, out: str,
+                model_dir: str) -> None:
+        """Runs the `segments` fit calls, each continuing the input stream where the last one stopped (`out`: where
+        this worker writes; `model_dir`: the run's local folder, where every worker names its corrupt images)."""
+        cfg, model, freezing = self.cfg, run.model, run.freezing
+        corrupt = CorruptCounter()
+        CORRUPT_LOG.write_to(corrupt_images_file(model_dir, self.runtime.worker_index))
+        streams, line = run.input_streams()
+        if line:
+            say(line)
+        stream = run.train_stream(corrupt, streams)
+        watch = PreemptionWatch(self.runtime.strategy, self.runtime.num_workers)
+        decorrelate_random_streams(model)  # each replica flips and drops its own images, not replica 0's choices
+        val_ds = run.validation()
+        callbacks = self.build_callbacks(run, stream, streams, store, watch, metrics_log, corrupt, val_ds, out,
+                                         fits[0].initial_epoch)
+        progressive = bool(cfg.data.progressive_min_size)
+        start = list(streams.starts)
+        watch.install()
+        try:
+            address = cfg.data.service_address
+            with warnings.catch_warnings(), data_errors(), peer_errors(self.runtime), service_errors(address):
+                warnings.filterwarnings("ignore", message=".*ran out of data.*")
+                size = None
+                for fit in fits:
+                    if progressive and fit.image_size != size:
+                        say(size_line(cfg.data, fit.initial_epoch, cfg.train.epochs))
+                    size = fit.image_size
+                    if (line := freezing.enter(model, fit.initial_epoch, cfg.train.epochs)):
+                        say(line)
+                    model.fit(stream.dataset(start, fit.image_size), validation_data=val_ds, epochs=fit.epochs,
+                              initial_epoch=fit.initial_epoch, steps_per_epoch=fit.steps, callbacks=callbacks,
+                              shuffle=False, verbose=1 if sys.stdout.isatty() else 2)
+                    start = stream.local_state(fit.steps * (fit.epochs - fit.initial_epoch))
+        finally:
+            watch.uninstall()
+            streaming.close_all()   # the bounded cache's windows go with the run
+
+    def build_callbacks(self, run: Run, stream: TrainStream, streams: Streams, store: CheckpointStore,
+                        watch: PreemptionWatch, metrics_log: MetricsLog, corrupt: CorruptCounter, val_ds, out: str,
+                        initial_epoch: int) -> list[keras.callbacks.Callback]:
+        """Every callback of the fit calls, in the order they run: epoch statistics, the replicas' averaged
+        state, the EMA evaluation, the metrics log, the loggers, and the checkpointer last."""
+        cfg = self.cfg
+        average = state_averager(run.model)
+        checkpointer = Checkpointer(store, run.checkpoint_settings(streams), average=average, input_state=stream.state,
+                                    snapshot=run.replica_snapshot(), watch=watch)
+        ema = [EmaEvaluation(val_ds)] if cfg.optimizer.ema_decay else []
+        stats = EpochStats(run.plan.global_batch, corrupt, live=sys.stdout.isatty(),
+                           image_size=(lambda: stream.image_size) if cfg.data.progressive_min_size else None)
+        # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
+        # drops the killed run's copy of it (see `callbacks.tensorboard`).
+        return [stats, AverageReplicaState(average), *ema, metrics_log, *self.build_loggers(out, initial_epoch),
+                checkpointer]
+
+    def build_loggers(self, out: str, initial_epoch: int) -> list[keras.callbacks.Callback]:
+        """TensorBoard (into `out`, so only the chief's survives) and, on the chief, Weights & Biases."""
+        cfg, found = self.cfg, []
+        if cfg.log.tensorboard:
+            found.append(tensorboard(os.path.join(out, "tensorboard"), cfg.log.profile_steps, initial_epoch))
+        if cfg.log.wandb_project and self.runtime.is_chief:
+            found.append(WandbLog(cfg.log.wandb_project, cfg.log.wandb_mode, out, config_lib.to_dict(cfg),
+                                  initial_epoch))
+        return found
 
 
 @contextlib.contextmanager
@@ -227,16 +271,6 @@ def service_errors(address: str):
             raise
         raise ServiceLost(f"the tf.data service at {address} no longer knows this run's input job ({first_line(e)}); a "
                           f"dispatcher restarted without its --work_dir forgets its jobs") from None
-
-
-def loggers(cfg: Config, out: str, runtime: Runtime, initial_epoch: int) -> list[keras.callbacks.Callback]:
-    """TensorBoard (into `out`, so only the chief's survives) and, on the chief, Weights & Biases."""
-    found = []
-    if cfg.log.tensorboard:
-        found.append(tensorboard(os.path.join(out, "tensorboard"), cfg.log.profile_steps, initial_epoch))
-    if cfg.log.wandb_project and runtime.is_chief:
-        found.append(WandbLog(cfg.log.wandb_project, cfg.log.wandb_mode, out, config_lib.to_dict(cfg), initial_epoch))
-    return found
 
 
 @contextlib.contextmanager
@@ -275,7 +309,7 @@ def save_config(cfg: Config, model_dir: str, shown: str | None = None) -> None:
             if f.read() != text:
                 logging.warning("config differs from the one saved in %s; the new one replaces it", path)
     atomic_write_text(path, text)
-    print(f"tfdp: config: the resolved config is in {shown or path}", flush=True)
+    say(f"tfdp: config: the resolved config is in {shown or path}")
     logging.info("resolved config:\n%s", text)
 
 
