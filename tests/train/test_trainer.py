@@ -1,0 +1,47 @@
+"""`tfdp.train.trainer.Trainer`: the runner's wiring comes from its builder methods, so a subclass that
+overrides one changes the run through that method alone (Model Garden's runner)."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+
+from tfdp.config import validate
+from tfdp.distribute.strategy import make_runtime
+from tfdp.train.trainer import Trainer
+
+
+class EpochsSeen(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs: list[int] = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(epoch)
+
+
+class OwnLoggers(Trainer):
+    """A run that logs to its own callback instead of TensorBoard."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen = EpochsSeen()
+
+    def build_loggers(self, out, initial_epoch):
+        return [self.seen]
+
+
+def test_an_overridden_builder_wires_the_run(small_dir, tmp_path):
+    cfg = validate({
+        "model_dir": str(tmp_path / "run"),
+        "data": {"format": "image_folder", "dir": small_dir, "image_size": 16},
+        "model": {"name": "simple_cnn", "num_classes": 10},
+        "train": {"epochs": 2, "batch_size_per_replica": 32, "checkpoint_every_steps": 0},
+        "distribute": {"strategy": "mirrored", "cpu_replicas": 2},
+    })
+    trainer = OwnLoggers(cfg, make_runtime(cfg.distribute))
+    summary = trainer.train()
+    assert trainer.seen.epochs == [0, 1] and summary["epochs"] == 2
+    assert not os.path.exists(tmp_path / "run" / "tensorboard")   # the default logger was replaced, not added to
+    assert os.path.exists(tmp_path / "run" / "metrics.jsonl")      # the other callbacks are still wired
