@@ -158,17 +158,19 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     runtime = make_runtime(local_replicas(replicas))
 
     from tfdp.data import build_source
-    from tfdp.data.pipeline import synthetic_dataset, train_dataset
+    from tfdp.data.pipeline import CorruptCounter, synthetic_dataset, train_dataset
     from tfdp.train.task import ClassificationTask, Plan
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     plan = Plan(global_batch, warmup + steps, 0, 0, cfg.model.num_classes)
+    source = build_source(cfg.data)
+    task = ClassificationTask(cfg, runtime, source)
     with runtime.strategy.scope():
-        model = ClassificationTask(cfg, runtime).build_model("train", plan)
+        model = task.build_model("train", plan)
     result = {"replicas": runtime.num_replicas, "global_batch": global_batch}
     synthetic = runtime.strategy.distribute_datasets_from_function(
         lambda ctx: synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch, ctx))
-    split = build_source(cfg.data).split(cfg.data.train_split)
+    split = source.split(cfg.data.train_split)
     local_pipeline = lambda: train_dataset(split, cfg.data, global_batch, cfg.train.seed)  # noqa: E731
     result["synthetic_images_per_sec"], _ = fit_rate(model, synthetic, global_batch, steps, warmup)
     if measure_input:
@@ -176,9 +178,8 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
             _, windows = fit_rate(model, synthetic, global_batch, steps, warmup)  # it slows the training down)
         result["input_beside_training_images_per_sec"] = beside.rate(global_batch, *windows)
         result["input_images_per_sec"] = pipeline_rate(local_pipeline(), global_batch, steps, warmup)
-    if cfg.data.format != "synthetic":
-        real = runtime.strategy.distribute_datasets_from_function(
-            lambda ctx: train_dataset(split, cfg.data, global_batch, cfg.train.seed, ctx))
+    if cfg.data.format != "synthetic":   # the pipeline `tfdp train` reads, corrupt-image counting included
+        real = task.build_train_inputs(plan, CorruptCounter()).dataset((0, 0))
         result["real_data_images_per_sec"], _ = fit_rate(model, real, global_batch, steps, warmup)
     return result
 
