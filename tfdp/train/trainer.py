@@ -4,8 +4,9 @@ Read top to bottom, this is the whole training run: the data (`tfdp.data`),
 the plan that sizes the run and makes its decisions once (`tfdp.train.task.make_plan`:
 global batch and its layout, XLA), the run built from them (`tfdp.train.run.Run`:
 model, restored checkpoint, input streams, validation data, checkpointer
-settings), then the fit calls and their callbacks; everything else it calls
-lives in a module of its own.
+settings), then the fit calls and their callbacks, all in one `Trainer` whose
+builder methods a subclass can override; everything else it calls lives in a
+module of its own.
 """
 
 from __future__ import annotations
