@@ -39,19 +39,26 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))   # support.photos
 
 
-def tfdp(*args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tfdp", *args], cwd=REPO, capture_output=True, text=True,
+def tfdp(*args: str, split: int = 0, timeout: int = 3600) -> subprocess.CompletedProcess:
+    """`tfdp ARGS` in its own process; `split`: on the first GPU split into that many logical GPUs."""
+    command = [os.path.abspath(__file__), f"--split_gpu={split}", "--"] if split else ["-m", "tfdp"]
+    return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
 
-def train_rate(args, model_dir: str, data: list[str], *extra: str) -> str:
-    """Median images/s of epochs 2.. of a `tfdp train` run (the first epoch compiles)."""
+def failure(run: subprocess.CompletedProcess) -> str:
+    return "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:160]
+
+
+def train_rate(args, model_dir: str, data: list[str], *extra: str, split: int = 0) -> str:
+    """Median images/s of epochs 2.. of a `tfdp train` run (the first epoch compiles); with `split`, on that
+    many logical GPUs of one card at the same global batch."""
     run = tfdp("train", f"--model={args.model}", f"--model_dir={model_dir}", f"--epochs={args.epochs}",
-               f"--batch_size_per_replica={args.batch}", f"--set=data.image_size={args.size}",
+               f"--batch_size_per_replica={args.batch // (split or 1)}", f"--set=data.image_size={args.size}",
                f"--set=train.precision={args.precision}", "--set=train.checkpoint_every_steps=0",
-               "--strategy=mirrored", *data, *extra)
+               "--strategy=mirrored", *data, *extra, split=split)
     if run.returncode != 0:
-        return "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:120]
+        return failure(run)
     with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
         rates = [json.loads(line)["images_per_sec"] for line in f if line.strip()]
     later = rates[1:] or rates
@@ -91,7 +98,7 @@ def benchmark_rows(args, model_dir: str, data: list[str]) -> list[tuple[str, str
                f"--set=data.image_size={args.size}", f"--set=train.precision={args.precision}", "--max_replicas=1", f"--steps={args.steps}", "--warmup_steps=5",
                f"--benchmark_dir={out}", *data)
     if run.returncode != 0:
-        return [("tfdp benchmark", "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:120])]
+        return [("tfdp benchmark", failure(run))]
     with open(os.path.join(out, "benchmark.json"), encoding="utf-8") as f:
         result = json.load(f)
     row = result["rows"][0]
@@ -125,29 +132,13 @@ def split_gpu_run(n: int, memory_mb: int, argv: list[str]) -> None:
     run()
 
 
-def split_rate(args, model_dir: str, data: list[str]) -> str:
-    """`tfdp train` on synthetic data, 2 replicas on one card, the same global batch as the one-GPU rows."""
-    argv = ["train", f"--model={args.model}", f"--model_dir={model_dir}", f"--epochs={args.epochs}",
-            f"--batch_size_per_replica={args.batch // 2}", f"--set=data.image_size={args.size}",
-            f"--set=train.precision={args.precision}", "--set=train.checkpoint_every_steps=0", "--strategy=mirrored", *data]
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--split_gpu=2", "--", *argv], cwd=REPO,
-                         capture_output=True, text=True, timeout=3600)
-    if run.returncode != 0:
-        return "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:160]
-    with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        rates = [json.loads(line)["images_per_sec"] for line in f if line.strip()]
-    return f"{statistics.median(rates[1:] or rates):,.0f} (epochs: {', '.join(f'{r:,.0f}' for r in rates)})"
-
-
 def split_demo(model_dir: str) -> str:
     """The digits demo (configs/digits.yaml) on 2 logical GPUs of one card: its time and top-1."""
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--split_gpu=2", "--", "train",
-                          "--config=configs/digits.yaml", f"--model_dir={model_dir}"], cwd=REPO, capture_output=True,
-                         text=True, timeout=3600)
+    run = tfdp("train", "--config=configs/digits.yaml", f"--model_dir={model_dir}", split=2)
     took = time.perf_counter() - start
     if run.returncode != 0:
-        return "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:160]
+        return failure(run)
     strategy = next((line.strip() for line in (run.stdout + run.stderr).splitlines() if "replica" in line), "?")
     with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
         last = [json.loads(line) for line in f if line.strip()][-1]
@@ -197,7 +188,7 @@ def main() -> None:
         start = time.perf_counter()
         synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={args.batch * 60}",
                      "--set=model.num_classes=1000"]
-        run = lambda name, *extra: train_rate(args, os.path.join(work, name), *extra)  # noqa: E731
+        run = lambda name, *extra, split=0: train_rate(args, os.path.join(work, name), *extra, split=split)  # noqa: E731
         real = {}
 
         def data(kind: str) -> list[str]:
@@ -216,7 +207,7 @@ def main() -> None:
             "keras": lambda: [("plain Keras fit, jit_compile=True, one device, synthetic", plain_keras_rate(args))],
             "syn": lambda: [("tfdp train, synthetic, XLA auto", run("syn", synthetic))],
             "split": lambda: [("tfdp train, synthetic, XLA auto, 2 logical GPUs on one card (mirrored, same global batch)",
-                               split_rate(args, os.path.join(work, "split"), synthetic))],
+                               run("split", synthetic, split=2))],
             "demo": lambda: [("digits demo (configs/digits.yaml), 2 logical GPUs on one card", split_demo(
                 os.path.join(work, "demo")))],
             "nojit": lambda: [("tfdp train, synthetic, train.jit_compile false",

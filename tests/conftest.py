@@ -96,16 +96,20 @@ def digits_dir(tmp_path_factory) -> str:
     return out
 
 
-@pytest.fixture(scope="session")
-def small_dir(digits_dir, tmp_path_factory):
-    """320 training and 40 validation digits: 5 steps of 64 per epoch, seconds per step for the demo's ResNet."""
-    root = tmp_path_factory.mktemp("small")
-    for split, per_class in (("train", 32), ("val", 4)):
+def digits_subset(digits_dir: str, root, train: int, val: int) -> str:
+    """The first `train` and `val` images of every class of the digits, copied into `root`."""
+    for split, per_class in (("train", train), ("val", val)):
         for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
             os.makedirs(root / split / cls)
             for f in sorted(os.listdir(os.path.join(digits_dir, split, cls)))[:per_class]:
                 shutil.copy(os.path.join(digits_dir, split, cls, f), root / split / cls / f)
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def small_dir(digits_dir, tmp_path_factory):
+    """320 training and 40 validation digits: 5 steps of 64 per epoch, seconds per step for the demo's ResNet."""
+    return digits_subset(digits_dir, tmp_path_factory.mktemp("small"), 32, 4)
 
 
 def run_tfdp(*args: str, timeout: float = 300, cwd: str = REPO, env_extra: dict | None = None

@@ -52,6 +52,18 @@ def layer_weights(path):
     return out
 
 
+def assert_matches_two_replica_run(tmp_path, data_dir, rtol: float, atol: float) -> None:
+    """The weights in tmp_path/mw after epoch 4 equal a one-process 2-replica run's (global batch 64) on `data_dir`."""
+    single = run_tfdp("train", *FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
+                      "--batch_size_per_replica=32", *deterministic(data_dir), timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    assert ours.keys() == reference.keys() and len(ours) >= 8
+    for name in ours:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=rtol, atol=atol, err_msg=name)
+
+
 def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
     """2 workers with the whole step compiled by XLA (the update too) against Keras' own op-by-op step on
     2 replicas of one process: the same weights to float tolerance, and identical on both workers."""
@@ -68,14 +80,7 @@ def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
     for i in (0, 1):
         assert "tfdp: done: 4 epochs" in (tmp_path / "logs" / f"worker-{i}.log").read_text()
 
-    single = run_tfdp("train", *FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
-                      "--batch_size_per_replica=32", *deterministic(tiny_dir), timeout=600)
-    assert single.returncode == 0, single.stderr[-3000:]
-    ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
-    reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
-    assert ours.keys() == reference.keys() and len(ours) >= 8
-    for name in ours:
-        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-3, atol=1e-4, err_msg=name)
+    assert_matches_two_replica_run(tmp_path, tiny_dir, rtol=1e-3, atol=1e-4)
     # Only the chief wrote into model_dir; the other worker's temporary output is gone.
     assert [r["epoch"] for r in read_jsonl(tmp_path / "mw" / "metrics.jsonl")] == [1, 2, 3, 4]
     assert not [p for p in os.listdir("/tmp") if p.startswith("tfdp-worker1-")]

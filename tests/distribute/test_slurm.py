@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import REPO, read_jsonl, tf_log_lines
+from conftest import REPO, digits_subset, read_jsonl, tf_log_lines
 from support import slurm as slurm_support
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -47,13 +46,7 @@ def slurm():
 @pytest.fixture(scope="module")
 def slurm_data(digits_dir, tmp_path_factory):
     """160 training and 40 validation digits: 20 steps of 8 per epoch on 2 workers."""
-    root = tmp_path_factory.mktemp("slurm-data")
-    for split, per_class in (("train", 16), ("val", 4)):
-        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
-            os.makedirs(root / split / cls)
-            for f in sorted(os.listdir(os.path.join(digits_dir, split, cls)))[:per_class]:
-                shutil.copy(os.path.join(digits_dir, split, cls, f), root / split / cls / f)
-    return str(root)
+    return digits_subset(digits_dir, tmp_path_factory.mktemp("slurm-data"), 16, 4)
 
 
 def two_free_ports() -> int:

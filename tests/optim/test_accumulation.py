@@ -242,7 +242,7 @@ def test_keras_own_gradient_accumulation_cannot_run_under_mirrored_strategy():
 def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_path, digits_dir):
     """2 workers (`tfdp launch`), whole-step XLA, 2 micro-batches of 16 per worker and step, against one process
     with 2 replicas of 32 and Keras' own step: the same weights after 4 steps (rtol 1e-4, atol 1e-5)."""
-    from test_multi_worker import FAST, deterministic, layer_weights
+    from test_multi_worker import FAST, assert_matches_two_replica_run, deterministic
     data = tmp_path / "tiny"  # 64 training digits, as test_multi_worker's: one step per epoch
     for split, per_class in (("train", None), ("val", 4)):
         for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
@@ -255,11 +255,4 @@ def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_p
                         *deterministic(data), "--set=train.jit_compile=true", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
     assert "tfdp: batch: global 64 = 16 per replica x 2 replica(s) x 2 accumulation step(s)" in launched.stdout
-    single = run_tfdp("train", *FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
-                      "--batch_size_per_replica=32", *deterministic(data), timeout=600)
-    assert single.returncode == 0, single.stderr[-3000:]
-    ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
-    reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
-    assert ours.keys() == reference.keys() and len(ours) >= 8
-    for name in ours:
-        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_matches_two_replica_run(tmp_path, data, rtol=1e-4, atol=1e-5)
