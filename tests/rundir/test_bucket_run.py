@@ -145,9 +145,9 @@ def test_an_uncommitted_or_changed_checkpoint_is_never_resumed_from(s3, fs, smal
 
 def test_a_second_writer_on_a_bucket_run_is_refused(s3, fs, small_dir, tmp_path):
     """The lease is one object created with If-None-Match: * on the real server; the second run, on its own
-    scratch as if on another host, is refused while the first renews it."""
+    scratch, is refused while the first is alive (stopped with SIGSTOP, so neither can finish first)."""
     run = f"{s3.bucket}/c"
-    args = [sys.executable, "-m", "tfdp", "train", *FAST, f"--data_dir={small_dir}", f"--model_dir={run}",
+    args = [sys.executable, "-m", "tfdp", "train", *SMALL, f"--data_dir={small_dir}", f"--model_dir={run}",
             "--epochs=2", f"--set=scratch_dir={tmp_path}/one"]
     first = subprocess.Popen(args, cwd=REPO, env={**os.environ, **s3.env}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -155,7 +155,11 @@ def test_a_second_writer_on_a_bucket_run_is_refused(s3, fs, small_dir, tmp_path)
     while ".tfdp-lease" not in objects(fs, run):
         assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
         time.sleep(0.2)
-    second = train(s3, small_dir, run, tmp_path / "two")
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = train(s3, small_dir, run, tmp_path / "two")
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert_one_line_error(second, 2, f"model_dir {run} is in use by another run", f"pid {first.pid}")
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]

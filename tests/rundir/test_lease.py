@@ -137,8 +137,9 @@ def test_creation_is_exclusive(place):
 
 
 def demo_args(data_dir, model_dir, epochs):
-    return ["train", "--config=configs/digits.yaml", f"--data_dir={data_dir}", "--data_format=image_folder",
-            f"--model_dir={model_dir}", f"--epochs={epochs}", "--set=data.image_size=16",
+    """The demo's recipe with the small CNN: who holds model_dir is the point, not the weights."""
+    return ["train", "--config=configs/digits.yaml", "--model=simple_cnn", f"--data_dir={data_dir}",
+            "--data_format=image_folder", f"--model_dir={model_dir}", f"--epochs={epochs}", "--set=data.image_size=16",
             "--set=train.checkpoint_every_steps=0"]
 
 
@@ -155,13 +156,20 @@ def wait_for(path, proc: subprocess.Popen, seconds: float = 300) -> None:
 
 
 @pytest.mark.slow
-def test_a_second_run_on_one_model_dir_is_refused_and_the_first_finishes_untouched(tmp_path, digits_dir):
+def test_a_second_run_on_one_model_dir_is_refused_and_the_first_finishes_untouched(tmp_path, small_dir):
+    """The first run is stopped (SIGSTOP) while it holds the lease, as a run stalled on its input or its disk
+    would be: alive, so the second is refused however fast either would train; then it goes on and finishes."""
     model_dir = tmp_path / "run"
-    args = demo_args(digits_dir, model_dir, epochs=2)
+    args = demo_args(small_dir, model_dir, epochs=2)
     first = start_train(args)
-    wait_for(model_dir / LEASE_FILE, first)
-    second = run_tfdp(*args)
-    assert first.poll() is None  # still training while refused
+    wait_for(model_dir / "config.yaml", first)   # written after the lease is taken, outside its lock
+    assert (model_dir / LEASE_FILE).exists()
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = run_tfdp(*args)
+        assert first.poll() is None  # still alive while refused
+    finally:
+        first.send_signal(signal.SIGCONT)
     line = assert_one_line_error(second, 2, f"model_dir {model_dir} is in use by another run",
                                  f"host {HOST}, pid {first.pid}, since ")
     assert "tfdp: config:" not in second.stdout  # it wrote nothing
@@ -177,7 +185,7 @@ def test_a_second_run_on_one_model_dir_is_refused_and_the_first_finishes_untouch
 @pytest.mark.slow
 def test_a_lease_left_by_kill_9_is_taken_over_and_a_preempted_run_releases_it(tmp_path, small_dir):
     model_dir = tmp_path / "run"
-    args = demo_args(small_dir, model_dir, epochs=3)
+    args = demo_args(small_dir, model_dir, epochs=20)   # more than it trains before its SIGTERM: no race with its end
     killed = start_train(args)
     wait_for(model_dir / LEASE_FILE, killed)
     killed.send_signal(signal.SIGKILL)
