@@ -54,6 +54,33 @@ def test_mirrored_evaluate_when_replicas_get_unequal_first_batches():
     assert result["accuracy"] == pytest.approx(expected)
 
 
+def test_fit_and_its_validation_start_each_input_pipeline_once(tmp_path):
+    """The build takes its shapes from the dataset's spec: a fit of 2 epochs with validation starts each input
+    pipeline once per epoch (upstream Keras: twice, reading one batch and dropping it before each start)."""
+    import keras
+    strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
+    starts = {"train": 0, "val": 0}
+
+    def pipeline(split, ctx):
+        def examples():
+            starts[split] += 1
+            rng = np.random.default_rng(0)
+            for _ in range(4 * 8):
+                yield rng.normal(size=4).astype("float32"), rng.integers(0, 3)
+        spec = (tf.TensorSpec((4,), tf.float32), tf.TensorSpec((), tf.int64))
+        return tf.data.Dataset.from_generator(examples, output_signature=spec).batch(8, drop_remainder=True)
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    train = strategy.distribute_datasets_from_function(lambda ctx: pipeline("train", ctx))
+    val = strategy.distribute_datasets_from_function(lambda ctx: pipeline("val", ctx))
+    history = model.fit(train, epochs=2, validation_data=val, verbose=0, shuffle=False)
+    assert len(history.history["val_accuracy"]) == 2
+    assert starts == {"train": 2, "val": 2}, starts
+
+
 def _built_ema_optimizer():
     """An optimizer as tfdp builds one with optimizer.ema_decay: some names exist only on such an instance."""
     import keras

@@ -8,8 +8,12 @@ Two upstream bugs, both in `keras/src/backend/tensorflow/trainer.py`:
    the input images, run outside any step. Under MirroredStrategy it fails
    too whenever the replicas' first batches differ in size (a validation
    split smaller than one global batch: "Inputs to operation AddN must have
-   the same size"). Fix: take the first local replica's batch; its shapes are
-   all the build needs.
+   the same size"). Fix: take the shapes from the distributed dataset's
+   element spec (the first local replica's), which is all the build needs.
+   No batch is read: upstream starts an iterator for that one batch and
+   drops it (`epoch_iterator.reset()`), so every `fit` and every validation
+   pass started its input pipeline twice (at ImageNet scale, a second
+   start-up of the pipeline and a batch decoded for nothing).
 2. `reduce_per_replica(..., "mean")` calls `strategy.reduce("MEAN", v, axis=0)`
    on scalar metric values, which fails ("axis 0 out of range" for a scalar).
    Fix: reduce across replicas with `axis=None`, the mean over all workers.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from tensorflow.python.distribute.values import PerReplicaSpec
 from keras.src import tree
 
 _upstream_reduce_per_replica = tf_trainer.reduce_per_replica
@@ -45,14 +50,22 @@ def reduce_per_replica(values, strategy, reduction):
 def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     if iterator is None or self._distribute_strategy is None:
         return _upstream_maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-    for _, _, it in iterator:
-        batch = next(it)
-        data_batch = tree.map_structure(
-            lambda x: self.distribute_strategy.experimental_local_results(x)[0]
-            if isinstance(x, tf.distribute.DistributedValues) else x, batch)
-        break
+    dataset = getattr(iterator, "_distributed_dataset", None)   # Keras' TFEpochIterator
+    if dataset is not None:
+        data_batch = tree.map_structure(_one_replica, dataset.element_spec)
+    else:
+        for _, _, it in iterator:
+            data_batch = tree.map_structure(
+                lambda x: self.distribute_strategy.experimental_local_results(x)[0]
+                if isinstance(x, tf.distribute.DistributedValues) else x, next(it))
+            break
     with self.distribute_strategy.scope():
         self._symbolic_build(data_batch=data_batch)
+
+
+def _one_replica(spec):
+    """A per-replica spec's first replica (every replica's element has the same shapes); others as they are."""
+    return spec._value_specs[0] if isinstance(spec, PerReplicaSpec) else spec
 
 
 def apply() -> None:
