@@ -49,15 +49,17 @@ def test_an_allocator_the_user_preloads_is_kept():
         assert env["PATH"] == "/bin"
 
 
-def test_tensorflow_as_tfdp_imports_it_brings_no_scikit_learn():
-    code = "from tfdp.startup.console import import_tensorflow; import_tensorflow(); import sys; print('sklearn' in sys.modules)"
+def test_tensorflow_as_tfdp_imports_it_brings_no_scikit_learn_and_no_matplotlib():
+    code = ("from tfdp.startup.console import import_tensorflow; import_tensorflow(); import sys; "
+            "print('sklearn' in sys.modules, 'matplotlib' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["False"]
-    # ... which stays importable for whoever needs it afterwards (the digits demo's data).
-    code += "; import sklearn.datasets; print(sklearn.datasets.load_digits().images.shape)"
+    assert result.stdout.split() == ["False", "False"]
+    # ... which stay importable for whoever needs them afterwards (the digits demo's data, `tfdp report`).
+    code += ("; import sklearn.datasets; print(sklearn.datasets.load_digits().images.shape); "
+             "import matplotlib.pyplot; print(matplotlib.pyplot.figure is not None)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert result.stdout.split() == ["False", "(1797,", "8,", "8)"], result.stderr[-2000:]
+    assert result.stdout.split() == ["False", "False", "(1797,", "8,", "8)", "True"], result.stderr[-2000:]
 
 
 def python_if_on_a_tensor(x):

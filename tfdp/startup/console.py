@@ -179,7 +179,7 @@ def import_tensorflow() -> None:
     """
     from tfdp.startup import tf_setup
     quiet = "tensorflow" not in sys.modules and not verbose_requested(sys.argv)
-    with stderr_to_devnull() if quiet else contextlib.nullcontext(), tf_setup.without_scikit_learn():
+    with stderr_to_devnull() if quiet else contextlib.nullcontext(), tf_setup.without_unused_imports():
         import keras  # noqa: F401
         import tensorflow  # noqa: F401
     tf_setup.trace_own_functions_as_written()

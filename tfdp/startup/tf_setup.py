@@ -5,9 +5,10 @@ TensorFlow, and a test suite or a cluster job starts many of them. Two costs
 at start-up buy tfdp nothing:
 
 * `import keras` imports scikit-learn, and with it SciPy, for Keras'
-  scikit-learn wrappers (`keras.wrappers`), which tfdp does not use. The
-  import is made to find no scikit-learn; a later `import sklearn` (the digits
-  demo's data) works as usual.
+  scikit-learn wrappers (`keras.wrappers`), and matplotlib's pyplot for its
+  image-gallery plots (`keras.visualization`), neither of which tfdp uses.
+  The import is made to find neither; a later `import sklearn` (the digits
+  demo's data) or `import matplotlib` (`tfdp report`) works as usual.
 * AutoGraph rewrites every Python function handed to `tf.data` (and each
   one a `tf.function` calls) into graph code, parsing its source, before
   tracing it.
@@ -31,18 +32,22 @@ import sys
 OWN_PACKAGE = "tfdp"
 
 
+# What `import keras` pulls in for features tfdp does not use: its scikit-learn wrappers, its pyplot galleries.
+UNUSED_BY_KERAS_USE = ("sklearn", "matplotlib")
+
+
 @contextlib.contextmanager
-def without_scikit_learn():
-    """Inside the block `import sklearn` fails as if it were not installed (unless it is already imported)."""
-    if "sklearn" in sys.modules:
-        yield
-        return
-    sys.modules["sklearn"] = None  # the import system's own "not importable" marker
+def without_unused_imports(names=UNUSED_BY_KERAS_USE):
+    """Inside the block importing any of `names` fails as if it were not installed (unless already imported)."""
+    blocked = [name for name in names if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # the import system's own "not importable" marker
     try:
         yield
     finally:
-        if sys.modules.get("sklearn", False) is None:
-            del sys.modules["sklearn"]
+        for name in blocked:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
 
 
 def trace_own_functions_as_written() -> None:
