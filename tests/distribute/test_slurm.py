@@ -10,6 +10,7 @@ prints a line from TensorFlow's own loggers.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -50,19 +51,23 @@ def slurm_data(digits_dir, tmp_path_factory):
 
 
 def two_free_ports() -> int:
-    """A port p with p and p + 1 free: the two tasks on the node listen on base + local task index."""
+    """A port p with p and p + 1 free: the two tasks on the node listen on base + local task index.
+
+    Below the kernel's ephemeral range: a requeued job binds the same two ports again some 20 s after its
+    first attempt, and in between any outgoing connection of the suite's other processes could be given
+    one of them as its local port if they were taken from that range."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="utf-8") as f:
+        ephemeral_start = int(f.read().split()[0])
+    rng = random.Random()
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as a, socket.socket() as b:
-                try:
-                    a.bind(("", port))
-                    b.bind(("", port + 1))
-                except OSError:
-                    continue
-            return port
+        port = rng.randrange(10000, ephemeral_start - 1)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("", port))
+                b.bind(("", port + 1))
+            except OSError:
+                continue
+        return port
     raise RuntimeError("no two consecutive free ports")
 
 
