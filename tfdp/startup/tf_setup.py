@@ -33,11 +33,11 @@ OWN_PACKAGE = "tfdp"
 
 
 # What `import keras` pulls in for features tfdp does not use: its scikit-learn wrappers, its pyplot galleries.
-UNUSED_BY_KERAS_USE = ("sklearn", "matplotlib")
+KERAS_EXTRAS_TFDP_NEVER_USES = ("sklearn", "matplotlib")
 
 
 @contextlib.contextmanager
-def without_unused_imports(names=UNUSED_BY_KERAS_USE):
+def without_unused_imports(names=KERAS_EXTRAS_TFDP_NEVER_USES):
     """Inside the block importing any of `names` fails as if it were not installed (unless already imported)."""
     blocked = [name for name in names if name not in sys.modules]
     for name in blocked:
