@@ -5,10 +5,12 @@ before any test initialises TensorFlow, so in-process tests can run real
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -110,6 +112,28 @@ def digits_subset(digits_dir: str, root, train: int, val: int) -> str:
 def small_dir(digits_dir, tmp_path_factory):
     """320 training and 40 validation digits: 5 steps of 64 per epoch, seconds per step for the demo's ResNet."""
     return digits_subset(digits_dir, tmp_path_factory.mktemp("small"), 32, 4)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(digits_dir, tmp_path_factory):
+    """64 training digits (7 of classes 0-3, 6 of the others) and 40 validation: with a global batch of 64
+    every step sees all of them, whatever the topology."""
+    root = tmp_path_factory.mktemp("tiny")
+    digits_subset(digits_dir, root, 7, 4)
+    for cls in sorted(os.listdir(root / "train"))[4:]:
+        os.remove(root / "train" / cls / sorted(os.listdir(root / "train" / cls))[-1])
+    assert sum(len(os.listdir(root / "train" / c)) for c in os.listdir(root / "train")) == 64
+    return str(root)
+
+
+@contextlib.contextmanager
+def stopped(proc: subprocess.Popen):
+    """`proc` held with SIGSTOP for the block (alive, doing nothing), then let go on with SIGCONT."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGCONT)
 
 
 def run_tfdp(*args: str, timeout: float = 300, cwd: str = REPO, env_extra: dict | None = None

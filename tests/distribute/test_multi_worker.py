@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,21 +19,6 @@ from tfdp.distribute.cluster import free_ports
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 
 FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(digits_dir, tmp_path_factory):
-    """64 training digits: with a global batch of 64 every step sees all of them, whatever the topology."""
-    root = tmp_path_factory.mktemp("tiny")
-    for split, per_class in (("train", None), ("val", 4)):
-        for cls in sorted(os.listdir(os.path.join(digits_dir, split))):
-            files = sorted(os.listdir(os.path.join(digits_dir, split, cls)))
-            keep = files[: (7 if cls < "4" else 6)] if split == "train" else files[:per_class]
-            os.makedirs(root / split / cls)
-            for f in keep:
-                shutil.copy(os.path.join(digits_dir, split, cls, f), root / split / cls / f)
-    assert sum(len(os.listdir(root / "train" / c)) for c in os.listdir(root / "train")) == 64
-    return str(root)
 
 
 def deterministic(data_dir):

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run_tfdp
+from conftest import REPO, assert_one_line_error, run_tfdp, stopped
 from support.s3_server import s3_server
 
 FAST = ["--config=configs/digits.yaml", "--data_format=image_folder", "--set=data.image_size=16"]
@@ -155,11 +155,8 @@ def test_a_second_writer_on_a_bucket_run_is_refused(s3, fs, small_dir, tmp_path)
     while ".tfdp-lease" not in objects(fs, run):
         assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
         time.sleep(0.2)
-    first.send_signal(signal.SIGSTOP)
-    try:
+    with stopped(first):
         second = train(s3, small_dir, run, tmp_path / "two")
-    finally:
-        first.send_signal(signal.SIGCONT)
     assert_one_line_error(second, 2, f"model_dir {run} is in use by another run", f"pid {first.pid}")
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, last_line, read_jsonl, run_tfdp
+from conftest import REPO, assert_one_line_error, last_line, read_jsonl, run_tfdp, stopped
 from tfdp.errors import UserError
 from tfdp.rundir.lease import LEASE_FILE, Lease, store_for
 
@@ -164,12 +164,9 @@ def test_a_second_run_on_one_model_dir_is_refused_and_the_first_finishes_untouch
     first = start_train(args)
     wait_for(model_dir / "config.yaml", first)   # written after the lease is taken, outside its lock
     assert (model_dir / LEASE_FILE).exists()
-    first.send_signal(signal.SIGSTOP)
-    try:
+    with stopped(first):
         second = run_tfdp(*args)
         assert first.poll() is None  # still alive while refused
-    finally:
-        first.send_signal(signal.SIGCONT)
     line = assert_one_line_error(second, 2, f"model_dir {model_dir} is in use by another run",
                                  f"host {HOST}, pid {first.pid}, since ")
     assert "tfdp: config:" not in second.stdout  # it wrote nothing

@@ -27,7 +27,7 @@ RELIED_ON = {
         "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._symbolic_build",
         "keras.src.backend.tensorflow.trainer._collective_all_reduce_multi_worker",
         "keras.src.backend.tensorflow.trainer._is_per_replica_instance",
-        "keras.src.backend.tensorflow.trainer.TFEpochIterator",   # its `_distributed_dataset`, read when there
+        "keras.src.backend.tensorflow.trainer.TFEpochIterator",   # its `_distributed_dataset` (set in __init__)
         "tensorflow.python.distribute.values.PerReplicaSpec",
     ),
     "train_step": (

@@ -26,7 +26,6 @@ re-checked on every Keras upgrade.
 
 from __future__ import annotations
 
-import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from tensorflow.python.distribute.values import PerReplicaSpec
 from keras.src import tree
@@ -50,17 +49,9 @@ def reduce_per_replica(values, strategy, reduction):
 def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     if iterator is None or self._distribute_strategy is None:
         return _upstream_maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-    dataset = getattr(iterator, "_distributed_dataset", None)   # Keras' TFEpochIterator
-    if dataset is not None:
-        data_batch = tree.map_structure(_one_replica, dataset.element_spec)
-    else:
-        for _, _, it in iterator:
-            data_batch = tree.map_structure(
-                lambda x: self.distribute_strategy.experimental_local_results(x)[0]
-                if isinstance(x, tf.distribute.DistributedValues) else x, next(it))
-            break
+    specs = tree.map_structure(_one_replica, iterator._distributed_dataset.element_spec)   # a TFEpochIterator's
     with self.distribute_strategy.scope():
-        self._symbolic_build(data_batch=data_batch)
+        self._symbolic_build(data_batch=specs)
 
 
 def _one_replica(spec):
