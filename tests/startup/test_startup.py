@@ -1,6 +1,8 @@
 """How a tfdp process starts: on TCMalloc when the system has it (tfdp.startup.allocator), and TensorFlow imported without
-scikit-learn and with tfdp's own functions left to trace as written (tfdp.startup.tf_setup)."""
+scikit-learn, with what it made frozen out of the garbage collector's walks, and with tfdp's own functions left to trace
+as written (tfdp.startup.tf_setup)."""
 
+import gc
 import os
 import signal
 import subprocess
@@ -10,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from tfdp.startup import allocator
+from tfdp.startup import allocator, tf_setup
 
 
 def mapped_libraries(env: dict, tmp_path) -> tuple[int, str]:
@@ -60,6 +62,33 @@ def test_tensorflow_as_tfdp_imports_it_brings_no_scikit_learn_and_no_matplotlib(
              "import matplotlib.pyplot; print(matplotlib.pyplot.figure is not None)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.stdout.split() == ["False", "False", "(1797,", "8,", "8)", "True"], result.stderr[-2000:]
+
+
+def test_what_the_tensorflow_import_made_is_frozen_and_the_collector_runs_again():
+    code = ("import gc; from tfdp.startup.console import import_tensorflow; import_tensorflow(); "
+            "print(gc.isenabled(), gc.get_freeze_count(), len(gc.get_objects()))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    enabled, frozen, collected = result.stdout.split()
+    assert enabled == "True"
+    # Later collections (and the last ones, at exit) walk only what was made after the import.
+    assert int(frozen) > 100_000 and int(frozen) > 20 * int(collected), result.stdout
+
+
+def test_a_collector_the_caller_paused_stays_paused():
+    gc.disable()
+    try:
+        with tf_setup.without_garbage_collection():
+            assert not gc.isenabled()
+            made_inside = [[] for _ in range(3)]
+        assert not gc.isenabled()
+        walked = {id(x) for x in gc.get_objects()}  # every generation the collector walks; not the frozen one
+        assert gc.is_tracked(made_inside) and not {id(made_inside), *map(id, made_inside)} & walked
+    finally:
+        gc.enable()
+    with tf_setup.without_garbage_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
 
 
 def python_if_on_a_tensor(x):

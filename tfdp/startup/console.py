@@ -173,13 +173,14 @@ def stderr_to_devnull() -> None:
 
 def import_tensorflow() -> None:
     """Imports TensorFlow (and Keras), without its start-up chatter unless verbosity was asked for, and without
-    what tfdp does not use (`tfdp.startup.tf_setup`).
+    what tfdp does not use, and without the garbage collector walking what it creates (`tfdp.startup.tf_setup`).
 
     A failing import still raises; Python prints its traceback after stderr is back.
     """
     from tfdp.startup import tf_setup
     quiet = "tensorflow" not in sys.modules and not verbose_requested(sys.argv)
-    with stderr_to_devnull() if quiet else contextlib.nullcontext(), tf_setup.without_unused_imports():
+    with (stderr_to_devnull() if quiet else contextlib.nullcontext(), tf_setup.without_unused_imports(),
+          tf_setup.without_garbage_collection()):
         import keras  # noqa: F401
         import tensorflow  # noqa: F401
     tf_setup.trace_own_functions_as_written()

@@ -1,8 +1,8 @@
-"""A faster start of TensorFlow in every tfdp process (docs/benchmarks.md, "Start-up and allocator").
+"""A faster start (and end) of TensorFlow in every tfdp process (docs/benchmarks.md, "Start-up and allocator").
 
 Every tfdp process that trains, evaluates, exports or serves data imports
-TensorFlow, and a test suite or a cluster job starts many of them. Two costs
-at start-up buy tfdp nothing:
+TensorFlow, and a test suite or a cluster job starts many of them. Three
+costs buy tfdp nothing:
 
 * `import keras` imports scikit-learn, and with it SciPy, for Keras'
   scikit-learn wrappers (`keras.wrappers`), and matplotlib's pyplot for its
@@ -18,14 +18,21 @@ at start-up buy tfdp nothing:
   Keras' own functions are. A Python `if` on a tensor in tfdp code therefore
   fails at tracing ("using a `tf.Tensor` as a Python `bool`"), in every test
   that reaches it, rather than being converted.
+* Python's cyclic garbage collector walks every object it tracks in each
+  full collection, and again in its last collections when the interpreter
+  exits; the import leaves several hundred thousand (modules, classes,
+  registered ops), none of them garbage. The collector is paused during the
+  import, and what the import made is then frozen (`gc.freeze`), so the
+  collections during tracing and training, and those at exit, skip it.
 
-The second uses a private TensorFlow name, listed in
+The AutoGraph rule uses a private TensorFlow name, listed in
 `tfdp.keras_patches.RELIED_ON` and checked by tests/keras_patches/test_compat.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 
 # The package whose functions AutoGraph leaves as they are (its own rule matches submodules too).
@@ -48,6 +55,20 @@ def without_unused_imports(names=KERAS_EXTRAS_TFDP_NEVER_USES):
         for name in blocked:
             if sys.modules.get(name, False) is None:
                 del sys.modules[name]
+
+
+@contextlib.contextmanager
+def without_garbage_collection():
+    """Pauses the cyclic collector inside the block, then moves every object alive at its end to the permanent
+    generation, which later collections do not walk (a collector the caller had paused stays paused)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
 
 def trace_own_functions_as_written() -> None:
