@@ -6,7 +6,6 @@ MirroredStrategy on the 2 logical CPUs conftest splits), with and without whole-
 momentum, AdamW and LAMB, in float32, bfloat16 and float16 with loss scaling.
 """
 
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -241,10 +240,9 @@ def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_p
     """2 workers (`tfdp launch`), whole-step XLA, 2 micro-batches of 16 per worker and step, against one process
     with 2 replicas of 32 and Keras' own step: the same weights after 4 steps (rtol 1e-4, atol 1e-5)."""
     from test_multi_worker import FAST, assert_matches_two_replica_run, deterministic
-    data = tiny_dir  # 64 training digits: one step per epoch
     launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
                         f"--model_dir={tmp_path}/mw", "--set=train.global_batch=64", "--set=train.grad_accum_steps=2",
-                        *deterministic(data), "--set=train.jit_compile=true", timeout=600)
+                        *deterministic(tiny_dir), "--set=train.jit_compile=true", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
     assert "tfdp: batch: global 64 = 16 per replica x 2 replica(s) x 2 accumulation step(s)" in launched.stdout
-    assert_matches_two_replica_run(tmp_path, data, rtol=1e-4, atol=1e-5)
+    assert_matches_two_replica_run(tmp_path, tiny_dir, rtol=1e-4, atol=1e-5)

@@ -178,9 +178,10 @@ def import_tensorflow() -> None:
     A failing import still raises; Python prints its traceback after stderr is back.
     """
     from tfdp.startup import tf_setup
-    quiet = "tensorflow" not in sys.modules and not verbose_requested(sys.argv)
-    with (stderr_to_devnull() if quiet else contextlib.nullcontext(), tf_setup.without_unused_imports(),
-          tf_setup.without_garbage_collection()):
-        import keras  # noqa: F401
-        import tensorflow  # noqa: F401
+    if "tensorflow" not in sys.modules:  # else imported already: only what the import made is frozen
+        quiet = not verbose_requested(sys.argv)
+        with (stderr_to_devnull() if quiet else contextlib.nullcontext(), tf_setup.without_unused_imports(),
+              tf_setup.without_garbage_collection()):
+            import keras  # noqa: F401
+            import tensorflow  # noqa: F401
     tf_setup.trace_own_functions_as_written()
