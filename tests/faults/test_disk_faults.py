@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run_tfdp
+from conftest import REPO, assert_one_line_error, run_tfdp, stopped
 
 FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
         "--batch_size_per_replica=32", "--set=log.tensorboard=false"]
@@ -63,10 +62,9 @@ def test_full_disk_during_training_keeps_the_last_checkpoint_and_resumes_once_fr
         deadline = time.time() + 300
         while not (epoch1 / "state.json").exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.005)
-        proc.send_signal(signal.SIGSTOP)  # hold it while the disk fills up
-        kept = digest(epoch1)
-        filler = fill(disk, leave=200_000)  # room for the small files, not for a checkpoint
-        proc.send_signal(signal.SIGCONT)
+        with stopped(proc):  # held while the disk fills up
+            kept = digest(epoch1)
+            filler = fill(disk, leave=200_000)  # room for the small files, not for a checkpoint
         out, err = proc.communicate(timeout=300)
         result = subprocess.CompletedProcess(args, proc.returncode, out, err)
         line = assert_one_line_error(result, 2, "no space left on the device while writing", str(model_dir / "checkpoints"),
