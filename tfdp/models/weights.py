@@ -336,11 +336,24 @@ def _torchvision_names() -> dict[str, Callable[[str], str | None]]:
 
 # zoo name → torch module name → tfdp layer name (None: no such layer)
 TORCHVISION = _torchvision_names()
+# zoo name → a reader of its PyTorch state dicts (tensors, model config, what) → Weights, for the families whose
+# mapping is more than renaming modules (fused attention, layer scale, position embeddings). Each family registers
+# its readers in its own file, beside its architecture (`register_torch_layout`).
+TORCH_LAYOUTS: dict[str, Callable[[dict[str, np.ndarray], ModelConfig, str], Weights]] = {}
+
+
+def register_torch_layout(*names: str):
+    """Registers a state-dict reader for the zoo models `names` (see `TORCH_LAYOUTS`)."""
+    def add(fn):
+        for name in names:
+            TORCH_LAYOUTS[name] = fn
+        return fn
+    return add
 # layer → the (channels, height, width) its flattened input has in PyTorch (NCHW), reordered to Keras' (H, W, C)
 _FLATTENED_INPUT = {"fc1": (512, 7, 7)}
 
 
-def _torch_module_values(params: dict[str, np.ndarray], layer: str) -> tuple[list[np.ndarray], list[str]]:
+def torch_module_values(params: dict[str, np.ndarray], layer: str) -> tuple[list[np.ndarray], list[str]]:
     """One torch module's tensors in Keras' variable order, in Keras' layouts."""
     if "running_mean" in params:  # batch norm: gamma, beta, moving mean, moving variance
         order = ["weight", "bias", "running_mean", "running_var"]
@@ -361,9 +374,10 @@ def _torch_module_values(params: dict[str, np.ndarray], layer: str) -> tuple[lis
 
 
 def read_safetensors(path: str, model_cfg: ModelConfig) -> Weights:
-    if model_cfg.name not in TORCHVISION:
+    if model_cfg.name not in TORCHVISION and model_cfg.name not in TORCH_LAYOUTS:
         raise UserError(f"model.init_from: {path} is a PyTorch state dict, but model '{model_cfg.name}' has no "
-                        f"torchvision layout to map it onto (models that have one: {', '.join(sorted(TORCHVISION))})")
+                        f"torchvision or timm layout to map it onto (models that have one: "
+                        f"{', '.join(sorted({*TORCHVISION, *TORCH_LAYOUTS}))})")
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
     try:
@@ -376,6 +390,8 @@ def read_safetensors(path: str, model_cfg: ModelConfig) -> Weights:
 
 def torch_weights(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
     """A torchvision/timm state dict as `Weights` for the zoo model `model_cfg.name`."""
+    if model_cfg.name in TORCH_LAYOUTS:
+        return TORCH_LAYOUTS[model_cfg.name](tensors, model_cfg, what)
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         module, _, param = key.rpartition(".")
@@ -389,7 +405,7 @@ def torch_weights(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: 
             first = sorted(params)[0]
             raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor "
                             f"{module}.{first} {tuple(params[first].shape)} has no place in it (another architecture?)")
-        arrays, order = _torch_module_values(params, layer)
+        arrays, order = torch_module_values(params, layer)
         values[layer], names[layer] = arrays, [f"{module}.{p}" for p in order]
     return Weights(what, values, names)
 
