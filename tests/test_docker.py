@@ -14,14 +14,15 @@ import pytest
 import yaml
 
 from conftest import REPO
+from support.operators import permanent_exit_codes
 from tfdp.distribute import cluster as cluster_lib
 from tfdp import config as config_lib
-from tfdp.errors import UserError
+from tfdp.errors import PREEMPTED_EXIT_CODE, UserError
 
 DOCKER = os.path.join(REPO, "docker")
-# Seconds between SIGTERM and SIGKILL everywhere: the trainer's time to save a checkpoint and exit 75.
+# Seconds between SIGTERM and SIGKILL everywhere: the trainer's time to save a checkpoint and exit 143.
 STOP_GRACE_SECONDS = 120
-PREEMPTED = 75  # the trainer's "preempted, restart me" status (EX_TEMPFAIL)
+PREEMPTED = PREEMPTED_EXIT_CODE  # the trainer's "saved, restart me" status (128 + SIGTERM)
 
 
 def image_user(dockerfile: str) -> tuple[int, int]:
@@ -187,7 +188,9 @@ def test_kubernetes_restarts_a_preempted_worker_and_not_a_config_error(name):
         if "onExitCodes" in rule:
             assert rule["onExitCodes"]["containerName"] == "tfdp" and rule["onExitCodes"]["operator"] == "In"
             actions.update({code: rule["action"] for code in rule["onExitCodes"]["values"]})
-    assert actions == {PREEMPTED: "Ignore", 2: "FailJob"}
+    # docs/faults.md's contract: every permanent status tfdp has fails the Job at once; its restart status
+    # is retried without counting; other statuses of 128 and above (a kill) count against backoffLimit.
+    assert actions == {PREEMPTED: "Ignore", **{code: "FailJob" for code in permanent_exit_codes()}}
 
 
 def test_kubernetes_bucket_template_needs_no_shared_volume_and_its_config_is_valid():
@@ -237,7 +240,8 @@ def test_slurm_script_gives_one_worker_per_task(monkeypatch):
     cluster_lib.check_consistent(configs)
 
 
-@pytest.mark.parametrize("srun_status, requeued", [(PREEMPTED, True), (1, False), (0, False)])
+@pytest.mark.parametrize("srun_status, requeued", [(PREEMPTED, True), (137, True), (2, False), (1, False),
+                                                    (0, False)])
 def test_slurm_script_warns_before_the_time_limit_and_requeues_a_preempted_run(tmp_path, srun_status, requeued):
     """The script itself, run by bash with stand-ins for srun and scontrol."""
     text = open(os.path.join(DOCKER, "slurm", "train.sbatch")).read()

@@ -3,7 +3,7 @@
 Flags override the YAML config: the dedicated ones below for common fields,
 `--set=section.key=value` (repeatable) for any field. The config is validated
 once, here, before any TensorFlow work starts, and a `UserError` from anywhere
-becomes one line on stderr with exit status 2.
+becomes one line on stderr with exit status 2 (or its own `exit_code`: a diverged run's 5).
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ flags.DEFINE_integer("warmup_steps", 5, "benchmark: untimed steps first (tracing
 flags.DEFINE_string("benchmark_dir", None, "benchmark: output directory (default: model_dir/benchmark).")
 flags.DEFINE_string("checkpoint", None, "evaluate/export/predict: weights file to load (default: the best checkpoint "
                     "in model_dir).")
+flags.DEFINE_boolean("continuous", False, "evaluate: the evaluator beside a run: evaluate each checkpoint the run in "
+                     "model_dir commits, once, as it comes, until its last epoch's (docs/runs.md).")
+flags.DEFINE_float("poll_seconds", 10.0, "evaluate --continuous: seconds between looks for a new committed checkpoint.")
+flags.DEFINE_float("eval_timeout", 3600.0, "evaluate --continuous: stop when no new checkpoint came for this many "
+                   "seconds (0: wait for ever).")
 flags.DEFINE_string("input", None, "predict: the images: a folder (recursive), a file, a quoted glob pattern, or a "
                     "gs:// / s3:// prefix.")
 flags.DEFINE_string("output", None, "predict: where the rows go: FILE.jsonl or FILE.csv (written atomically).")
@@ -128,20 +133,64 @@ def check_model(cfg: config_lib.Config) -> None:
 
 
 def cmd_train(args: list[str]) -> None:
+    """Trains; on the evaluator task of a cluster (TF_CONFIG), evaluates the run's checkpoints instead, so one
+    command serves every pod of a job."""
+    cluster = tf_config_cluster()
+    if cluster is not None and cluster.is_evaluator:
+        run_evaluator(args, evaluator_in_cluster=True)
+        return
     cfg, runtime = config_and_runtime(args, training=True)
     from tfdp.train.trainer import train
-    train(cfg, runtime)
+    train(cfg, runtime, evaluator=has_evaluator(cluster))
+
+
+def tf_config_cluster():
+    """The cluster TF_CONFIG describes (None without one), read before the strategy hands TensorFlow its own."""
+    if not os.environ.get("TF_CONFIG"):
+        return None
+    from tfdp.distribute.cluster import parse_tf_config
+    return parse_tf_config(os.environ["TF_CONFIG"])
+
+
+def has_evaluator(cluster) -> bool:
+    return cluster is not None and bool(cluster.tasks.get("evaluator"))
+
+
+def run_evaluator(args: list[str], evaluator_in_cluster: bool) -> None:
+    """`tfdp evaluate --continuous`, and `tfdp train` on a cluster's evaluator task. The evaluator task is no
+    member of the training cluster: it evaluates on this host's own devices (mirrored over its GPUs, or its
+    distribute.cpu_replicas) and TensorFlow never sees the cluster."""
+    _no_positional(args)
+    if FLAGS.checkpoint:
+        raise UserError("--checkpoint names one checkpoint; --continuous evaluates each one the run commits")
+    if not FLAGS.poll_seconds > 0:
+        raise UserError(f"--poll_seconds must be above 0, got {FLAGS.poll_seconds:g}")
+    if FLAGS.eval_timeout < 0:
+        raise UserError(f"--eval_timeout must be 0 (wait for ever) or more seconds, got {FLAGS.eval_timeout:g}")
+    cfg = resolved_config()
+    from tfdp.data import check_reachable
+    check_reachable(cfg.data)
+    keep_best = not config_lib.workers_validate(cfg.train, evaluator_in_cluster or has_evaluator(tf_config_cluster()))
+    if evaluator_in_cluster:
+        os.environ.pop("TF_CONFIG", None)
+        runtime = started_runtime(dataclasses.replace(
+            cfg, distribute=dataclasses.replace(cfg.distribute, strategy="mirrored")))
+    else:
+        runtime = started_runtime(cfg)
+    from tfdp.commands.continuous_eval import evaluate_continuously
+    evaluate_continuously(cfg, runtime, FLAGS.poll_seconds, FLAGS.eval_timeout, keep_best)
 
 
 @contextlib.contextmanager
 def run_copy(cfg: config_lib.Config, outputs: tuple[str, ...] = ()):
-    """`cfg` for a command that reads a run; for a bucket model_dir, with model_dir a local copy of what it
-    reads (the best checkpoint, the config, the metrics), and the folders in `outputs` it wrote there
-    uploaded afterwards (tfdp/rundir/bucket.py)."""
+    """`cfg` for a command that reads a run, and what names a path in the messages; for a bucket model_dir,
+    with model_dir a local copy of what it reads (the best checkpoint, the config, the metrics), the folders
+    in `outputs` it wrote there uploaded afterwards (tfdp/rundir/bucket.py), and every path of that copy
+    named, in the lines the command prints and the error it ends with, as the bucket object it stands for."""
     from tfdp.rundir.bucket import place_for
     place = place_for(cfg.model_dir, cfg.scratch_dir, own=False, retry_seconds=cfg.train.upload_retry_seconds)
     if not place.bucket:
-        yield cfg
+        yield cfg, place.shown
         return
     def upload():
         for name in outputs:
@@ -150,9 +199,10 @@ def run_copy(cfg: config_lib.Config, outputs: tuple[str, ...] = ()):
     try:
         place.pull_outputs()
         try:
-            yield dataclasses.replace(cfg, model_dir=place.local)
-        except UserError:  # an export whose other formats were written: they go up too
+            yield dataclasses.replace(cfg, model_dir=place.local), place.shown
+        except UserError as e:  # an export whose other formats were written: they go up too
             upload()
+            e.args = (place.shown(str(e)),)
             raise
         upload()
     finally:
@@ -160,9 +210,12 @@ def run_copy(cfg: config_lib.Config, outputs: tuple[str, ...] = ()):
 
 
 def cmd_evaluate(args: list[str]) -> None:
+    if FLAGS.continuous:
+        run_evaluator(args, evaluator_in_cluster=False)
+        return
     cfg, runtime = config_and_runtime(args)
     from tfdp.commands.evaluate import evaluate
-    with run_copy(cfg) as cfg:
+    with run_copy(cfg) as (cfg, _):
         evaluate(cfg, runtime, FLAGS.checkpoint)
 
 
@@ -171,9 +224,9 @@ def cmd_export(args: list[str]) -> None:
     from tfdp.commands.export import export_checkpoint
     from tfdp.commands.export import parse_formats
     formats = parse_formats(FLAGS.format)
-    with run_copy(cfg, () if FLAGS.export_dir else ("export",)) as cfg:
+    with run_copy(cfg, () if FLAGS.export_dir else ("export",)) as (cfg, shown):
         export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir, formats,
-                          FLAGS.verify_images if FLAGS.verify else None)
+                          FLAGS.verify_images if FLAGS.verify else None, shown=shown)
 
 
 def cmd_predict(args: list[str]) -> None:
@@ -182,7 +235,7 @@ def cmd_predict(args: list[str]) -> None:
     from tfdp.commands.predict import predict, request
     job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
     runtime = started_runtime(cfg)
-    with run_copy(cfg) as cfg:
+    with run_copy(cfg) as (cfg, _):
         predict(cfg, runtime, FLAGS.checkpoint, job)
 
 
@@ -192,10 +245,9 @@ def cmd_report(args: list[str]) -> None:
     from tfdp.config.model_dir import check_model_dir
     from tfdp.commands.report import report
     check_model_dir(args[0])
-    with run_copy(config_lib.Config(model_dir=args[0]), ("report",)) as cfg:
+    with run_copy(config_lib.Config(model_dir=args[0]), ("report",)) as (cfg, shown):
         path = report(cfg.model_dir)
-        shown = os.path.join(args[0].rstrip("/"), "report", os.path.basename(path)) if "://" in args[0] else path
-        say(f"tfdp: report: {shown}")
+        say(f"tfdp: report: {shown(path)}")
         say(open(path, encoding="utf-8").read())
 
 
@@ -257,7 +309,7 @@ def main(argv: list[str]) -> None:
         sys.stderr.flush()
         # End at once: tf.data threads may still be decoding (say, the next corrupt JPEG), and
         # their C libraries' messages must not follow the one line the user needs.
-        os._exit(2)
+        os._exit(e.exit_code)   # 2, or a fault's own permanent status (errors.DIVERGED_EXIT_CODE)
     except Restartable as e:
         sys.stdout.flush()
         what = "preempted" if isinstance(e, Preempted) else "stopped"
@@ -273,7 +325,8 @@ USAGE = """tfdp COMMAND [--flags]
 
 Commands:
   train      train (or resume) the run in model_dir
-  evaluate   top-1/top-5 of a checkpoint on the validation split
+  evaluate   top-1/top-5 of a checkpoint on the validation split; --continuous: of each checkpoint a run
+             commits, as it comes (the evaluator beside the workers)
   export     the model for serving: --format=saved_model,keras (default; encoded JPEG/PNG bytes in),
              onnx, litert (uint8 pixels in); each checked against Keras on the validation split
   predict    top-k classes of every image in a folder, file, pattern or bucket prefix, as JSONL or CSV:

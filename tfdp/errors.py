@@ -23,12 +23,40 @@ def first_line(error: BaseException, limit: int = 160) -> str:
 
 
 class UserError(Exception):
-    """A problem with the user's input, reported as one line without a traceback."""
+    """A problem with the user's input, reported as one line without a traceback; the process exits
+    `exit_code` (2: fix the input and run again)."""
+    exit_code = 2
 
 
-# Exit status of a run that saved a checkpoint on a preemption notice (SIGTERM) and stopped:
-# EX_TEMPFAIL from sysexits.h, "try again later". Schedulers restart on it (docker/ templates).
-PREEMPTED_EXIT_CODE = 75
+# Exit status of a run whose training loss (or weights) stopped being finite: a permanent error, never
+# retried by a scheduler (a restart from the last good checkpoint with the same settings diverges again).
+DIVERGED_EXIT_CODE = 5
+
+
+class Diverged(UserError):
+    """The training loss became nan or inf: the run stops before any checkpoint of that step is written,
+    keeping the last good one; exit DIVERGED_EXIT_CODE."""
+    exit_code = DIVERGED_EXIT_CODE
+
+
+# The exit-status contract every scheduler reads the same way (docs/faults.md): 1-127 is permanent, something
+# the user must fix (2 a bad config or bad data), never worth a retry; 128-255 is retryable, and the same
+# command continues from the last checkpoint. It is Kubeflow's: a TFJob's `restartPolicy: ExitCode` restarts
+# 128-255 and fails the job on 1-127 (kubeflow/training-operator pkg/util/train/train_util.go,
+# IsRetryableExitCode), and it is what a process ended by a signal reports (128 + N), so a worker killed
+# before it could save is retried too.
+RETRYABLE_EXIT_CODES = range(128, 256)
+
+# Exit status of a run that stopped with everything saved and wants the same command again: a preemption
+# notice (SIGTERM: 128 + 15, what an unhandled TERM would have reported), a lost peer, a lost tf.data
+# service, a bucket silent past its retries. The docker/ templates (podFailurePolicy, Slurm's requeue,
+# Compose's on-failure) restart on it.
+PREEMPTED_EXIT_CODE = 143
+
+
+def is_retryable(exit_code: int) -> bool:
+    """Whether a process's exit status asks for the same command again (the contract above)."""
+    return exit_code in RETRYABLE_EXIT_CODES
 
 
 class Restartable(Exception):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO, assert_one_line_error
+from support.operators import service_address, tfjob_tf_config, tfjob_tf_configs
 from tfdp.distribute import cluster as cluster_lib
 from tfdp.errors import UserError
 
@@ -43,6 +44,17 @@ def test_round_trip_through_tf_config():
     (spec(["a:99999"]), "is not host:port"),
     (spec([]), "cluster.worker must be a non-empty list"),
     (json.dumps({"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}}), "has task type 'ps'"),
+    (json.dumps({"cluster": {"tpu_worker": ["a:1"]}, "task": {"type": "tpu_worker"}}),
+     "has task type 'tpu_worker'; tfdp runs only chief, worker, evaluator (or master"),
+    (json.dumps({"cluster": {"chief": ["a:1"], "master": ["b:1"]}, "task": {"type": "chief"}}),
+     "has both 'chief' and 'master'"),
+    (json.dumps({"cluster": {"evaluator": ["a:1"]}, "task": {"type": "evaluator"}}), "lists no chief or worker"),
+    (json.dumps({"cluster": {"worker": ["a:1"], "evaluator": ["b:1", "c:1"]}, "task": {"type": "worker"}}),
+     "has 2 evaluators; at most one is allowed"),
+    (json.dumps({"cluster": {"worker": ["a:1"], "evaluator": ["a:1"]}, "task": {"type": "worker"}}),
+     "lists a:1 twice (worker 0 and evaluator 0)"),
+    # A TFJob with enableDynamicWorker writes a sparse cluster: {"worker": {"1": "host:port"}}.
+    (json.dumps({"cluster": {"worker": {"1": "a:1"}}, "task": {"type": "worker", "index": 1}}), "is a sparse map"),
 ])
 def test_bad_tf_config_names_the_problem(text, message):
     with pytest.raises(UserError) as err:
@@ -126,3 +138,80 @@ def test_a_port_left_in_time_wait_is_free():
         conn.close()  # the server side closes first: its end of the connection stays in TIME_WAIT
         client.close()
     cluster_lib.check_port_free(cluster_lib.parse_tf_config(spec([f"127.0.0.1:{port}"])))
+
+
+# --- clusters as the Kubernetes operators write them (tests/support/operators.py quotes the operator's Go) ---
+
+TFJOB = {"Chief": 1, "Worker": 2, "Evaluator": 1}
+
+
+def test_a_tfjob_with_chief_workers_and_evaluator_is_read_on_every_pod():
+    """Every pod's TF_CONFIG names the whole job; the chief and workers train (ranks 0-2), the evaluator is
+    in the cluster but no member of the training, and TensorFlow is handed the members only."""
+    pods = tfjob_tf_configs(TFJOB)
+    first = json.loads(pods["Chief", 0])
+    assert first["environment"] == "cloud" and first["cluster"]["evaluator"] == ["tfdp-evaluator-0.default.svc:2222"]
+    clusters = {pod: cluster_lib.parse_tf_config(text) for pod, text in pods.items()}
+    trainers = {pod: c for pod, c in clusters.items() if not c.is_evaluator}
+    assert {pod: c.rank for pod, c in trainers.items()} == {("Chief", 0): 0, ("Worker", 0): 1, ("Worker", 1): 2}
+    assert {c.num_workers for c in clusters.values()} == {3}
+    evaluator = clusters["Evaluator", 0]
+    assert evaluator.is_evaluator and evaluator.address == "tfdp-evaluator-0.default.svc:2222"
+    assert "evaluator" not in {t for t, _, _ in evaluator.members}
+    with pytest.raises(ValueError, match="the evaluator has no rank"):
+        evaluator.rank
+    for c in trainers.values():
+        seen_by_tf = json.loads(cluster_lib.training_tf_config(c))
+        assert seen_by_tf["cluster"] == {"chief": ["tfdp-chief-0.default.svc:2222"],
+                                         "worker": ["tfdp-worker-0.default.svc:2222", "tfdp-worker-1.default.svc:2222"]}
+        assert seen_by_tf["task"] == {"type": c.task_type, "index": c.task_index}
+    cluster_lib.check_consistent({f"{rt} {i}": text for (rt, i), text in pods.items()})
+    with pytest.raises(UserError, match="no member runs evaluator 0"):
+        cluster_lib.check_consistent({f"{rt} {i}": text for (rt, i), text in pods.items() if rt != "Evaluator"})
+
+
+def test_a_tfjob_master_is_the_chief():
+    """TFJob's `Master` replica is its older name for `Chief` ("semantically equivalent", tensorflow_types.go);
+    TensorFlow's cluster checks know only `chief`, so tfdp reads it as the chief and hands TensorFlow that name."""
+    replicas = {"Master": 1, "Worker": 2}
+    master = cluster_lib.parse_tf_config(tfjob_tf_config(replicas, "Master", 0))
+    assert (master.task_type, master.rank, master.num_workers) == ("chief", 0, 3)
+    assert master.address == "tfdp-master-0.default.svc:2222"
+    seen_by_tf = json.loads(cluster_lib.training_tf_config(master))
+    assert seen_by_tf == {"cluster": {"chief": ["tfdp-master-0.default.svc:2222"],
+                                      "worker": ["tfdp-worker-0.default.svc:2222", "tfdp-worker-1.default.svc:2222"]},
+                          "task": {"type": "chief", "index": 0}}
+    assert cluster_lib.parse_tf_config(tfjob_tf_config(replicas, "Worker", 1)).rank == 2
+
+
+@pytest.mark.parametrize("rtype", ["Worker", "PS"])
+def test_a_tfjob_with_parameter_servers_is_refused_on_every_pod(rtype):
+    with pytest.raises(UserError) as err:
+        cluster_lib.parse_tf_config(tfjob_tf_config({"PS": 2, "Worker": 2}, rtype, 0))
+    assert str(err.value).startswith("TF_CONFIG cluster has task type 'ps': parameter-server training "
+                                     "(ParameterServerStrategy) is not supported")
+
+
+def test_a_bad_config_exits_2_on_every_pod(tmp_path):
+    """The same command on every pod of a TFJob: a config mistake is one line and status 2 on each of them,
+    the evaluator's included (2 is below 128: TFJob's ExitCode policy does not restart it)."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"model_dir: {tmp_path / 'run'}\ntrain:\n  epohcs: 3\n")
+    ports = iter(cluster_lib.free_ports(4))
+    local = {f"{rt}-{i}": f"127.0.0.1:{next(ports)}" for rt, n in TFJOB.items() for i in range(n)}
+    pods = tfjob_tf_configs(TFJOB, lambda rt, i: local[f"{rt}-{i}"])
+    env = {k: v for k, v in os.environ.items() if k not in ("TFDP_WORKERS", "SLURM_PROCID")}
+    procs = {pod: subprocess.Popen([sys.executable, "-m", "tfdp", "train", f"--config={config}"], cwd=REPO,
+                                   env={**env, "TF_CONFIG": text}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+             for pod, text in pods.items()}
+    for pod, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 2,
+                              "unknown config key 'train.epohcs'; did you mean 'train.epochs'?")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_service_addresses_are_the_operators():
+    """genClusterSpec's `<job>-<type>-<i>.<namespace>.svc:<port>`."""
+    assert service_address("imagenet", "ml", 2222)("Worker", 3) == "imagenet-worker-3.ml.svc:2222"

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, last_line, read_jsonl, run_tfdp, tf_log_lines
+from support.operators import tfjob_tf_configs
 from tfdp.distribute.cluster import free_ports
+from tfdp.errors import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 
@@ -168,7 +170,36 @@ def demo_on_workers(data_dir, model_dir, logs):
             "--set=data.image_size=16", "--set=train.checkpoint_every_steps=0", "--set=train.deterministic=true"]
 
 
+def start_pods(tf_configs: dict, args: list[str], logs) -> dict:
+    """One `python -m tfdp ARGS` process per pod (name → TF_CONFIG), as the operator starts the same command on
+    every pod of a TFJob; each pod's output in logs/<name>.log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    pods = {}
+    for name, tf_config in tf_configs.items():
+        with open(logs / f"{name}.log", "w") as log:
+            pods[name] = subprocess.Popen([sys.executable, "-m", "tfdp", *args], cwd=REPO, stdout=log,
+                                          stderr=subprocess.STDOUT, env={**os.environ, "TF_CONFIG": tf_config})
+    return pods
+
+
+def wait_pods(pods: dict, logs, timeout: float = 600) -> dict:
+    """Each pod's exit status and output, once all have ended (killed if they outlive `timeout`)."""
+    deadline = time.time() + timeout
+    try:
+        codes = {name: p.wait(timeout=max(deadline - time.time(), 1)) for name, p in pods.items()}
+    finally:
+        for p in pods.values():
+            if p.poll() is None:
+                p.kill()
+    return {name: (codes[name], (logs / f"{name}.log").read_text()) for name in pods}
+
+
 def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp_path, small_dir):
+    """SIGTERM to one pod of a TFJob: both save at one agreed step and exit 143 (128 + SIGTERM, which TFJob's
+    `restartPolicy: ExitCode` restarts); the same command on the same pods then resumes with 0 steps lost, to
+    the weights of the run never stopped. The pods get TF_CONFIG as Kubeflow's operator writes it, for a job of
+    Chief, Worker and Evaluator (support/operators.py): the evaluator's entry is in every training pod's
+    cluster, and is no member of the training (2 workers, the chief rank 0)."""
     clean = run_tfdp(*demo_on_workers(small_dir, tmp_path / "clean", tmp_path / "l0"), timeout=600)
     assert clean.returncode == 0, clean.stdout[-3000:]
     prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", clean.stdout))
@@ -181,37 +212,92 @@ def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp
     assert f"loss {rows[-1]['val_loss']:.4f}, top1 {rows[-1]['val_top1']:.4f}" in evaluated.stdout
 
     model_dir = tmp_path / "preempted"
-    args = [sys.executable, "-m", "tfdp", *demo_on_workers(small_dir, model_dir, tmp_path / "l1")]
-    launcher, pids = start_launch(args)
+    train = demo_on_workers(small_dir, model_dir, tmp_path / "unused")
+    command = [*train[train.index("--") + 1:], "--strategy=multi_worker"]  # the same command on every pod
+    ports = iter(free_ports(3))
+    local = {(rtype, 0): f"127.0.0.1:{next(ports)}" for rtype in ("Chief", "Worker", "Evaluator")}
+    tf_configs = tfjob_tf_configs({"Chief": 1, "Worker": 1, "Evaluator": 1}, lambda rtype, i: local[rtype, i])
+    trainers = {f"{rtype.lower()}-{i}": tf_configs[rtype, i] for rtype, i in (("Chief", 0), ("Worker", 0))}
+    pods = start_pods(trainers, command, tmp_path / "attempt-1")
     deadline = time.time() + 300
     while not (model_dir / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
         time.sleep(0.02)
     time.sleep(1.0)  # into epoch 2
-    os.kill(pids[1], signal.SIGTERM)  # only the non-chief is told
-    out, err = launcher.communicate(timeout=300)
-    assert launcher.returncode == 75, out[-3000:] + err[-2000:]
-    saved = re.findall(r"\[worker (\d)\] tfdp: preempted: saved at step (\d+)", out)
-    assert len(saved) == 2 and saved[0][1] == saved[1][1], out[-3000:]  # both workers, the same step
-    step = int(saved[0][1])
+    pods["worker-0"].send_signal(signal.SIGTERM)  # only the non-chief is told
+    ended = wait_pods(pods, tmp_path / "attempt-1")
+    for name, (code, log) in ended.items():
+        assert code == PREEMPTED_EXIT_CODE == 143, f"{name}: {code}\n{log[-3000:]}"
+        job = name.split("-")[0]  # TensorFlow's job name: chief or worker, the evaluator no member
+        assert re.search(rf"^tfdp: strategy multi_worker: 2 replica\(s\) on /job:{job}/replica:0/task:0/device:CPU:0, "
+                         r"2 worker\(s\)$", log, re.M), log[-3000:]
+    saved = {name: re.findall(r"^tfdp: preempted: saved at step (\d+) \(epoch 2, step \d\); exit 143 \(run the "
+                              r"same command to continue\)$", log, re.M) for name, (_, log) in ended.items()}
+    assert saved["chief-0"] == saved["worker-0"] and len(saved["chief-0"]) == 1, saved  # both pods, the same step
+    step = int(saved["chief-0"][0])
     assert 5 < step < 10 and (model_dir / "checkpoints" / f"step-{step:09d}").exists()
 
-    again = run_tfdp(*args[3:], timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:]
-    assert f"resuming at epoch 2 of 2, step {step - 5 + 1} of 5" in again.stdout  # 0 steps lost
-    resumed = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", again.stdout))
+    again = wait_pods(start_pods(trainers, command, tmp_path / "attempt-2"), tmp_path / "attempt-2")
+    assert {name: code for name, (code, _) in again.items()} == {"chief-0": 0, "worker-0": 0}, again
+    chief_log = again["chief-0"][1]
+    assert f"resuming at epoch 2 of 2, step {step - 5 + 1} of 5" in chief_log  # 0 steps lost
+    resumed = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", chief_log + again["worker-0"][1]))
     assert resumed == prints  # bit-identical to the run never stopped
     assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2]
 
 
 def test_after_one_preempted_exit_the_launcher_lets_the_others_exit_on_their_own():
-    """Workers that saved at an agreed step end a moment apart. The first one's status 75 must not get the
+    """Workers that saved at an agreed step end a moment apart. The first one's status 143 must not get the
     others a SIGTERM while they finish (their preemption handler is gone by then, so it would kill them
-    before they say where they saved): each says its line and ends with 75 itself."""
+    before they say where they saved): each says its line and ends with 143 itself."""
     from tfdp.distribute.launch import _wait
-    finishing = ("import sys, time; time.sleep({}); print('saved at step 7', flush=True); sys.exit(75)")
+    finishing = ("import sys, time; time.sleep({}); print('saved at step 7', flush=True); sys.exit(%d)"
+                 % PREEMPTED_EXIT_CODE)
     procs = [subprocess.Popen([sys.executable, "-c", finishing.format(delay)], stdout=subprocess.PIPE, text=True)
              for delay in (0.0, 1.5)]
     index, code = _wait(procs)
-    assert (index, code) == (0, 75)
-    assert [p.wait() for p in procs] == [75, 75]
+    assert (index, code) == (0, 143)
+    assert [p.wait() for p in procs] == [143, 143]
     assert [p.stdout.read() for p in procs] == ["saved at step 7\n"] * 2
+
+
+def test_a_tfjob_with_an_evaluator_trains_on_three_pods_and_evaluates_each_epoch_once(tmp_path, tiny_dir):
+    """Chief, 2 Workers and an Evaluator, each pod the same `tfdp train` with TF_CONFIG as Kubeflow's operator
+    writes it (support/operators.py). The three trainers skip their own validation (train.validate: auto) and
+    end with one set of weights; the evaluator pod joins no collective, evaluates every epoch's checkpoint
+    once, keeps the best one, and ends with the run; its figures are `tfdp evaluate`'s on the same file."""
+    model_dir = tmp_path / "run"
+    command = ["train", *FAST, f"--data_dir={tiny_dir}", "--data_format=image_folder", f"--model_dir={model_dir}",
+               "--strategy=multi_worker", "--batch_size_per_replica=16", "--epochs=2",
+               "--set=train.checkpoint_every_steps=0", "--poll_seconds=0.2"]
+    replicas = {"Chief": 1, "Worker": 2, "Evaluator": 1}
+    ports = dict(zip([(r, i) for r, n in replicas.items() for i in range(n)], free_ports(4)))
+    tf_configs = tfjob_tf_configs(replicas, lambda rtype, i: f"127.0.0.1:{ports[rtype, i]}")
+    pods = {f"{rtype.lower()}-{i}": tf_config for (rtype, i), tf_config in tf_configs.items()}
+    ended = wait_pods(start_pods(pods, command, tmp_path / "logs"), tmp_path / "logs")
+    assert {name: code for name, (code, _) in ended.items()} == dict.fromkeys(pods, 0), {
+        name: log[-2000:] for name, (_, log) in ended.items()}
+
+    trainers = [log for name, (_, log) in ended.items() if not name.startswith("evaluator")]
+    prints = [re.findall(r"tfdp: worker (\d) of 3: weights fingerprint (\w+)", log) for log in trainers]
+    assert sorted(p[0][0] for p in prints) == ["0", "1", "2"] and len({p[0][1] for p in prints}) == 1, prints
+    for log in trainers:
+        assert "tfdp: validation: not on the workers (train.validate: auto): the cluster's evaluator task" in log
+    assert not [r for r in read_jsonl(model_dir / "metrics.jsonl") if "val_top1" in r]
+
+    evaluator = ended["evaluator-0"][1]
+    assert "tfdp: strategy mirrored: 2 replica(s)" in evaluator   # its own devices: no member of the cluster
+    assert "weights fingerprint" not in evaluator and "Epoch 1/" not in evaluator
+    lines = re.findall(rf"^tfdp: evaluate: {model_dir}/checkpoints/(epoch-\d+): (loss .*)$", evaluator, re.M)
+    assert [name for name, _ in lines] == ["epoch-0001", "epoch-0002"], evaluator[-3000:]
+    assert "tfdp: evaluate: training ended (epoch 2 of 2 evaluated); 2 checkpoint(s) evaluated" in evaluator
+    rows = read_jsonl(model_dir / "eval_metrics.jsonl")
+    assert [(r["checkpoint"], r["epoch"], r["examples"]) for r in rows] == [("epoch-0001", 1, 40),
+                                                                             ("epoch-0002", 2, 40)]
+    best = json.loads((model_dir / "checkpoints" / "best.json").read_text())
+    assert best["value"] == max(r["val_top1"] for r in rows)
+
+    evaluated = run_tfdp("evaluate", *FAST, f"--data_dir={tiny_dir}", "--data_format=image_folder",
+                         "--batch_size_per_replica=16",
+                         f"--checkpoint={model_dir}/checkpoints/epoch-0002/model.weights.h5", timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert f"tfdp: evaluate: {lines[1][1]}" in evaluated.stdout

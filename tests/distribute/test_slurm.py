@@ -2,8 +2,8 @@
 
 Two tasks on one node, no GPUs: they form one MultiWorkerMirroredStrategy
 cluster from Slurm's variables, `scancel --signal=TERM` mid-run makes both save
-at one step and exit 75, the script requeues the job, and the next attempt
-resumes at the following step. The job's log keeps every attempt, and no task
+at one step and exit 143 (128 + SIGTERM), the script requeues the job, and the
+next attempt resumes at the following step. The job's log keeps every attempt, and no task
 prints a line from TensorFlow's own loggers.
 """
 
@@ -87,6 +87,12 @@ def attempts(log: str) -> list[tuple[int, int, str]]:
     return [(int(parts[i]), int(parts[i + 1]), parts[i + 2]) for i in range(1, len(parts), 3)]
 
 
+def saved_step(where: str, steps_per_epoch: int) -> int:
+    """The global step a preemption line's `step N` or `the end of epoch E` names."""
+    number = int(where.rsplit(" ", 1)[1])
+    return number if where.startswith("step") else number * steps_per_epoch
+
+
 def test_template_preempted_by_scancel_requeues_and_resumes_losing_no_step(slurm, slurm_data, tmp_path):
     model_dir = tmp_path / "run"
     env = {k: v for k, v in slurm.env.items() if k not in ("TF_CONFIG", "TFDP_WORKERS", "TFDP_WORKER_INDEX")}
@@ -135,12 +141,14 @@ def test_template_preempted_by_scancel_requeues_and_resumes_losing_no_step(slurm
                              r"device:CPU:0, 2 worker\(s\)$", lines, re.M)
         assert sorted(members) == [("0", "0"), ("1", "1")], lines[-3000:]
 
-    # The first attempt: both tasks saved at one step, exit 75, and its lines are still in the log.
-    saved = re.findall(r"^(\d): tfdp: preempted: saved at step (\d+) .*; exit 75", first, re.M)
-    assert sorted(rank for rank, _ in saved) == ["0", "1"] and saved[0][1] == saved[1][1], first[-3000:]
-    step = int(saved[0][1])
-    assert re.search(r"attempt 1 ended with status 75$", first, re.M), first[-2000:]
+    # The first attempt: both tasks saved at one step, exit 143, and its lines are still in the log. The
+    # TERM lands wherever the run is: mid-epoch (`saved at step N (epoch E, step S)`) or, on a loaded host,
+    # at an epoch's end (`saved at the end of epoch E`); either way both ranks name the same place.
     steps_per_epoch = int(re.search(r"^0: tfdp: data: .* (\d+) steps/epoch$", first, re.M).group(1))
+    saved = re.findall(r"^(\d): tfdp: preempted: saved at (step \d+|the end of epoch \d+)\b.*; exit 143 ", first, re.M)
+    assert sorted(rank for rank, _ in saved) == ["0", "1"] and saved[0][1] == saved[1][1], first[-3000:]
+    step = saved_step(saved[0][1], steps_per_epoch)
+    assert re.search(r"attempt 1 ended with status 143$", first, re.M), first[-2000:]
     assert steps_per_epoch == 20 and 5 <= step < 2 * steps_per_epoch
 
     # The second: resumed at the step after the saved one (0 steps lost), finished, equal weights.

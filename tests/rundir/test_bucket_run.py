@@ -116,7 +116,30 @@ def test_a_run_lives_in_the_bucket_and_resumes_from_it(s3, fs, small_dir, tmp_pa
                         f"--set=scratch_dir={tmp_path}/scratch", env_extra=s3.env, timeout=300)
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert {"export/model.keras", "export/classes.json"} <= set(objects(fs, run))
-    assert [p for p in os.listdir(tmp_path / "scratch") if p.startswith("read-")] == []   # readers' copies gone
+    # Every line names the bucket's objects, never the reader's local copy, gone with it.
+    assert f"tfdp: export: wrote {run}/export/model.keras and {run}/export/classes.json" in exported.stdout
+    assert f"tfdp: export: keras: {run}/export/model.keras: top-1 agrees" in exported.stdout
+    assert str(tmp_path / "scratch") not in exported.stdout + exported.stderr
+    empty = run_tfdp("evaluate", *SMALL, f"--data_dir={small_dir}", f"--model_dir={s3.bucket}/nothing-here",
+                     f"--set=scratch_dir={tmp_path}/scratch", env_extra=s3.env, timeout=300)
+    assert_one_line_error(empty, 2, f"no checkpoint at {s3.bucket}/nothing-here/checkpoints/best.weights.h5")
+
+    # The evaluator beside a bucket run: the committed checkpoints, each once; its rows one object each, its
+    # TensorBoard run beside the trainer's, the best checkpoint its own where the workers do not validate.
+    watched = run_tfdp("evaluate", *SMALL, f"--data_dir={small_dir}", f"--model_dir={run}", "--epochs=3",
+                       "--continuous", "--poll_seconds=0.2", "--set=train.validate=never",
+                       f"--set=scratch_dir={tmp_path}/scratch", env_extra=s3.env, timeout=300)
+    assert watched.returncode == 0, watched.stdout[-3000:] + watched.stderr[-2000:]
+    assert re.findall(r"tfdp: evaluate: (\S+): loss", watched.stdout) == [
+        f"{run}/checkpoints/epoch-0002", f"{run}/checkpoints/epoch-0003"]
+    assert f"rows in {run}/eval_metrics/; best val_top1" in watched.stdout
+    assert str(tmp_path / "scratch") not in watched.stdout + watched.stderr
+    listing = objects(fs, run)
+    steps = [json.loads(fs.cat_file(f"{run}/{p}"))["step"] for p in sorted(listing) if p.startswith("eval_metrics/")]
+    assert steps == [json.loads(fs.cat_file(f"{run}/checkpoints/epoch-000{e}/state.json"))["step"] for e in (2, 3)]
+    assert [p for p in listing if p.startswith("tensorboard/eval/") and "tfevents" in p]
+    assert json.loads(fs.cat_file(f"{run}/checkpoints/best.json"))["step"] in steps
+    assert [p for p in os.listdir(tmp_path / "scratch") if p.startswith(("read-", "eval-"))] == []   # copies gone
 
 
 def test_an_uncommitted_or_changed_checkpoint_is_never_resumed_from(s3, fs, small_dir, tmp_path):
@@ -171,7 +194,7 @@ def test_no_write_permission_is_one_line_before_training(s3, small_dir, tmp_path
 
 
 def test_a_bucket_that_stops_answering_ends_the_run_with_the_restart_status(small_dir, tmp_path):
-    """The server killed mid-run: uploads retry for train.upload_retry_seconds, then exit 75 and one line."""
+    """The server killed mid-run: uploads retry for train.upload_retry_seconds, then exit 143 and one line."""
     with s3_server("tfdp-gone") as server:
         port = server.endpoint.rsplit(":", 1)[1]
         args = [sys.executable, "-m", "tfdp", "train", *SMALL, f"--data_dir={small_dir}",
@@ -185,18 +208,18 @@ def test_a_bucket_that_stops_answering_ends_the_run_with_the_restart_status(smal
         os.kill(_listening_pid(port), signal.SIGKILL)
         started = time.time()
         out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    assert proc.returncode == 143, out[-3000:] + err[-3000:]
     assert "Traceback" not in out + err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"tfdp: stopped: the bucket of model_dir {server.bucket}/run did not answer for 4 s "
                            f"while trying to "), last
-    assert last.endswith("exit 75 (run the same command to continue)"), last
+    assert last.endswith("exit 143 (run the same command to continue)"), last
     assert time.time() - started < 120
 
 
 def test_a_data_bucket_that_stops_answering_mid_run_ends_with_the_restart_status(small_dir, tmp_path):
     """Images streamed from the bucket through a cache a quarter of their size; the server killed mid-run:
-    the fetcher retries for 6 x data.remote_timeout, then exit 75 naming the object (the same command
+    the fetcher retries for 6 x data.remote_timeout, then exit 143 naming the object (the same command
     resumes from the last checkpoint once the bucket is back)."""
     import fsspec
     with s3_server("tfdp-data-gone") as server:
@@ -213,11 +236,11 @@ def test_a_data_bucket_that_stops_answering_mid_run_ends_with_the_restart_status
                 break
         os.kill(_listening_pid(server.endpoint.rsplit(":", 1)[1]), signal.SIGKILL)
         out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, out[-3000:] + err[-3000:]
+    assert proc.returncode == 143, out[-3000:] + err[-3000:]
     assert "Traceback" not in out + err
     last = err.strip().splitlines()[-1]
     assert re.match(rf"tfdp: stopped: cannot download {server.bucket}/data/\S+ \(retried for 3 s, 6 times "
-                    rf"data.remote_timeout\): .*; exit 75 \(run the same command to continue\)$", last), last
+                    rf"data.remote_timeout\): .*; exit 143 \(run the same command to continue\)$", last), last
 
 
 def _listening_pid(port: str) -> int:

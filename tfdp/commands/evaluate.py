@@ -19,25 +19,44 @@ from tfdp.startup.console import say
 
 def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> dict:
     """Top-1/top-5 over the whole validation split, spread over the replicas, each image once."""
-    source = build_source(cfg.data, splits=(cfg.data.val_split,))  # the training split is not even listed
-    if source.num_classes and source.num_classes != cfg.model.num_classes:
-        raise UserError(f"the data has {source.num_classes} classes but model.num_classes is {cfg.model.num_classes}")
-    split = source.split(cfg.data.val_split)
-    require_complete(split)
-    task = ClassificationTask(cfg, runtime, source)
-    with runtime.strategy.scope():
-        model = task.build_model("evaluate")
-    load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
-    with data_errors():
-        result = model.evaluate(task.build_validation_inputs(), verbose=0, return_dict=True)
-    result["examples"] = evaluated_images(model)
-    skipped = split.num_examples - result["examples"]
-    if skipped:
-        name_unnamed_corrupt(split, cfg, runtime, skipped)
-    say("tfdp: evaluate: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
-        + f" over {result['examples']} images"
-        + (f" ({skipped} of the {split.num_examples} listed could not be decoded)" if skipped else ""))
-    return result
+    path = checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights
+    if not os.path.exists(path):   # before the data is listed: a run without a best checkpoint is one line at once
+        raise UserError(f"no checkpoint at {path}")
+    return Evaluator(cfg, runtime).evaluate(path)
+
+
+class Evaluator:
+    """The validation split and the model compiled for evaluation, built once, for one checkpoint after
+    another (`tfdp evaluate --continuous` evaluates each one a run commits with the same pipeline)."""
+
+    def __init__(self, cfg: Config, runtime: Runtime):
+        source = build_source(cfg.data, splits=(cfg.data.val_split,))  # the training split is not even listed
+        if source.num_classes and source.num_classes != cfg.model.num_classes:
+            raise UserError(f"the data has {source.num_classes} classes but model.num_classes is "
+                            f"{cfg.model.num_classes}")
+        self.split = source.split(cfg.data.val_split)
+        require_complete(self.split)
+        self.cfg, self.runtime = cfg, runtime
+        task = ClassificationTask(cfg, runtime, source)
+        with runtime.strategy.scope():
+            self.model = task.build_model("evaluate")
+        self.inputs = task.build_validation_inputs()
+
+    def evaluate(self, weights: str, label: str = "") -> dict:
+        """Loads `weights` and evaluates them; prints one line (after `label`, what was evaluated, if given)."""
+        load_checkpoint(self.model, weights, self.cfg)
+        with data_errors():
+            result = self.model.evaluate(self.inputs, verbose=0, return_dict=True)
+        result["examples"] = evaluated_images(self.model)
+        split = self.split
+        skipped = split.num_examples - result["examples"]
+        if skipped:
+            name_unnamed_corrupt(split, self.cfg, self.runtime, skipped)
+        say("tfdp: evaluate: " + (f"{label}: " if label else "")
+            + ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
+            + f" over {result['examples']} images"
+            + (f" ({skipped} of the {split.num_examples} listed could not be decoded)" if skipped else ""))
+        return result
 
 
 def name_unnamed_corrupt(split, cfg: Config, runtime: Runtime, skipped: int) -> None:

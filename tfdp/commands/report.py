@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from tfdp.errors import UserError
-from tfdp.rundir.metrics_file import METRICS_FILE, read_metrics
+from tfdp.rundir.metrics_file import EVAL_METRICS_FILE, METRICS_FILE, read_metrics, with_evaluations
 from tfdp.rundir.writable import writable_dir
 
 # (file, title, y label, [(metrics key, legend label)])
@@ -29,7 +29,7 @@ def load_rows(model_dir: str) -> list[dict]:
     rows = read_metrics(path)
     if not rows:
         raise UserError(f"{path} has no epochs yet")
-    return rows
+    return with_evaluations(rows, read_metrics(os.path.join(model_dir, EVAL_METRICS_FILE)))
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
@@ -69,19 +69,27 @@ def summary_markdown(rows: list[dict]) -> str:
         "| | |",
         "| --- | --- |",
         f"| epochs | {last['epoch']} |",
-        f"| final validation top-1 | {100 * last['val_top1']:.2f}% |",
     ]
-    if "val_top5" in last:
-        lines.append(f"| final validation top-5 | {100 * last['val_top5']:.2f}% |")
+    lines += validation_lines(last, best)
     lines += [
-        f"| best validation top-1 | {100 * best['val_top1']:.2f}% (epoch {best['epoch']}) |",
-        f"| final validation loss | {last['val_loss']:.4f} |",
         f"| throughput | {rate:.1f} images/s, {seconds:.1f} s/epoch (mean over epochs {timed[0]['epoch']}-{timed[-1]['epoch']}) |",
         "",
         "![loss](loss.png) ![accuracy](accuracy.png) ![lr](lr.png) ![throughput](throughput.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def validation_lines(last: dict, best: dict) -> list[str]:
+    """The summary's validation rows (the workers' or the evaluator's figures); none where neither measured the
+    last epoch."""
+    if "val_top1" not in last:
+        return ["| validation | none for the last epoch (train.validate; no evaluator's row either) |"]
+    lines = [f"| final validation top-1 | {100 * last['val_top1']:.2f}% |"]
+    if "val_top5" in last:
+        lines.append(f"| final validation top-5 | {100 * last['val_top5']:.2f}% |")
+    return lines + [f"| best validation top-1 | {100 * best['val_top1']:.2f}% (epoch {best['epoch']}) |",
+                    f"| final validation loss | {last['val_loss']:.4f} |"]
 
 
 def report(model_dir: str) -> str:

@@ -2,8 +2,16 @@
 
 TF_CONFIG is the standard JSON that Kubernetes operators, Docker Compose files
 and custom schedulers hand each process:
-  {"cluster": {"chief": ["host:port"], "worker": ["host:port", ...]},
-   "task": {"type": "worker", "index": 0}}
+  {"cluster": {"chief": ["host:port"], "worker": ["host:port", ...], "evaluator": ["host:port"]},
+   "task": {"type": "worker", "index": 0}, "environment": "cloud"}
+Kubeflow's TFJob writes every replica type of the job, lower-cased, into
+every pod's cluster: `chief` or its older name `master`, `worker`,
+`evaluator`, `ps`, plus `"environment": "cloud"`, which nothing reads. The
+chief and the workers train, all-reducing every step; an evaluator joins no
+collective (it reads the checkpoints they write), so it is in the cluster but
+is no member of the training and has no rank. Parameter servers would need a
+different strategy, which tfdp does not have, so `ps` is refused.
+
 It is checked here, before TensorFlow sees it, because TensorFlow's own errors
 for a bad spec are a hang or a stack trace. Pure Python: no TensorFlow import.
 """
@@ -17,19 +25,38 @@ import socket
 
 from tfdp.errors import UserError
 
-TASK_TYPES = ("chief", "worker")  # in global rank order: the chief, if any, is rank 0
+TRAINING_TYPES = ("chief", "worker")  # in global rank order: the chief, if any, is rank 0
+EVALUATOR = "evaluator"
+TASK_TYPES = (*TRAINING_TYPES, EVALUATOR)
+# Other names operators write for the same task: TFJob's `Master` replica is "semantically equivalent" to
+# `Chief` (kubeflow/training-operator pkg/apis/kubeflow.org/v1/tensorflow_types.go); TensorFlow's own cluster
+# checks know only `chief`, so the name is changed before TensorFlow reads TF_CONFIG.
+ALIASES = {"master": "chief"}
+# Task types tfdp cannot run, and why, in the words the error line uses.
+REFUSED = {"ps": "parameter-server training (ParameterServerStrategy) is not supported; tfdp trains with "
+                 "all-reduce: give the job chief/worker replicas (and an evaluator if wanted), no ps"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    tasks: dict[str, tuple[str, ...]]   # task type → addresses
+    tasks: dict[str, tuple[str, ...]]   # task type → addresses (canonical names: chief, worker, evaluator)
     task_type: str
     task_index: int
 
     @property
     def members(self) -> list[tuple[str, int, str]]:
-        """(type, index, address) of every task, in rank order."""
+        """(type, index, address) of every training task, in rank order: the evaluator is none of them."""
+        return [(t, i, a) for t in TRAINING_TYPES for i, a in enumerate(self.tasks.get(t, ()))]
+
+    @property
+    def all_tasks(self) -> list[tuple[str, int, str]]:
+        """(type, index, address) of every task, the evaluator's too: the ones pods are started for."""
         return [(t, i, a) for t in TASK_TYPES for i, a in enumerate(self.tasks.get(t, ()))]
+
+    @property
+    def is_evaluator(self) -> bool:
+        """This process is the evaluator: it evaluates checkpoints beside the training and joins no collective."""
+        return self.task_type == EVALUATOR
 
     @property
     def num_workers(self) -> int:
@@ -37,6 +64,8 @@ class Cluster:
 
     @property
     def rank(self) -> int:
+        if self.is_evaluator:
+            raise ValueError("the evaluator has no rank: it is not a member of the training cluster")
         return [(t, i) for t, i, _ in self.members].index((self.task_type, self.task_index))
 
     @property
@@ -48,38 +77,55 @@ class Cluster:
 
 
 def parse_tf_config(text: str) -> Cluster:
+    """The cluster in TF_CONFIG, task types under their canonical names (`master` becomes `chief`)."""
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"TF_CONFIG is not valid JSON: {e.msg} at character {e.pos}") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("cluster"), dict) or not isinstance(spec.get("task"), dict):
         raise UserError('TF_CONFIG must be an object with "cluster" and "task" objects')
-    tasks: dict[str, tuple[str, ...]] = {}
-    for task_type, addresses in spec["cluster"].items():
-        if task_type not in TASK_TYPES:
-            raise UserError(f"TF_CONFIG cluster has task type '{task_type}'; multi-worker training "
-                            f"uses only {' and '.join(TASK_TYPES)}")
-        if not isinstance(addresses, list) or not addresses or not all(isinstance(a, str) for a in addresses):
-            raise UserError(f"TF_CONFIG cluster.{task_type} must be a non-empty list of \"host:port\" strings")
-        tasks[task_type] = tuple(addresses)
-    if not tasks:
-        raise UserError("TF_CONFIG cluster lists no workers")
-    if len(tasks.get("chief", ())) > 1:
-        raise UserError(f"TF_CONFIG cluster has {len(tasks['chief'])} chiefs; at most one is allowed")
-    task_type, index = spec["task"].get("type"), spec["task"].get("index", 0)
+    tasks = _read_tasks(spec["cluster"])
+    raw_type, index = spec["task"].get("type"), spec["task"].get("index", 0)
+    task_type = ALIASES.get(raw_type, raw_type) if isinstance(raw_type, str) else raw_type
     if task_type not in tasks:
-        raise UserError(f"TF_CONFIG task type '{task_type}' is not in the cluster (it has: {', '.join(tasks)})")
+        raise UserError(f"TF_CONFIG task type '{raw_type}' is not in the cluster (it has: {', '.join(tasks)})")
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tasks[task_type]):
         raise UserError(f"TF_CONFIG task index {index!r} is out of range: the cluster has "
-                        f"{len(tasks[task_type])} '{task_type}' task(s)")
+                        f"{len(tasks[task_type])} '{raw_type}' task(s)")
     cluster = Cluster(tasks, task_type, index)
     _check_addresses(cluster)
     return cluster
 
 
+def _read_tasks(spec: dict) -> dict[str, tuple[str, ...]]:
+    """TF_CONFIG's cluster object as canonical task type → addresses, every type checked."""
+    tasks: dict[str, tuple[str, ...]] = {}
+    for raw_type, addresses in spec.items():
+        if raw_type in REFUSED:
+            raise UserError(f"TF_CONFIG cluster has task type '{raw_type}': {REFUSED[raw_type]}")
+        task_type = ALIASES.get(raw_type, raw_type)
+        if task_type not in TASK_TYPES:
+            raise UserError(f"TF_CONFIG cluster has task type '{raw_type}'; tfdp runs only "
+                            f"{', '.join(TASK_TYPES)} (or master, the chief's other name)")
+        if task_type in tasks:
+            raise UserError("TF_CONFIG cluster has both 'chief' and 'master', two names for one task")
+        if isinstance(addresses, dict):
+            raise UserError(f"TF_CONFIG cluster.{raw_type} is a sparse map (a TFJob's enableDynamicWorker, made for "
+                            "parameter-server training): multi-worker training needs every address in a list")
+        if not isinstance(addresses, list) or not addresses or not all(isinstance(a, str) for a in addresses):
+            raise UserError(f"TF_CONFIG cluster.{raw_type} must be a non-empty list of \"host:port\" strings")
+        tasks[task_type] = tuple(addresses)
+    if not any(t in tasks for t in TRAINING_TYPES):
+        raise UserError("TF_CONFIG cluster lists no chief or worker to train")
+    for task_type in ("chief", EVALUATOR):
+        if len(tasks.get(task_type, ())) > 1:
+            raise UserError(f"TF_CONFIG cluster has {len(tasks[task_type])} {task_type}s; at most one is allowed")
+    return tasks
+
+
 def _check_addresses(cluster: Cluster) -> None:
     seen: dict[str, str] = {}
-    for task_type, index, address in cluster.members:
+    for task_type, index, address in cluster.all_tasks:
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UserError(f"TF_CONFIG address '{address}' of {task_type} {index} is not host:port")
@@ -129,7 +175,7 @@ def check_consistent(tf_configs: dict[str, str]) -> None:
         if task in claimed:
             raise UserError(f"{name} and {claimed[task]} both claim {c.task_type} {c.task_index}")
         claimed[task] = name
-    unclaimed = [f"{t} {i}" for t, i, _ in first.members if (t, i) not in claimed]
+    unclaimed = [f"{t} {i}" for t, i, _ in first.all_tasks if (t, i) not in claimed]
     if unclaimed:
         raise UserError(f"no member runs {', '.join(unclaimed)}")
 
@@ -169,7 +215,21 @@ def from_slurm(port_base: int = SLURM_PORT_BASE) -> Cluster:
 
 
 def to_tf_config(cluster: Cluster) -> str:
+    """The whole cluster as TF_CONFIG JSON, under canonical task names (`chief`, never `master`)."""
     return tf_config_json({t: list(a) for t, a in cluster.tasks.items()}, cluster.task_type, cluster.task_index)
+
+
+def training_tf_config(cluster: Cluster) -> str:
+    """TF_CONFIG for a training member's TensorFlow: the chief and workers only, under canonical names.
+
+    The evaluator is left out: it joins no collective, so the members' servers
+    and their coordination service have nothing to say to it, and a cluster
+    spec without it cannot make them wait for it or dial it.
+    """
+    if cluster.is_evaluator:
+        raise ValueError("the evaluator does not train: it has no place in the training cluster")
+    return tf_config_json({t: list(cluster.tasks[t]) for t in TRAINING_TYPES if t in cluster.tasks},
+                          cluster.task_type, cluster.task_index)
 
 
 def workers_tf_config(addresses: list[str], index: int) -> str:

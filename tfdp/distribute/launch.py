@@ -28,9 +28,13 @@ Exit status of `tfdp launch`:
   4    EXIT_WORKER_KILLED: a worker was ended by a signal the launcher did not
        send (kill -9, the OOM killer); the message names the signal
   N    any other non-zero status of the first worker to fail, passed on
-       (1 a crash, 75 preempted: restart the same command to resume)
+       (1 a crash; 143 stopped with everything saved: preempted, or a peer,
+       the tf.data service or a bucket lost; the same command resumes)
   128+N  the launcher was sent signal N (SIGINT, SIGTERM), forwarded it, and
        a worker ended by it
+
+As everywhere in tfdp (tfdp/errors.py, docs/faults.md), 1-127 is permanent
+and 128-255 asks for the same command again.
 """
 
 from __future__ import annotations
@@ -194,8 +198,8 @@ def _let_exit(procs: list[subprocess.Popen], seconds: float) -> None:
 def _explain(code: int, mark: str, forwarded: set[int]) -> tuple[int, str]:
     """The launcher's exit status for a worker's `code` (Popen's: -N for signal N), and the reason in words."""
     if code == PREEMPTED_EXIT_CODE:
-        return code, (f"stopped after saving a checkpoint (status {code}: preempted or lost a peer; "
-                      f"run the same command to continue)")
+        return code, (f"stopped after saving a checkpoint (status {code}: preempted, or lost a peer, the "
+                      f"tf.data service or a bucket; run the same command to continue)")
     if code > 0:
         return code, f"exited with status {code}"
     signum = -code

@@ -1,4 +1,4 @@
-"""Preemption notices: SIGTERM → every worker saves at the same step and exits with code 75.
+"""Preemption notices: SIGTERM → every worker saves at the same step and exits 143 (128 + SIGTERM).
 
 Kubernetes, `docker stop`, Slurm (`--signal`) and spot-VM preemption send
 SIGTERM some seconds before the kill. A notice may reach only one worker, but

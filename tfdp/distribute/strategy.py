@@ -100,7 +100,9 @@ def _multi_worker(cfg: DistributeConfig) -> Runtime:
     """
     cluster = cluster_lib.from_environment()
     cluster_lib.check_port_free(cluster)
-    os.environ["TF_CONFIG"] = cluster_lib.to_tf_config(cluster)  # Slurm-derived clusters too
+    # What TensorFlow reads: the training members only, under its names (a TFJob's `master` is its `chief`;
+    # an evaluator joins no collective), and for Slurm-derived clusters too.
+    os.environ["TF_CONFIG"] = cluster_lib.training_tf_config(cluster)
     # distribute.cpu_replicas splits a host for `mirrored` only; the strategy line says what ran, so a
     # config shared with one-host runs (configs/digits.yaml) needs no warning here.
     options = tf.distribute.experimental.CommunicationOptions(implementation=COMMUNICATION[cfg.communication])

@@ -22,7 +22,7 @@ what it writes there:
 
 So the bytes uploaded grow with the run, never by rewriting a growing file.
 Every request retries with backoff for `train.upload_retry_seconds`; a
-bucket that stays silent ends the run with the restart status (75), and the
+bucket that stays silent ends the run with the restart status (143), and the
 same command resumes from the newest committed checkpoint. Other workers
 than the chief download the checkpoint they resume from and upload nothing.
 """
@@ -222,10 +222,14 @@ class Bucket:
 
     def metrics_rows(self) -> list[dict]:
         """The run's metrics rows, oldest epoch first."""
-        names = sorted(rel for rel in self.listing(METRICS) if rel.endswith(".jsonl"))
+        return self.rows(METRICS)
+
+    def rows(self, prefix: str) -> list[dict]:
+        """The rows of the one-row-per-object log under `prefix` (the metrics log, the evaluator's), in name order."""
+        names = sorted(rel for rel in self.listing(prefix) if rel.endswith(".jsonl"))
         if not names:
             return []
-        blobs = self._retry("read the metrics log", lambda: self.fs.cat([self.remote(n) for n in names]))
+        blobs = self._retry(f"read {prefix}/", lambda: self.fs.cat([self.remote(n) for n in names]))
         rows = []
         for name in names:
             blob = blobs[self.remote(name)]
@@ -290,7 +294,7 @@ class Uploader:
                 self._epochs_sent.add(epoch)
         for name in WHOLE_FILES:
             self._put_if_changed(os.path.join(self.local, name), name)
-        self._sync_events()
+        self.sync_events()
 
     def _put_if_changed(self, path: str, rel: str) -> None:
         if not os.path.isfile(path):
@@ -300,7 +304,8 @@ class Uploader:
             self.bucket.put_file(path, rel)
             self._whole_sent[path] = (stat.st_size, stat.st_mtime_ns)
 
-    def _sync_events(self) -> None:
+    def sync_events(self) -> None:
+        """Uploads the complete TensorBoard records written under `local`/tensorboard since the last call."""
         root = os.path.join(self.local, TENSORBOARD)
         for folder, _, files in os.walk(root):
             for f in sorted(files):
@@ -367,6 +372,14 @@ class Place:
     bucket: Bucket | None = None
     temporary: bool = False   # a folder of this command alone, removed by `close`
 
+    def shown(self, text: str) -> str:
+        """`text` (a message) with the local copy's paths written as the bucket objects they stand for: an
+        operator reading the log finds them in the bucket, where the local copy is gone with the command."""
+        if not self.bucket:
+            return text
+        return text.replace(self.local.rstrip(os.sep) + os.sep, self.bucket.url + "/").replace(self.local,
+                                                                                               self.bucket.url)
+
     @property
     def lease_target(self) -> str:
         return self.bucket.url if self.bucket else self.local
@@ -412,7 +425,8 @@ class Place:
                 os.makedirs(os.path.join(local, TENSORBOARD, parts[1]), exist_ok=True)
 
     def pull_outputs(self) -> None:
-        """What evaluate, export, predict and report read: the best checkpoint, the config, the metrics."""
+        """What evaluate, export, predict and report read: the best checkpoint, the config, the metrics (the
+        evaluator's too)."""
         if not self.bucket:
             return
         root = os.path.join(self.local, CHECKPOINTS)
@@ -422,6 +436,8 @@ class Place:
                 with open(os.path.join(self.local, rel), "wb") as out:
                     out.write(data)
         _write_rows(os.path.join(self.local, "metrics.jsonl"), self.bucket.metrics_rows())
+        from tfdp.rundir.metrics_file import EVAL_METRICS, EVAL_METRICS_FILE
+        _write_rows(os.path.join(self.local, EVAL_METRICS_FILE), self.bucket.rows(EVAL_METRICS))
 
     def push_folder(self, name: str) -> str | None:
         """Uploads the local folder `name` (an export, a report) whole; its bucket URL, or None if absent."""

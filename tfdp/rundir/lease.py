@@ -16,7 +16,7 @@ Then the newcomer takes the lease over and says so in one line. A holder on
 another host that looks alive is watched for up to its timeout: a renewal
 proves it alive (refused at once), none proves it gone (taken over). The
 lease is released (removed) on every way out of `train`: its end, a
-preemption (exit 75), an error; only SIGKILL leaves one behind, and that is
+preemption (exit 143), an error; only SIGKILL leaves one behind, and that is
 what the take-over rules are for.
 
 Creation is atomic everywhere, so two starting runs never both win: on local

@@ -12,6 +12,18 @@ import os
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+# The evaluator's rows, one per checkpoint it evaluated (tfdp/commands/continuous_eval.py); in a bucket, one object
+# each under EVAL_METRICS/.
+EVAL_METRICS_FILE = "eval_metrics.jsonl"
+EVAL_METRICS = "eval_metrics"
+
+
+def with_evaluations(rows: list[dict[str, Any]], evaluated: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics rows, each with the evaluator's `val_` figures of its epoch's checkpoint where the workers had
+    none of their own (train.validate)."""
+    by_epoch = {int(r["epoch"]): r for r in evaluated if not r.get("step_in_epoch")}
+    return [{**{k: v for k, v in by_epoch.get(int(r["epoch"]), {}).items() if k.startswith("val_")}, **r}
+            for r in rows]
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
