@@ -14,6 +14,12 @@ TORCHVISION = {
     "vgg11": 132_863_336, "vgg11_bn": 132_868_840, "vgg13": 133_047_848, "vgg13_bn": 133_053_736,
     "vgg16": 138_357_544, "vgg16_bn": 138_365_992, "vgg19": 143_667_240, "vgg19_bn": 143_678_248,
     "squeezenet1_1": 1_235_496,
+    "convnext_tiny": 28_589_128, "convnext_small": 50_223_688, "convnext_base": 88_591_464,
+    "convnext_large": 197_767_336,
+}
+# timm's counts (its parameters), compared with our trainable weights, for models torchvision does not have.
+TIMM = {
+    "convnext_atto": 3_695_520, "convnext_femto": 5_217_784, "convnext_pico": 9_045_672, "convnext_nano": 15_593_560,
 }
 # keras.applications' published totals (all weights, batch-norm statistics included).
 KERAS_APPLICATIONS = {
@@ -24,20 +30,28 @@ KERAS_APPLICATIONS = {
     "efficientnetv2_l": 119_027_848,
 }
 SMALL_IMAGE = {"resnet18_small", "simple_cnn"}  # for 16-32 px inputs: no ImageNet reference
+# Not built for their count here: test_convnext.py checks every ConvNeXt's count from its depths and widths, and
+# builds one of each table (convnext_atto, convnext_tiny).
+COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small", "base", "large")}
+# timm's counts checked in tests/models/test_vit.py from the variables' shapes, without allocating ViT-L's 300M
+# (and vit_mini_patch4_small, for 16-32 px inputs)
+VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (16, 32)), "vit_tiny_patch16_224",
+       *(f"deit_{s}_{d}patch16_224" for s in ("tiny", "small", "base") for d in ("", "distilled_")),
+       "vit_mini_patch4_small"}
 
 
 def test_every_registered_model_has_a_reference_count():
-    assert set(MODELS) == set(TORCHVISION) | set(KERAS_APPLICATIONS) | SMALL_IMAGE
+    assert set(MODELS) == set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS) | SMALL_IMAGE | VIT
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(set(TORCHVISION) | set(KERAS_APPLICATIONS)))
+@pytest.mark.parametrize("name", sorted((set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS)) - COUNTED_FROM_SPEC))
 def test_parameter_count_at_1000_classes_and_224_px(name):
     import keras
     model = MODELS[name]((224, 224, 3), 1000)
     trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
-    if name in TORCHVISION:
-        assert trainable == TORCHVISION[name]
+    if name in TORCHVISION or name in TIMM:
+        assert trainable == {**TORCHVISION, **TIMM}[name]
     else:
         assert model.count_params() == KERAS_APPLICATIONS[name]
     assert model.output_shape == (None, 1000)
@@ -62,6 +76,9 @@ ONE_PER_BUILDER = {
     **{f"efficientnetv2_{s}": "efficientnetv2_b0" for s in ("b0", "b1", "b2", "b3", "s", "m", "l")},
     **{f"vgg{d}": "vgg11" for d in (11, 13, 16, 19)}, **{f"vgg{d}_bn": "vgg11_bn" for d in (11, 13, 16, 19)},
     "squeezenet1_1": "squeezenet1_1", "simple_cnn": "simple_cnn",
+    **{f"convnext_{s}": "convnext_atto"
+       for s in ("atto", "femto", "pico", "nano", "tiny", "small", "base", "large")},
+    **dict.fromkeys(VIT, "vit_mini_patch4_small"),
 }
 
 

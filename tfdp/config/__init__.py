@@ -128,12 +128,18 @@ class ModelConfig:
     # Batch-norm statistics over the global batch (all replicas) instead of each replica's share, as
     # Model Garden's use_sync_bn and PyTorch's SyncBatchNorm: for small per-replica batches.
     sync_bn: Bool = False
+    # Every batch-norm layer's moving-average momentum, in Keras' sense: the share of the old statistic kept per
+    # step (torch's momentum 0.1 is 0.9 here). auto: 0.9 when training from scratch (timm's, torch's default,
+    # and Model Garden's ImageNet ResNet), the architecture's own with model.init_from (keras.applications'
+    # 0.99): the statistics keep the pace the weights were trained at. docs/models.md.
+    bn_momentum: Annotated[float, Strict(), Field(ge=0, lt=1)] | Literal["auto"] = "auto"
     # Stochastic depth: residual branches dropped per sample, the rate rising linearly to this at the last
-    # block (timm's drop_path_rate); ResNet family only.
+    # block (timm's drop_path_rate); the ResNet family and ConvNeXt.
     drop_path: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
     # Weights a fresh run starts from (a resumed run continues from its own checkpoint): imagenet (Keras' own
     # files, keras.applications models), a tfdp run directory, a checkpoint folder, a .keras or .weights.h5
-    # file, or a torchvision/timm .safetensors state dict; see docs/pretrained-weights.md. "": random init.
+    # file, a torchvision/timm .safetensors state dict, or a keras-hub preset folder (ViT); see
+    # docs/pretrained-weights.md. "": random init.
     init_from: Str = ""
     # fnmatch patterns over layer names and layer/variable paths (e.g. "logits", "stage4_*", "*/bias") that
     # model.init_from leaves as initialised.
@@ -163,7 +169,8 @@ class OptimizerConfig:
     ema_decay: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
     # Layer-wise learning-rate decay (timm's --layer-decay): a variable in layer group i of n (the stem 0, one per
     # block, the head n-1) trains at lr * layer_decay ** (n - 1 - i), its decoupled weight decay scaled alike;
-    # 0 or 1 = off. Needs a model with a layer grouping (the ResNet family, VGG, simple_cnn); docs/fine-tuning.md.
+    # 0 or 1 = off. Needs a model with a layer grouping (the ResNet family, VGG, simple_cnn, ViT/DeiT, ConvNeXt);
+    # docs/fine-tuning.md.
     layer_decay: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.0
     # The classifier head's learning rate (and decoupled weight decay) times this, on top of layer_decay.
     head_lr_multiplier: PosFloat = 1.0
@@ -212,6 +219,10 @@ class TrainConfig:
     seed: NonNegInt = 0   # seeds weights, shuffling, crops and augmentations
     # Keep the best checkpoint by this validation metric.
     best_metric: Literal["val_top1", "val_loss", "val_ema_top1", "val_ema_loss"] = "val_top1"
+    # The workers' own pass over the validation split each epoch. `auto`: skipped when TF_CONFIG's cluster has an
+    # evaluator task (it evaluates every checkpoint and keeps the best one, docs/clusters.md), else run; `never`:
+    # skipped (`tfdp evaluate --continuous` beside the run does it); `always`: run, evaluator or not.
+    validate: Literal["auto", "always", "never"] = "auto"
     # Compute dtype policy; logits and loss stay float32, float16 gets dynamic loss scaling.
     precision: Literal["float32", "mixed_bfloat16", "mixed_float16"] = "float32"
     # Training steps per tf.function call (fewer host round trips for small models).
@@ -233,7 +244,7 @@ class TrainConfig:
     # a dead holder on the same host is taken over at once. Hosts' clocks must agree to well within it.
     lease_timeout: PosFloat = 60.0
     # A model_dir in a bucket: seconds an upload or download retries (with backoff) while the bucket does not
-    # answer, before the run stops with the restart status 75 (the same command resumes from the newest
+    # answer, before the run stops with the restart status 143 (the same command resumes from the newest
     # committed checkpoint).
     upload_retry_seconds: PosFloat = 120.0
     # Layers that do not train (fine-tuning): `backbone` (everything but the model's classifier head), stage or
@@ -243,6 +254,17 @@ class TrainConfig:
     # With train.freeze: 0 = frozen for the whole run; N = frozen for the first N epochs, then everything trains
     # (the head first, then all, as Keras' transfer-learning guide).
     freeze_epochs: NonNegInt = 0
+
+
+# train.validate -> whether the workers run their own validation pass, given whether the cluster has an evaluator task.
+WORKERS_VALIDATE = {"auto": lambda evaluator: not evaluator, "always": lambda evaluator: True,
+                    "never": lambda evaluator: False}
+
+
+def workers_validate(train: TrainConfig, evaluator: bool) -> bool:
+    """Whether the workers validate each epoch (`train.validate`); where they do not, the evaluator keeps the best
+    checkpoint (tfdp/commands/continuous_eval.py), so it has one writer either way."""
+    return WORKERS_VALIDATE[train.validate](evaluator)
 
 
 @dataclasses.dataclass
@@ -376,12 +398,13 @@ def validate(raw: dict[str, Any]) -> Config:
         cfg = _ADAPTER.validate_python(raw)
     except pydantic.ValidationError as e:
         raise UserError(_describe(e.errors()[0])) from None
-    _check_cross_field(cfg)
     from tfdp.config.pretrained import resolve  # imports this module
     data = raw.get("data") or {}
-    # the weights' preprocessing, where the user set none (a DataConfig given whole counts as set)
+    # the weights' preprocessing (their image size too), where the user set none (a DataConfig given whole counts
+    # as set); before the cross-field checks, which read the image size
     resolve(cfg, set_by_user=set(data) if isinstance(data, dict)
             else {f.name for f in dataclasses.fields(cfg.data)})
+    _check_cross_field(cfg)
     return cfg
 
 
@@ -435,6 +458,9 @@ def _check_cross_field(cfg: Config) -> None:
                         f"({t.grad_accum_steps})")
     if cfg.train.best_metric.startswith("val_ema_") and not cfg.optimizer.ema_decay:
         raise UserError(f"train.best_metric {cfg.train.best_metric} needs optimizer.ema_decay above 0")
+    if cfg.train.best_metric.startswith("val_ema_") and cfg.train.validate == "never":
+        raise UserError(f"train.best_metric {cfg.train.best_metric} is measured by the workers' validation, which "
+                        f"train.validate: never skips (an evaluator measures the weights, not their moving average)")
     if cfg.train.bce_target_threshold is not None and cfg.train.loss != "bce":
         raise UserError("train.bce_target_threshold applies to train.loss: bce only")
     _check_fine_tuning(cfg)

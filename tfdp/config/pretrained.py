@@ -16,8 +16,14 @@ Where the values come from, first found wins:
    config.yaml): a resumed, evaluated or exported run keeps the preprocessing
    its weights were trained with, whatever `model.init_from` says now;
 3. `model.init_from`'s weights (`from_weights`): Keras' per family, a tfdp
-   run's config.yaml, a timm file's pretrained cfg, torchvision's ImageNet;
+   run's config.yaml, a timm file's pretrained cfg, torchvision's ImageNet,
+   a keras-hub preset's image converter;
 4. the field's default (ImageNet's RGB mean and std, crop 0.875).
+
+The image size is one of them where the weights say it (a timm cfg's
+`input_size`, a keras-hub converter's `image_size`, a tfdp run's
+`data.image_size`): a ViT's position embeddings are learned for one grid,
+and a run that names no size trains at the weights' own.
 
 Means and standard deviations are always per R, G, B channel of the decoded
 image (0..255 units), whatever `channel_order` the model's first layer sees,
@@ -43,7 +49,9 @@ if TYPE_CHECKING:
     from tfdp.config import Config, DataConfig, ModelConfig
 
 # The data config's fields that belong to the weights.
-PREPROCESSING = ("mean", "std", "channel_order", "eval_crop_fraction")
+PREPROCESSING = ("mean", "std", "channel_order", "eval_crop_fraction", "image_size")
+# ... those a run started from another run's weights takes from it
+FROM_ANOTHER_RUN = ("mean", "std", "channel_order", "eval_crop_fraction")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +63,7 @@ class Preprocessing:
     channel_order: str | None = None            # rgb | bgr: what the model's first layer sees
     eval_crop_fraction: float | None = None     # timm's crop_pct
     interpolation: str | None = None            # timm's; reported, tfdp resizes bilinearly
+    image_size: int | None = None               # the side the weights were trained at (timm's input_size)
 
     def values(self) -> dict[str, object]:
         return {f: getattr(self, f) for f in PREPROCESSING if getattr(self, f) is not None}
@@ -104,14 +113,14 @@ def run_dir_of(path: str) -> str | None:
     return None
 
 
-def run_config(run_dir: str, what: str) -> Preprocessing | None:
-    """The preprocessing a tfdp run trained with, from its resolved config.yaml (older runs: rgb)."""
+def run_config(run_dir: str, what: str, fields: tuple[str, ...] = PREPROCESSING) -> Preprocessing | None:
+    """The preprocessing a tfdp run trained with, from its resolved config.yaml (older runs: rgb): `fields` of it."""
     try:
         with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
             data = (yaml.safe_load(f) or {}).get("data") or {}
     except (OSError, yaml.YAMLError, AttributeError):
         return None
-    found = {k: data[k] for k in PREPROCESSING if k in data}
+    found = {k: data[k] for k in fields if k in data}
     if "mean" in found or "std" in found:
         found.setdefault("channel_order", "rgb")
     return checked(Preprocessing(what, **_as_tuples(found)), os.path.join(run_dir, "config.yaml"))
@@ -119,7 +128,9 @@ def run_config(run_dir: str, what: str) -> Preprocessing | None:
 
 def tfdp_run(spec: str, model_cfg: ModelConfig) -> Preprocessing | None:
     run = run_dir_of(spec)
-    return run_config(run, f"the weights of run {run}") if run else None
+    # Weights that start another run leave its image size to its config: a run's size is a choice of its recipe,
+    # where a timm or keras-hub file's is the one its weights were trained at.
+    return run_config(run, f"the weights of run {run}", FROM_ANOTHER_RUN) if run else None
 
 
 def _safetensors_metadata(path: str) -> dict[str, str]:
@@ -162,7 +173,9 @@ def torch_file(spec: str, model_cfg: ModelConfig) -> Preprocessing:
                  "channel_order": "rgb"}
         if cfg.get("crop_pct") is not None:
             found["eval_crop_fraction"] = float(cfg["crop_pct"])
-    except (KeyError, TypeError, ValueError):
+        if cfg.get("input_size"):   # (channels, height, width)
+            found["image_size"] = int(cfg["input_size"][-1])
+    except (KeyError, TypeError, ValueError, IndexError):
         raise UserError(f"model.init_from: {spec}: its pretrained cfg has no usable mean and std "
                         f"(got {str(cfg)[:120]})") from None
     return checked(Preprocessing(f"{os.path.basename(spec)} (its timm pretrained cfg)",
@@ -179,14 +192,63 @@ def checked(p: Preprocessing, where: str) -> Preprocessing:
            or (p.std is not None and (len(p.std) != 3 or not all(isinstance(s, (int, float)) and s > 0
                                                                   for s in p.std)))
            or p.channel_order not in (None, "rgb", "bgr")
-           or (p.eval_crop_fraction is not None and not 0 < p.eval_crop_fraction <= 1))
+           or (p.eval_crop_fraction is not None and not 0 < p.eval_crop_fraction <= 1)
+           or (p.image_size is not None and not (isinstance(p.image_size, int) and p.image_size > 0)))
     if bad:
         raise UserError(f"model.init_from: {where}: its preprocessing (mean {p.mean}, std {p.std}, channel order "
-                        f"{p.channel_order}, crop {p.eval_crop_fraction}) is not 3 means, 3 positive stds, rgb|bgr "
-                        f"and a crop in (0, 1]; set data.mean, data.std, data.channel_order, data.eval_crop_fraction")
+                        f"{p.channel_order}, crop {p.eval_crop_fraction}, image size {p.image_size}) is not 3 means, "
+                        f"3 positive stds, rgb|bgr, a crop in (0, 1] and a positive size; set data.mean, data.std, "
+                        f"data.channel_order, data.eval_crop_fraction, data.image_size")
     return dataclasses.replace(p, mean=tuple(float(m) for m in p.mean) if p.mean else None,
                                std=tuple(float(s) for s in p.std) if p.std else None,
                                eval_crop_fraction=float(p.eval_crop_fraction) if p.eval_crop_fraction else None)
+
+
+def _keras_hub_converter(path: str) -> dict | None:
+    """A keras-hub preset's image converter config (image_converter.json, or the one inside preprocessor.json)."""
+    for name in ("image_converter.json", "preprocessor.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                config = json.load(f).get("config", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        config = config.get("image_converter", {}).get("config", config) if name == "preprocessor.json" else config
+        if isinstance(config, dict) and ("scale" in config or "image_size" in config):
+            return config
+    return None
+
+
+def _per_channel(value, default: float) -> tuple[float, ...]:
+    value = default if value is None else value
+    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else (float(value),) * 3
+
+
+def keras_hub_preset(spec: str, model_cfg: ModelConfig) -> Preprocessing | None:
+    """The converter's x * scale + offset as (x - mean) / std (std = 1/scale, mean = -offset/scale), its image
+    size, and a crop of the whole image (it resizes the largest centred square: crop_to_aspect_ratio)."""
+    config = _keras_hub_converter(spec)
+    if config is None:
+        return None
+    where = os.path.join(spec, "image_converter.json")
+    try:
+        scale, offset = _per_channel(config.get("scale"), 1.0), _per_channel(config.get("offset"), 0.0)
+        found = {"std": tuple(1.0 / s for s in scale), "mean": tuple(-o / s for o, s in zip(offset, scale)),
+                 "channel_order": "rgb", "eval_crop_fraction": 1.0}
+        if config.get("image_size"):
+            found["image_size"] = int(config["image_size"][-1])
+    except (TypeError, ValueError, ZeroDivisionError, IndexError):
+        raise UserError(f"model.init_from: {where}: its scale/offset/image_size are not numbers "
+                        f"(got {str(config)[:120]})") from None
+    return checked(Preprocessing(f"keras-hub preset {os.path.basename(os.path.normpath(spec))} (its image converter)",
+                                 interpolation=config.get("interpolation"), **found), where)
+
+
+def _is_keras_hub_preset(spec: str) -> bool:
+    try:
+        with open(os.path.join(spec, "config.json"), encoding="utf-8") as f:
+            return str(json.load(f).get("module", "")).startswith("keras_hub")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _is_file(*suffixes: str) -> Callable[[str], bool]:
@@ -198,6 +260,7 @@ def _is_file(*suffixes: str) -> Callable[[str], bool]:
 SOURCES: dict[str, tuple[Callable[[str], bool], Callable[[str, ModelConfig], Preprocessing | None]]] = {
     "imagenet": (lambda spec: spec == "imagenet", lambda spec, model_cfg: keras_imagenet(model_cfg)),
     "safetensors": (_is_file(".safetensors"), torch_file),
+    "keras_hub": (_is_keras_hub_preset, keras_hub_preset),
     "tfdp_run": (lambda spec: os.path.exists(spec) and run_dir_of(spec) is not None, tfdp_run),
 }
 
@@ -254,10 +317,12 @@ def line(model_cfg: ModelConfig, data_cfg: DataConfig) -> str | None:
         parts[-1] += " (R,G,B)"
     if "eval_crop_fraction" in taken:
         parts.append(f"eval crop {taken['eval_crop_fraction']:.4g}")
+    if "image_size" in taken:
+        parts.append(f"image size {taken['image_size']}")
     own = [f"data.{f}" for f in found.values() if f not in taken]
     kept = f"; {', '.join(own)} from the config" if own else ""
     interpolation = (f"; the weights' {found.interpolation} interpolation is not applied (tfdp resizes bilinearly)"
                      if found.interpolation and found.interpolation != "bilinear" else "")
-    fields = "/".join(f for f in ("mean", "std", "channel_order", "eval_crop_fraction") if f in found.values())
+    fields = "/".join(f for f in PREPROCESSING if f in found.values())
     return (f"tfdp: preprocessing from {found.what}: {', '.join(parts)}{kept}{interpolation}; "
             f"set data.{fields} to override")

@@ -69,6 +69,8 @@ def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
     x = keras.layers.RandomFlip("horizontal", name="hflip")(inputs) if data_cfg.hflip else inputs
     if model_cfg.sync_bn:
         synchronize_batch_norm(backbone)
+    if (momentum := bn_momentum(model_cfg)) is not None:
+        set_bn_momentum(backbone, momentum)
     logits = backbone(Standardize(data_cfg.mean, data_cfg.std, data_cfg.channel_order, name="standardize")(x))
     logits = keras.layers.Activation("linear", dtype="float32", name="logits_float32")(logits)
     return keras.Model(inputs, logits, name=model_cfg.name)
@@ -102,6 +104,34 @@ def any_size(backbone: keras.Model) -> keras.Model:
     """
     inputs = keras.Input((None, None, backbone.input_shape[-1]))
     return keras.models.clone_model(backbone, input_tensors=inputs, clone_function=lambda layer: layer)
+
+
+# model.bn_momentum auto, training from scratch: timm's (torch's BatchNorm2d default momentum 0.1, kept 0.9 in
+# Keras' sense) and Model Garden's ImageNet ResNet's (`norm_momentum=0.9`). keras.applications' 0.99 averages
+# over ~100 steps: on a short or small-batch run from scratch the statistics trail weights that change fast,
+# and validation, which reads them, sits at chance while training accuracy climbs (docs/models.md).
+FROM_SCRATCH_BN_MOMENTUM = 0.9
+
+
+def bn_momentum(model_cfg: ModelConfig) -> float | None:
+    """The batch-norm momentum `model.bn_momentum` asks for; None: keep each layer's own (auto with
+    `model.init_from`: the statistics go on at the pace of the weights they came with)."""
+    if model_cfg.bn_momentum != "auto":
+        return float(model_cfg.bn_momentum)
+    return None if model_cfg.init_from else FROM_SCRATCH_BN_MOMENTUM
+
+
+def set_bn_momentum(model: keras.Model, momentum: float) -> int:
+    """Sets every BatchNormalization layer's moving-average momentum; returns how many layers.
+
+    Keras reads `momentum` when the layer is called, so setting it after
+    construction, before the training step is traced, reaches every family,
+    keras.applications included (they take no momentum argument).
+    """
+    layers = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
+    for layer in layers:
+        layer.momentum = momentum
+    return len(layers)
 
 
 def synchronize_batch_norm(model: keras.Model) -> int:

@@ -13,8 +13,11 @@ values in Keras' variable order), by the reader its kind names in `SOURCES`;
   folder (`checkpoints/epoch-0003`), a `.weights.h5` file (from `tfdp train`, or
   a legacy Keras `.h5`) or a `.keras` file (from `tfdp export` or `model.save`).
 - a `.safetensors` PyTorch state dict (torchvision's or timm's layout) for the
-  models in `TORCHVISION`: names mapped, kernels transposed, batch-norm running
-  statistics loaded.
+  models in `TORCHVISION` and `TORCH_LAYOUTS`: names mapped, kernels
+  transposed, batch-norm running statistics loaded.
+- a keras-hub preset folder (what `save_to_preset` writes: config.json,
+  model.weights.h5, and for a task its head in task.weights.h5) for the
+  families that register a reader of its backbone class (`KERAS_HUB_LAYOUTS`).
 
 Every layer of the model must find its weights, with the same shapes, and every
 tensor of the source must find its layer, so a file of another architecture
@@ -22,7 +25,10 @@ stops the run with one line naming the first tensor that does not fit. Two
 exceptions: the classifier (the model's last layer with weights) is left as
 initialised where only its class count differs, and `model.init_exclude`
 (fnmatch patterns over layer names and `layer/variable` paths) keeps any layer
-or variable as initialised. One line reports what was loaded and what is new.
+or variable as initialised. A layer that defines `adapt_loaded(values)` fits
+values of another shape to its own first (a ViT's position embeddings learned
+at another image size are resampled). One line reports what was loaded and
+what is new.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import io
+import json
 import os
 import re
 import shutil
@@ -50,6 +57,7 @@ from tfdp.rundir.checkpoints import STATE, WEIGHTS, CheckpointStore
 from tfdp.config import pretrained
 from tfdp.config import DataConfig, ModelConfig
 from tfdp.errors import UserError, first_line
+from tfdp.models.registry import HEAD_LAYERS
 from tfdp.startup.console import say
 
 
@@ -410,6 +418,62 @@ def torch_weights(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: 
     return Weights(what, values, names)
 
 
+# ---------------------------------------------------------------- keras-hub presets
+
+# keras-hub backbone class name (a preset's config.json `class_name`) → a reader (preset folder, its config.json,
+# its task.json or None, model config, what) → Weights. Each family registers its own, beside its architecture.
+KERAS_HUB_LAYOUTS: dict[str, Callable[[str, dict, dict | None, ModelConfig, str], Weights]] = {}
+KERAS_HUB_FILES = ("config.json", "model.weights.h5", "task.json", "task.weights.h5")
+
+
+def register_keras_hub_layout(*class_names: str):
+    """Registers a keras-hub preset reader for the backbone classes `class_names` (see `KERAS_HUB_LAYOUTS`)."""
+    def add(fn):
+        for name in class_names:
+            KERAS_HUB_LAYOUTS[name] = fn
+        return fn
+    return add
+
+
+def is_keras_hub_preset(path: str) -> bool:
+    """A folder whose config.json names a keras-hub class (`"module": "keras_hub..."`)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return str(json.load(f).get("module", "")).startswith("keras_hub")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.init_from: cannot read {path} ({first_line(e)[:120]})") from None
+
+
+def read_keras_hub_preset(path: str, model_cfg: ModelConfig) -> Weights:
+    """A keras-hub preset folder: its backbone's weights, and the classifier's where it holds a task."""
+    backbone = _read_json(os.path.join(path, "config.json")) or {}
+    kind = backbone.get("class_name", "?")
+    if kind not in KERAS_HUB_LAYOUTS:
+        raise UserError(f"model.init_from: {path} is a keras-hub {kind} preset; tfdp reads the presets of "
+                        f"{', '.join(sorted(KERAS_HUB_LAYOUTS))} only")
+    if not os.path.isfile(os.path.join(path, "model.weights.h5")):
+        raise UserError(f"model.init_from: keras-hub preset {path} has no weights (no model.weights.h5 beside its "
+                        f"config.json): save it with save_to_preset from a model that holds them")
+    task = _read_json(os.path.join(path, "task.json"))
+    if task is None or not os.path.isfile(os.path.join(path, "task.weights.h5")):
+        if not _excluded(HEAD_LAYERS.get(model_cfg.name, ("logits",))[0], "*", model_cfg.init_exclude):
+            raise UserError(f"model.init_from: keras-hub preset {path} holds a backbone only (no task.json and "
+                            f"task.weights.h5): set model.init_exclude: [{', '.join(HEAD_LAYERS.get(model_cfg.name, ('logits',)))}] "
+                            f"to start the classifier new")
+        task = None
+    return KERAS_HUB_LAYOUTS[kind](path, backbone, task, model_cfg, f"keras-hub preset {path}")
+
+
 # ---------------------------------------------------------------- kinds of source
 
 
@@ -438,11 +502,19 @@ SOURCES: dict[str, Source] = {
                             lambda spec, *_: read_weights_file(spec)),
     "safetensors": Source("a .safetensors PyTorch state dict", _has_suffix(".safetensors"),
                           lambda spec, model_cfg, _: read_safetensors(spec, model_cfg)),
+    "keras_hub": Source("a keras-hub preset folder", is_keras_hub_preset,
+                        lambda spec, model_cfg, _: read_keras_hub_preset(spec, model_cfg)),
 }
+# the handles keras-hub's from_preset downloads from
+PRESET_HANDLES = ("kaggle://", "hf://")
 
 
 def read_source(spec: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
     """The weights `spec` names, read by the first kind of source that matches it."""
+    if spec.startswith(PRESET_HANDLES):
+        raise UserError(f"model.init_from: {spec} is a keras-hub preset handle, and tfdp reads local files only: "
+                        f"download it to a folder first (on a machine with network: keras_hub.models."
+                        f"ImageClassifier.from_preset('{spec}').save_to_preset(DIR)) and give that folder")
     if "://" in spec:
         raise UserError(f"model.init_from: {spec}: weights are read from a local path only; copy the file (or run "
                         f"directory) to this machine first")
@@ -502,8 +574,10 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
     does not fit leaves the model as it was.
     """
     layers = layers_with_weights(model)
-    head = layers[-1] if layers else None
-    plan, loaded, new, used = [], [], [], set()
+    heads = {id(layer) for layer in layers[-1:]} | {
+        id(layer) for layer in layers if any(fnmatch.fnmatchcase(layer.name, p) for p in HEAD_LAYERS.get(
+            model_cfg.name, ()))}
+    plan, loaded, new, used, notes = [], [], [], set(), []
     for layer in layers:
         variables = own_variables(layer)
         keep = [_excluded(layer.name, v.name, model_cfg.init_exclude) for v in variables]
@@ -520,7 +594,10 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
         if len(values) != len(variables):
             raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': layer "
                             f"{layer.name} has {len(variables)} variables, the source {len(values)} ({names[0]}...)")
-        if layer is head and _only_classes_differ(variables, values):
+        if hasattr(layer, "adapt_loaded"):
+            values, note = layer.adapt_loaded(values)
+            notes += [note] if note else []
+        if id(layer) in heads and _only_classes_differ(variables, values):
             new.append(f"{layer.name} ({model_cfg.num_classes} classes, the source has {_shape(values[0])[-1]})")
             continue
         for v, value, name, skip in zip(variables, values, names, keep):
@@ -539,6 +616,8 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
         name = weights.names[unused[0]][0]
         raise UserError(f"model.init_from: {weights.what} does not fit model '{model_cfg.name}': its {name} "
                         f"{_shape(weights.values[unused[0]][0])} has no place in the model (another architecture?)")
+    for note in notes:
+        say(f"tfdp: init_from: {note}")
     for v, value in plan:
         v.assign(np.asarray(value).astype(keras.backend.standardize_dtype(v.dtype)))
     return loaded, new

@@ -1,0 +1,286 @@
+"""ViT and DeiT: timm's parameter counts, the logits of timm, torchvision and keras-hub from their weights, the
+position embeddings resampled as timm does, fine-tuning at another resolution, and bad weights in one line.
+
+The fixture (tests/fixtures/vit_*, made by make_vit_fixture.py with real torch, timm, torchvision and keras-hub)
+holds seeded random-init models of `vit_mini_patch4_small`'s architecture in each framework's format, a distilled
+ViT with layer scale, their logits on 4 real photos resized to 16 and 32 px, and the full-size models' state-dict
+key and shape lists.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import REPO
+from tfdp.config import ModelConfig, validate
+from tfdp.errors import UserError
+from tfdp.models import MODELS, build_model
+from tfdp.models.vit import PositionEmbedding, ViTSpec, resample_abs_pos_embed, vision_transformer, vit_state_dict
+from tfdp.models.weights import layers_with_weights, load_into, read_source, torch_weights
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+FILES = {"timm": os.path.join(FIXTURES, "vit_timm_mini.safetensors"),
+         "torchvision": os.path.join(FIXTURES, "vit_torchvision_mini.safetensors"),
+         "keras-hub": os.path.join(FIXTURES, "vit_kerashub_mini")}
+DISTILLED = os.path.join(FIXTURES, "vit_timm_distilled.safetensors")
+# float32 logits against the source framework's: max |ours - theirs| / max |theirs|
+MAX_RELATIVE = 1e-5
+# timm's parameter counts at 1,000 classes (timm 1.0.31, `sum(p.numel() for p in model.parameters())`, in
+# vit_fixture.json); torchvision's vit_b_16, vit_b_32, vit_l_16 and vit_l_32 have the ViT-B/L counts exactly.
+TIMM_COUNTS = {
+    "vit_tiny_patch16_224": 5_717_416, "vit_small_patch16_224": 22_050_664, "vit_small_patch32_224": 22_878_952,
+    "vit_base_patch16_224": 86_567_656, "vit_base_patch32_224": 88_224_232, "vit_large_patch16_224": 304_326_632,
+    "vit_large_patch32_224": 306_535_400, "deit_tiny_patch16_224": 5_717_416, "deit_small_patch16_224": 22_050_664,
+    "deit_base_patch16_224": 86_567_656, "deit_tiny_distilled_patch16_224": 5_910_800,
+    "deit_small_distilled_patch16_224": 22_436_432, "deit_base_distilled_patch16_224": 87_338_192,
+}
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Variables made in the block have their shapes and no values: Keras defers initialising the variables of a
+    StatelessScope, and those it leaves uninitialised are dropped from its list after, so nothing allocates them."""
+    from keras.src.backend.common import global_state
+    before = list(global_state.get_global_attribute("uninitialized_variables", []) or [])
+    with keras.StatelessScope(initialize_variables=False):
+        yield
+    global_state.set_global_attribute("uninitialized_variables", before)
+
+
+def relative(ours: np.ndarray, theirs: np.ndarray) -> float:
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+@pytest.fixture(scope="module")
+def photos() -> dict[str, np.ndarray]:
+    return dict(np.load(os.path.join(FIXTURES, "vit_photos.npz")))
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, np.ndarray]:
+    return dict(np.load(os.path.join(FIXTURES, "vit_logits.npz")))
+
+
+def test_parameter_counts_equal_timms_at_1000_classes():
+    """Counted from the variables' shapes (`shapes_only`: nothing is allocated)."""
+    with open(os.path.join(FIXTURES, "vit_fixture.json"), encoding="utf-8") as f:
+        assert {k: v for k, v in json.load(f)["parameter_counts"].items() if k in TIMM_COUNTS} == TIMM_COUNTS
+    for name, count in TIMM_COUNTS.items():
+        with shapes_only():
+            model = MODELS[name]((224, 224, 3), 1000)
+            assert sum(int(np.prod(w.shape)) for w in model.weights) == count, name
+            assert model.output_shape == (None, 1000)
+
+
+@pytest.mark.parametrize("source", ["timm", "torchvision", "keras-hub"])
+def test_weights_give_the_source_frameworks_logits(source, photos, expected):
+    """Through the config as a run builds it: the weights' preprocessing (and, where they say it, their image size)
+    resolved, the model built, the weights loaded, uint8 photos in."""
+    data = {"hflip": False} | ({"image_size": 16} if source == "torchvision" else {})
+    cfg = validate({"model": {"name": "vit_mini_patch4_small", "init_from": FILES[source]}, "data": data})
+    assert cfg.data.image_size == 16
+    model = build_model(cfg.model, cfg.data)
+    loaded, new = load_into(model, read_source(FILES[source], cfg.model, cfg.data), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    logits = model.predict(photos["16"], verbose=0)
+    want = expected[{"timm": "timm_mini", "torchvision": "torchvision_mini", "keras-hub": "kerashub_mini"}[source]]
+    assert relative(logits, want) <= MAX_RELATIVE
+    assert list(logits.argmax(1)) == list(want.argmax(1))
+
+
+def test_distilled_deit_with_layer_scale_gives_timms_logits(photos, expected):
+    """The distillation token and its head (averaged with the class token's), and layer scale's gammas."""
+    spec = ViTSpec(patch=4, dim=32, depth=2, heads=2, distilled=True, init_values=1e-5)
+    model = vision_transformer((16, 16, 3), 10, 0.0, spec, "deit_fixture")
+    cfg = ModelConfig(name="deit_tiny_distilled_patch16_224", num_classes=10)
+    loaded, new = load_into(model, vit_state_dict(load_file(DISTILLED), cfg, DISTILLED), cfg)
+    assert new == [] and {"cls_token", "head_dist", "blocks_1_2_ls"} <= set(loaded)
+    mean, std = np.array([123.675, 116.28, 103.53]), np.array([58.395, 57.12, 57.375])
+    logits = model.predict(((photos["16"] - mean) / std).astype("float32"), verbose=0)
+    assert relative(logits, expected["timm_distilled"]) <= MAX_RELATIVE
+
+
+@pytest.mark.parametrize("name,source", [("vit_base_patch16_224", "vit_base_patch16_224"),
+                                         ("deit_small_patch16_224", "deit_small_patch16_224"),
+                                         ("deit_base_distilled_patch16_224", "deit_base_distilled_patch16_224"),
+                                         ("vit_base_patch16_224", "torchvision_vit_b_16")])
+def test_full_size_state_dicts_map_onto_their_models(name, source):
+    """timm's and torchvision's real keys and shapes (zeros for values), onto the full-size model built in a
+    `shapes_only`: every tensor finds its layer, every layer its tensors."""
+    with open(os.path.join(FIXTURES, "vit_state_dicts.json"), encoding="utf-8") as f:
+        shapes = json.load(f)[source]
+    tensors = {k: np.broadcast_to(np.float32(0), shape) for k, shape in shapes.items()}
+    cfg = ModelConfig(name=name, num_classes=1000)
+    with shapes_only():
+        model = MODELS[name]((224, 224, 3), 1000)
+        loaded, new = load_into(model, torch_weights(tensors, cfg, source), cfg)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+
+
+def test_position_embeddings_resample_as_timms(expected):
+    """The fixture's 4x4 grid to 8x8: timm's resample_abs_pos_embed (bicubic, antialias) against the numpy one,
+    and the layer's load hook, which keeps the class token's embedding."""
+    pos_embed = load_file(FILES["timm"])["pos_embed"]
+    ours = resample_abs_pos_embed(pos_embed, (8, 8), prefix_tokens=1)
+    assert relative(ours, expected["timm_resampled_pos_embed"]) <= 1e-6
+    layer = PositionEmbedding((8, 8), 1, name="pos_embed")
+    layer.build((None, 65, 64))
+    (fitted,), note = layer.adapt_loaded([pos_embed])
+    np.testing.assert_array_equal(fitted, ours)
+    np.testing.assert_array_equal(fitted[:, 0], pos_embed[:, 0])
+    assert note == "pos_embed resampled from a 4x4 to a 8x8 grid (bicubic, antialiased, as timm's resample_abs_pos_embed)"
+    (kept,), note = layer.adapt_loaded([pos_embed[:, :-1]])   # not a square grid: left as is (and does not fit)
+    assert kept.shape == (1, 16, 64) and note is None
+
+
+def test_fine_tuning_at_twice_the_weights_resolution(photos, expected, capsys):
+    """16 px timm weights into a 32 px model through the task, as a fresh run starts: the first forward pass is
+    timm's own model at 32 px with the resampled embeddings, then AdamW with layer decay brings the loss down."""
+    from tfdp.train.task import ClassificationTask, Plan
+    cfg = validate({"model": {"name": "vit_mini_patch4_small", "init_from": FILES["timm"], "drop_path": 0.1},
+                    "data": {"image_size": 32, "hflip": False},
+                    "optimizer": {"name": "adamw", "lr": 0.3, "weight_decay": 0.05, "layer_decay": 0.75,
+                                  "decay_norm_and_bias": False},
+                    "schedule": {"name": "constant"}, "train": {"epochs": 1}})
+    task = ClassificationTask(cfg)
+    model = task.build_model("train", Plan(4, 8, 32, 0, 10))
+    task.initialize(model, resumed=False)
+    out = capsys.readouterr().out
+    assert "tfdp: init_from: pos_embed resampled from a 4x4 to a 8x8 grid" in out
+    assert "tfdp: fine-tuning: per-layer learning rates (layer_decay 0.75): x0.178 to x1 of the schedule" in out
+    assert relative(model.predict(photos["32"], verbose=0), expected["timm_mini_32"]) <= MAX_RELATIVE
+    labels = np.arange(4) % 10
+    history = model.fit(photos["32"], labels, batch_size=4, epochs=6, verbose=0).history["loss"]
+    assert history[-1] < 0.5 * history[0], history
+
+
+def test_layer_groups_freezing_and_weight_decay_follow_timm():
+    """timm's group_matcher(coarse=False): patch_embed/cls_token/pos_embed 0, block i i+1, norm, head last;
+    `backbone` leaves the head, `blocks_0` exactly block 0; norms, biases, tokens and position embeddings
+    undecayed with decay_norm_and_bias false; drop path rising linearly to model.drop_path."""
+    from tfdp.models.resnet import DropPath
+    from tfdp.optim.finetune import frozen_layers, layer_ids, weight_layers
+    from tfdp.optim.optimizers import build_optimizer
+    model = MODELS["vit_mini_patch4_small"]((16, 16, 3), 10, drop_path_rate=0.3)
+    ids, count = layer_ids(model, "vit_mini_patch4_small")
+    by_layer = {layer.name: ids[id(layer.trainable_weights[0])] for layer in weight_layers(model)}
+    assert count == 7 and by_layer["patch_embed"] == by_layer["cls_token"] == by_layer["pos_embed"] == 0
+    assert [by_layer[f"blocks_{i}_attn_qkv"] for i in range(4)] == [1, 2, 3, 4]
+    assert (by_layer["norm"], by_layer["head"]) == (5, 6)
+    assert [layer.name for layer in weight_layers(model)
+            if layer not in frozen_layers(model, "vit_mini_patch4_small", ("backbone",))] == ["head"]
+    assert {layer.name for layer in frozen_layers(model, "vit_mini_patch4_small", ("blocks_0",))} == {
+        "blocks_0_norm1", "blocks_0_attn_qkv", "blocks_0_attn_proj", "blocks_0_norm2", "blocks_0_mlp_fc1",
+        "blocks_0_mlp_fc2"}
+    rates = sorted({layer.rate for layer in model.layers if isinstance(layer, DropPath)})
+    np.testing.assert_allclose(rates, [0.1, 0.2, 0.3])   # block 0's rate is 0: no layer
+    cfg = validate({"optimizer": {"name": "adamw", "weight_decay": 0.05, "decay_norm_and_bias": False}})
+    optimizer = build_optimizer(cfg.optimizer, 0.001)
+    decayed = {w.path for w in model.trainable_weights if optimizer._use_weight_decay(w)}
+    assert decayed == {w.path for w in model.trainable_weights if w.name == "kernel"}
+    assert {"pos_embed/pos_embed", "cls_token/cls_token"} <= {w.path for w in model.trainable_weights} - decayed
+
+
+def wrapped(spec: ViTSpec) -> keras.Model:
+    """A 32 px ViT of `spec` (5 classes) wrapped as `build_model` wraps the registry's: uint8 in, float32 out."""
+    from tfdp.models import Standardize
+    inputs = keras.Input((32, 32, 3), dtype="uint8")
+    logits = vision_transformer((32, 32, 3), 5, 0.0, spec, "deit_fixture")(
+        Standardize((127.5,) * 3, (127.5,) * 3)(inputs))
+    return keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(logits))
+
+
+def test_builds_in_a_strategy_scope_saves_and_runs_under_xla_and_bfloat16(tmp_path):
+    """Two replicas' mirrored variables, a .keras round trip with the same outputs, XLA-compiled inference on
+    the CPU equal to eager, and mixed_bfloat16 close to float32 (attention in bfloat16). The distilled
+    architecture (two heads, two prefix tokens) at DeiT-Tiny's width, 2 blocks deep."""
+    import tensorflow as tf
+    from tfdp.distribute.strategy import make_runtime
+    strategy = make_runtime(validate({"distribute": {"strategy": "mirrored", "cpu_replicas": 2}}).distribute).strategy
+    spec = ViTSpec(patch=16, dim=192, depth=2, heads=3, distilled=True)
+    with strategy.scope():
+        model = wrapped(spec)
+    assert len(strategy.experimental_local_results(model.weights[0].value)) == 2
+    images = np.random.default_rng(0).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+    eager = model.predict(images, verbose=0)
+    model.save(tmp_path / "vit.keras")
+    np.testing.assert_allclose(keras.models.load_model(tmp_path / "vit.keras").predict(images, verbose=0), eager,
+                               rtol=0, atol=1e-5)
+    plain = wrapped(spec)
+    plain.set_weights(model.get_weights())
+    xla = tf.function(lambda x: plain(x, training=False), jit_compile=True)(images).numpy()
+    np.testing.assert_allclose(xla, eager, rtol=0, atol=1e-4)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        half = wrapped(spec)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    half.set_weights(model.get_weights())
+    assert half.get_layer("deit_fixture_backbone").get_layer("blocks_0_attn").compute_dtype == "bfloat16"
+    assert relative(half.predict(images, verbose=0), eager) < 0.1
+
+
+# ---------------------------------------------------------------- bad input: one line each
+
+
+def one_line(error: pytest.ExceptionInfo, *fragments: str) -> str:
+    text = str(error.value)
+    assert "\n" not in text and all(f in text for f in fragments), text
+    return text
+
+
+def test_another_architecture_or_patch_size_is_one_line():
+    cfg = validate({"model": {"name": "vit_tiny_patch16_224", "init_from": FILES["timm"]}, "data": {"image_size": 32}})
+    with pytest.raises(UserError) as error:
+        load_into(build_model(cfg.model, cfg.data), read_source(FILES["timm"], cfg.model, cfg.data), cfg.model)
+    one_line(error, "does not fit model 'vit_tiny_patch16_224'", "patch_embed/kernel is (4, 4, 3, 64) there",
+             "the model's is (16, 16, 3, 192)")
+    resnet = os.path.join(FIXTURES, "squeezenet1_1.safetensors")
+    with pytest.raises(UserError) as error:
+        torch_weights(load_file(resnet), cfg.model, resnet)
+    one_line(error, "squeezenet1_1.safetensors does not fit model 'vit_tiny_patch16_224': tensor ",
+             "has no place in it (another architecture?)")
+    with open(os.path.join(FIXTURES, "vit_state_dicts.json"), encoding="utf-8") as f:
+        shapes = json.load(f)["deit_small_patch16_224"]   # patch 16 into a patch-32 ViT-S
+    patch32 = ModelConfig(name="vit_small_patch32_224", num_classes=1000)
+    with shapes_only(), pytest.raises(UserError) as error:
+        load_into(MODELS["vit_small_patch32_224"]((64, 64, 3), 1000),
+                  torch_weights({k: np.broadcast_to(np.float32(0), s) for k, s in shapes.items()}, patch32, "deit_s"),
+                  patch32)
+    one_line(error, "patch_embed/kernel is (16, 16, 3, 384) there", "the model's is (32, 32, 3, 384)")
+
+
+def test_an_image_size_the_patch_does_not_divide_is_one_line():
+    cfg = validate({"model": {"name": "vit_mini_patch4_small"}, "data": {"image_size": 18}})
+    with pytest.raises(UserError) as error:
+        build_model(cfg.model, cfg.data)
+    assert one_line(error) == ("model 'vit_mini_patch4_small' cuts the image into 4x4 patches: data.image_size must "
+                               "be a multiple of 4, got 18")
+
+
+def test_keras_hub_presets_without_weights_or_task_or_local_copy_are_one_line(tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(FILES["keras-hub"], "config.json"), bare)
+    cfg = validate({"model": {"name": "vit_mini_patch4_small", "init_from": str(bare)}, "data": {"image_size": 16}})
+    with pytest.raises(UserError) as error:
+        read_source(str(bare), cfg.model, cfg.data)
+    one_line(error, f"keras-hub preset {bare} has no weights (no model.weights.h5")
+    shutil.copy(os.path.join(FILES["keras-hub"], "model.weights.h5"), bare)
+    with pytest.raises(UserError) as error:
+        read_source(str(bare), cfg.model, cfg.data)
+    one_line(error, "holds a backbone only", "set model.init_exclude: [head]")
+    cfg = validate({"model": {"name": "vit_mini_patch4_small", "init_from": str(bare), "init_exclude": ["head"]},
+                    "data": {"image_size": 16}})
+    loaded, new = load_into(build_model(cfg.model, cfg.data), read_source(str(bare), cfg.model, cfg.data), cfg.model)
+    assert new == ["head (init_exclude)"] and len(loaded) == 4 * 6 + 4
+    for handle in ("kaggle://keras/vit/keras/vit_base_patch16_224_imagenet/4", "hf://google/vit"):
+        with pytest.raises(UserError) as error:
+            read_source(handle, cfg.model, cfg.data)
+        one_line(error, f"{handle} is a keras-hub preset handle", "download it to a folder first")

@@ -1,0 +1,502 @@
+"""Vision Transformers (ViT, Dosovitskiy et al. 2021) and DeiT (Touvron et al. 2021) as timm builds them, and
+their weights from timm, torchvision and keras-hub.
+
+timm's `VisionTransformer` layout, one Keras layer per timm module so the
+layer names are timm's module names with `_` for `.` (`blocks.3.attn.qkv` is
+`blocks_3_attn_qkv`): a patch embedding (a convolution of the patch size and
+stride), a class token (and DeiT's distillation token) in front, learned
+absolute position embeddings added, pre-norm blocks (LayerNorm, multi-head
+self-attention with one fused qkv projection, LayerNorm, a GELU MLP of 4x the
+width, each branch added back), a final LayerNorm and the classifier on the
+class token. LayerNorm's epsilon is 1e-6, as timm's and torchvision's.
+Parameter counts equal timm's at 1,000 classes (ViT-B/16 86,567,656;
+DeiT-B distilled 87,338,192; tests/models/test_vit.py lists them all);
+torchvision's vit_b_16, vit_b_32, vit_l_16 and vit_l_32 are the same
+networks as the timm models of those sizes.
+
+Training options, as timm's:
+
+- drop path (stochastic depth) on both residual branches of every block, the
+  rate rising linearly from 0 at the first block to `model.drop_path` at the
+  last (timm's `drop_path_rate`);
+- layer scale (`init_values`, CaiT's LayerScale): each branch multiplied by a
+  learned per-channel vector starting at `init_values`; None: none, as the
+  ViT and DeiT weights were trained;
+- DeiT's distillation token: a second token with its own classifier
+  (`head_dist`), trained by a teacher in DeiT; here, as in timm when
+  `distilled_training` is off, the two classifiers' logits are averaged, in
+  training and at inference;
+- `model.dropout` before the classifier (timm's `drop_rate` on the head).
+
+Attention goes through `keras.ops.dot_product_attention`. The position grid
+is fixed by the image size the model is built at (`data.image_size`, which
+the patch must divide): weights trained at another size have their position
+embeddings resampled on load, as timm's `resample_abs_pos_embed` does
+(`PositionEmbedding.adapt_loaded`), so a 224 px checkpoint fine-tunes at 384.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+import h5py
+import keras
+import numpy as np
+from keras import layers
+
+from tfdp.config import ModelConfig
+from tfdp.errors import UserError
+from tfdp.models.registry import register
+from tfdp.models.resnet import DropPath
+from tfdp.models.weights import Weights, register_keras_hub_layout, register_torch_layout
+
+LAYER_NORM = dict(epsilon=1e-6)
+# timm's VisionTransformer.group_matcher(coarse=False) on tfdp's layer names: the embeddings, one group per block,
+# the final norm; the classifier (unmatched) last.
+LAYER_GROUPS = {"stem": r"^(?:cls_token|pos_embed|patch_embed)", "blocks": r"^blocks_(\d+)_", "norm": r"^norm$"}
+HEAD = ("head", "head_dist")
+
+
+# ---------------------------------------------------------------- layers
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class PrefixTokens(layers.Layer):
+    """Puts the learned class token (and DeiT's distillation token after it) in front of the patch tokens."""
+
+    def __init__(self, distilled: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.distilled = bool(distilled)
+
+    def build(self, input_shape):
+        dim = input_shape[-1]
+        # timm draws them with trunc_normal(std=0.02) (the class token 1e-6); Keras' truncated normal is the same law
+        init = keras.initializers.TruncatedNormal(stddev=0.02)
+        self.cls_token = self.add_weight(shape=(1, 1, dim), initializer=init, name="cls_token")
+        if self.distilled:
+            self.dist_token = self.add_weight(shape=(1, 1, dim), initializer=init, name="dist_token")
+
+    def call(self, x):
+        batch = keras.ops.shape(x)[0]
+        tokens = [self.cls_token] + ([self.dist_token] if self.distilled else [])
+        tokens = [keras.ops.broadcast_to(keras.ops.cast(t, x.dtype), (batch, 1, x.shape[-1])) for t in tokens]
+        return keras.ops.concatenate([*tokens, x], axis=1)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[1] + 1 + self.distilled, input_shape[2])
+
+    def get_config(self):
+        return {**super().get_config(), "distilled": self.distilled}
+
+
+def bicubic_antialias_matrix(in_size: int, out_size: int) -> np.ndarray:
+    """(out_size, in_size) weights of PyTorch's `interpolate(mode='bicubic', antialias=True, align_corners=False)`
+    along one axis (PIL's resampling: the cubic kernel with a = -0.5, its support widened by the scale when
+    shrinking, weights cut at the borders and renormalised; aten/src/ATen/native/cpu/UpSampleKernel.cpp)."""
+    scale = in_size / out_size
+    support = 2.0 * max(scale, 1.0)
+    inv_scale = 1.0 / scale if scale >= 1.0 else 1.0
+    matrix = np.zeros((out_size, in_size))
+    for i in range(out_size):
+        center = scale * (i + 0.5)
+        lo, hi = max(int(center - support + 0.5), 0), min(int(center + support + 0.5), in_size)
+        weights = cubic((np.arange(lo, hi) - center + 0.5) * inv_scale)
+        matrix[i, lo:hi] = weights / weights.sum()
+    return matrix
+
+
+def cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
+    x = np.abs(x)
+    return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                    np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+
+
+def resample_abs_pos_embed(posemb: np.ndarray, new_grid: tuple[int, int], prefix_tokens: int) -> np.ndarray:
+    """timm's `resample_abs_pos_embed` (bicubic, antialias=True) in numpy: the prefix tokens' embeddings kept,
+    the patch grid's (assumed square, as timm assumes it) resampled to `new_grid`."""
+    prefix, grid = posemb[:, :prefix_tokens], posemb[:, prefix_tokens:]
+    side = math.isqrt(grid.shape[1])
+    grid = grid.reshape(side, side, -1).astype(np.float64)
+    rows, cols = bicubic_antialias_matrix(side, new_grid[0]), bicubic_antialias_matrix(side, new_grid[1])
+    out = np.einsum("ij,jkc,lk->ilc", rows, grid, cols).reshape(1, -1, grid.shape[-1])
+    return np.concatenate([prefix, out.astype(posemb.dtype)], axis=1)
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class PositionEmbedding(layers.Layer):
+    """Adds learned absolute position embeddings (one per prefix token and per patch of the fixed grid).
+
+    It knows its grid and prefix tokens, so it fits embeddings learned on
+    another grid to its own on load (`adapt_loaded`, which `load_into` calls):
+    a checkpoint at another image size fine-tunes here.
+    """
+
+    def __init__(self, grid: tuple[int, int], prefix_tokens: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.grid = tuple(int(g) for g in grid)
+        self.prefix_tokens = int(prefix_tokens)
+
+    def build(self, input_shape):
+        self.pos_embed = self.add_weight(shape=(1, input_shape[1], input_shape[2]), name="pos_embed",
+                                         initializer=keras.initializers.TruncatedNormal(stddev=0.02))
+
+    def call(self, x):
+        return x + keras.ops.cast(self.pos_embed, x.dtype)
+
+    def adapt_loaded(self, values: list[np.ndarray]) -> tuple[list[np.ndarray], str | None]:
+        """`values` ([pos_embed]) resampled to this layer's grid where they hold another square grid of the same
+        width; anything else comes back as it is (and `load_into` says it does not fit)."""
+        (value,) = values
+        want = tuple(int(d) for d in self.pos_embed.shape)
+        patches = value.shape[1] - self.prefix_tokens if value.ndim == 3 else -1
+        side = math.isqrt(max(patches, 0))
+        if value.shape == want or value.ndim != 3 or value.shape[2] != want[2] or side * side != patches or not side:
+            return values, None
+        resampled = resample_abs_pos_embed(np.asarray(value), self.grid, self.prefix_tokens)
+        return [resampled], (f"{self.name} resampled from a {side}x{side} to a {self.grid[0]}x{self.grid[1]} grid "
+                             f"(bicubic, antialiased, as timm's resample_abs_pos_embed)")
+
+    def get_config(self):
+        return {**super().get_config(), "grid": self.grid, "prefix_tokens": self.prefix_tokens}
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class SelfAttention(layers.Layer):
+    """Multi-head scaled dot-product attention over a fused (q, k, v) projection laid out as timm's and PyTorch's
+    (`qkv` reshaped to (3, heads, head_dim)); through `keras.ops.dot_product_attention`."""
+
+    def __init__(self, heads: int, **kwargs):
+        super().__init__(**kwargs)
+        self.heads = int(heads)
+
+    def call(self, qkv):
+        tokens, width = qkv.shape[1], qkv.shape[2] // 3
+        qkv = keras.ops.reshape(qkv, (-1, tokens, 3, self.heads, width // self.heads))
+        q, k, v = (qkv[:, :, i] for i in range(3))   # (batch, tokens, heads, head_dim) each
+        out = keras.ops.dot_product_attention(q, k, v)
+        return keras.ops.reshape(out, (-1, tokens, width))
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[1], input_shape[2] // 3)
+
+    def get_config(self):
+        return {**super().get_config(), "heads": self.heads}
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class LayerScale(layers.Layer):
+    """x times a learned per-channel vector starting at `init_values` (timm's LayerScale, CaiT)."""
+
+    def __init__(self, init_values: float, **kwargs):
+        super().__init__(**kwargs)
+        self.init_values = float(init_values)
+
+    def build(self, input_shape):
+        self.gamma = self.add_weight(shape=(input_shape[-1],), name="gamma",
+                                     initializer=keras.initializers.Constant(self.init_values))
+
+    def call(self, x):
+        return x * keras.ops.cast(self.gamma, x.dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "init_values": self.init_values}
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class Token(layers.Layer):
+    """One token of the sequence: the class token (0) or the distillation token (1), for their classifiers."""
+
+    def __init__(self, index: int, **kwargs):
+        super().__init__(**kwargs)
+        self.index = int(index)
+
+    def call(self, x):
+        return x[:, self.index]
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[2])
+
+    def get_config(self):
+        return {**super().get_config(), "index": self.index}
+
+
+# ---------------------------------------------------------------- the network
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTSpec:
+    """What tells one ViT from another (timm's VisionTransformer arguments)."""
+    patch: int
+    dim: int
+    depth: int
+    heads: int
+    mlp_ratio: float = 4.0
+    distilled: bool = False
+    init_values: float | None = None   # layer scale's start; None: no layer scale
+
+
+def dense(units: int, name: str, activation=None):
+    # timm initialises its Linear layers with trunc_normal(std=0.02) and zero biases
+    return layers.Dense(units, activation=activation, name=name,
+                        kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
+
+
+def branch_end(x, name: str, spec: ViTSpec, drop_path: float):
+    """A residual branch's output: [layer scale], [drop path]."""
+    if spec.init_values is not None:
+        x = LayerScale(spec.init_values, name=f"{name}_ls")(x)
+    return DropPath(drop_path, name=f"{name}_drop_path")(x) if drop_path else x
+
+
+def block(x, i: int, spec: ViTSpec, drop_path: float):
+    """timm's Block: x + drop_path(ls1(attn(norm1(x)))), then x + drop_path(ls2(mlp(norm2(x))))."""
+    name = f"blocks_{i}"
+    h = layers.LayerNormalization(**LAYER_NORM, name=f"{name}_norm1")(x)
+    h = dense(3 * spec.dim, f"{name}_attn_qkv")(h)
+    h = SelfAttention(spec.heads, name=f"{name}_attn")(h)
+    h = dense(spec.dim, f"{name}_attn_proj")(h)
+    x = layers.Add(name=f"{name}_add1")([x, branch_end(h, f"{name}_1", spec, drop_path)])
+    h = layers.LayerNormalization(**LAYER_NORM, name=f"{name}_norm2")(x)
+    h = dense(int(spec.dim * spec.mlp_ratio), f"{name}_mlp_fc1", activation=keras.activations.gelu)(h)
+    h = dense(spec.dim, f"{name}_mlp_fc2")(h)
+    return layers.Add(name=f"{name}_add2")([x, branch_end(h, f"{name}_2", spec, drop_path)])
+
+
+def check_patch_divides(input_shape, patch: int, name: str) -> tuple[int, int]:
+    height, width = input_shape[0], input_shape[1]
+    if height % patch or width % patch:
+        raise UserError(f"model '{name}' cuts the image into {patch}x{patch} patches: data.image_size must be a "
+                        f"multiple of {patch}, got {height}" + (f"x{width}" if width != height else ""))
+    return height // patch, width // patch
+
+
+def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTSpec, name: str,
+                       drop_path: float = 0.0) -> keras.Model:
+    grid = check_patch_divides(input_shape, spec.patch, name)
+    inputs = keras.Input(input_shape)
+    x = layers.Conv2D(spec.dim, spec.patch, strides=spec.patch, name="patch_embed")(inputs)
+    x = layers.Reshape((grid[0] * grid[1], spec.dim), name="patch_embed_flatten")(x)
+    x = PrefixTokens(spec.distilled, name="cls_token")(x)
+    x = PositionEmbedding(grid, 1 + spec.distilled, name="pos_embed")(x)
+    for i in range(spec.depth):
+        x = block(x, i, spec, drop_path * i / max(spec.depth - 1, 1))
+    x = layers.LayerNormalization(**LAYER_NORM, name="norm")(x)
+    heads = []
+    for index, head in enumerate(HEAD[:1 + spec.distilled]):
+        h = Token(index, name=f"{head}_token")(x)
+        if dropout:
+            h = layers.Dropout(dropout, name=f"{head}_drop")(h)
+        heads.append(dense(num_classes, head)(h))
+    logits = layers.Average(name="head_average")(heads) if spec.distilled else heads[0]
+    return keras.Model(inputs, logits, name=f"{name}_backbone")
+
+
+# timm's model names → their architecture
+SPECS: dict[str, ViTSpec] = {
+    "vit_tiny_patch16_224": ViTSpec(16, 192, 12, 3),
+    "vit_small_patch16_224": ViTSpec(16, 384, 12, 6),
+    "vit_small_patch32_224": ViTSpec(32, 384, 12, 6),
+    "vit_base_patch16_224": ViTSpec(16, 768, 12, 12),
+    "vit_base_patch32_224": ViTSpec(32, 768, 12, 12),
+    "vit_large_patch16_224": ViTSpec(16, 1024, 24, 16),
+    "vit_large_patch32_224": ViTSpec(32, 1024, 24, 16),
+    "deit_tiny_patch16_224": ViTSpec(16, 192, 12, 3),
+    "deit_small_patch16_224": ViTSpec(16, 384, 12, 6),
+    "deit_base_patch16_224": ViTSpec(16, 768, 12, 12),
+    "deit_tiny_distilled_patch16_224": ViTSpec(16, 192, 12, 3, distilled=True),
+    "deit_small_distilled_patch16_224": ViTSpec(16, 384, 12, 6, distilled=True),
+    "deit_base_distilled_patch16_224": ViTSpec(16, 768, 12, 12, distilled=True),
+    # For 16-32 px images (the digits demo, CPU tests): 4 px patches, 4 blocks of width 64; no timm counterpart
+    # (timm, torchvision and keras-hub build it from these numbers).
+    "vit_mini_patch4_small": ViTSpec(4, 64, 4, 4),
+}
+
+
+def _register(name: str, spec: ViTSpec) -> None:
+    def build(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
+        return vision_transformer(input_shape, num_classes, dropout, spec, name, drop_path)
+    build.__name__ = name
+    register(name, min_size=spec.patch, drop_path=True, fixed_size=True, head=HEAD[:1 + spec.distilled],
+             layer_groups=LAYER_GROUPS)(build)
+
+
+for _name, _spec in SPECS.items():
+    _register(_name, _spec)
+
+
+# ---------------------------------------------------------------- weights: timm and torchvision state dicts
+
+
+def linear(weight: np.ndarray, bias: np.ndarray | None = None) -> list[np.ndarray]:
+    """A torch Linear's (out, in) weight as a Keras Dense kernel (in, out), with its bias."""
+    return [weight.T] + ([bias] if bias is not None else [])
+
+
+def timm_layer(module: str) -> str:
+    """timm's module name → tfdp's layer: `.` → `_` (blocks.0.attn.qkv → blocks_0_attn_qkv), layer scale's
+    ls1/ls2 → blocks_N_1_ls / _2_ls, the patch embedding's projection → patch_embed."""
+    if module == "patch_embed.proj":
+        return "patch_embed"
+    m = re.fullmatch(r"blocks\.(\d+)\.ls([12])", module)
+    if m:
+        return f"blocks_{m[1]}_{m[2]}_ls"
+    return module.replace(".", "_")
+
+
+def torchvision_module(key: str) -> str:
+    """torchvision's VisionTransformer parameter name → the timm name of the same tensor."""
+    fixed = {"class_token": "cls_token", "encoder.pos_embedding": "pos_embed", "conv_proj.weight":
+             "patch_embed.proj.weight", "conv_proj.bias": "patch_embed.proj.bias"}
+    if key in fixed:
+        return fixed[key]
+    m = re.fullmatch(r"encoder\.layers\.encoder_layer_(\d+)\.(.+)", key)
+    if m:
+        parts = {"ln_1": "norm1", "ln_2": "norm2", "self_attention.out_proj": "attn.proj", "mlp.0": "mlp.fc1",
+                 "mlp.3": "mlp.fc2", "mlp.linear_1": "mlp.fc1", "mlp.linear_2": "mlp.fc2"}
+        inner = re.sub(r"^self_attention\.in_proj_(weight|bias)$", r"attn.qkv.\1", m[2])
+        module, _, param = inner.rpartition(".")
+        return f"blocks.{m[1]}.{parts.get(module, module)}.{param}"
+    return {"encoder.ln.weight": "norm.weight", "encoder.ln.bias": "norm.bias", "heads.head.weight": "head.weight",
+            "heads.head.bias": "head.bias"}.get(key, key)
+
+
+# timm's ViT modules tfdp builds (fc_norm, reg_token and the other variants' modules are not among them)
+TIMM_MODULES = re.compile(r"cls_token|dist_token|pos_embed|patch_embed\.proj|norm|head|head_dist|"
+                          r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2|ls1|ls2)")
+
+
+def is_torchvision(tensors: dict[str, np.ndarray]) -> bool:
+    return "class_token" in tensors or "encoder.pos_embedding" in tensors
+
+
+def module_values(module: str, params: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[str]]:
+    """One timm module's tensors in its Keras layer's variable order and layout."""
+    if module in ("cls_token", "dist_token", "pos_embed"):
+        return [params[""]], [module]
+    if module == "patch_embed.proj":   # OIHW → HWIO
+        return [params["weight"].transpose(2, 3, 1, 0), params["bias"]], ["weight", "bias"]
+    if "gamma" in params:   # layer scale
+        return [params["gamma"]], ["gamma"]
+    if params["weight"].ndim == 2:   # Linear
+        return linear(params["weight"], params.get("bias")), ["weight", "bias"][:len(params)]
+    return [params["weight"], params["bias"]], ["weight", "bias"]   # LayerNorm: gamma, beta
+
+
+@register_torch_layout(*SPECS)
+def vit_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
+    """A timm (or torchvision) ViT/DeiT state dict as `Weights`: torchvision's names are read as timm's first."""
+    source = "torchvision" if is_torchvision(tensors) else "timm"
+    if source == "torchvision":
+        tensors = {torchvision_module(k): v for k, v in tensors.items()}
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        module, param = (key, "") if key in ("cls_token", "dist_token", "pos_embed") else key.rpartition(".")[::2]
+        if not TIMM_MODULES.fullmatch(module):
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor {key} "
+                            f"{tuple(value.shape)} has no place in it (another architecture?)")
+        modules.setdefault(module, {})[param] = value
+    values, names = {}, {}
+    for module, params in modules.items():
+        layer = timm_layer(module)
+        if module == "dist_token":   # the distillation token lives in the class token's layer, after it
+            continue
+        arrays, order = module_values(module, params)
+        if module == "cls_token" and "dist_token" in modules:
+            arrays, order = arrays + [modules["dist_token"][""]], order + ["dist_token"]
+        values[layer] = arrays
+        names[layer] = [f"{module}.{p}" if p in params else p for p in order]
+    return Weights(f"{what} ({source} layout)", values, names)
+
+
+# ---------------------------------------------------------------- weights: keras-hub presets
+
+
+def h5_groups(path: str) -> dict[str, tuple[str, list[np.ndarray]]]:
+    """A Keras 3 weights file's layers: the path of each `.../vars` group (without it) → (the layer's name, its
+    variables in order)."""
+    found = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Group) and (name == "vars" or name.endswith("/vars")):
+                found[name[:-len("/vars")] if "/" in name else ""] = (
+                    str(obj.attrs.get("name", "")), [np.asarray(obj[str(i)]) for i in range(len(obj))])
+        f.visititems(visit)
+    return found
+
+
+def by_block(groups: dict[str, tuple[str, list[np.ndarray]]]) -> dict[str, list[np.ndarray]]:
+    """The groups' variables by path, a transformer block's path prefix replaced by `blockN/` (0-based N, from the
+    block's own name transformer_block_{N+1}: the paths Keras gives the blocks do not sort as numbers)."""
+    prefixes = {path: int(name.rsplit("_", 1)[1]) - 1 for path, (name, _) in groups.items()
+                if re.fullmatch(r"transformer_block_\d+", name)}
+    out = {}
+    for path, (_, arrays) in groups.items():
+        prefix = next((p for p in prefixes if path.startswith(p + "/")), None)
+        out[f"block{prefixes[prefix]}/{path[len(prefix) + 1:]}" if prefix else path] = arrays
+    return out
+
+
+# keras-hub ViTBackbone's sub-layer → tfdp's layer
+KERAS_HUB_NAMES = {
+    "layers/vi_t_patching_and_embedding/patch_embedding": "patch_embed",
+    "layers/vi_t_patching_and_embedding": "cls_token",
+    "layers/vi_t_patching_and_embedding/position_embedding": "pos_embed",
+    "layers/vi_t_encoder/layer_norm": "norm",
+}
+KERAS_HUB_BLOCK = {"layer_norm_1": "norm1", "layer_norm_2": "norm2", "mha/output_dense": "attn_proj",
+                   "mlp/dense_1": "mlp_fc1", "mlp/dense_2": "mlp_fc2"}
+# ViTBackbone's config values tfdp's ViT has, and what they must be
+KERAS_HUB_FIXED = {"use_class_token": True, "use_mha_bias": True, "use_mlp_bias": True, "use_patch_bias": True,
+                   "layer_norm_epsilon": 1e-6}
+
+
+def check_keras_hub_config(config: dict, model_cfg: ModelConfig, what: str) -> None:
+    """The preset's backbone is the registry model's architecture (the shapes are checked on load)."""
+    for key, want in KERAS_HUB_FIXED.items():
+        if config.get(key, want) != want:
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': its ViTBackbone has "
+                            f"{key}={config.get(key)}, tfdp's ViT {want}")
+
+
+@register_keras_hub_layout("ViTBackbone")
+def keras_hub_vit(preset: str, backbone: dict, task: dict | None, model_cfg: ModelConfig, what: str) -> Weights:
+    """A keras-hub ViT preset (ViTBackbone, with ViTImageClassifier's head when the preset holds the task) as
+    `Weights`: MultiHeadAttention's separate (dim, heads, head_dim) query/key/value kernels fused into qkv."""
+    check_keras_hub_config(backbone["config"], model_cfg, what)
+    if task is not None:
+        config = task.get("config", {})
+        if config.get("pooling", "token") != "token" or config.get("intermediate_dim"):
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': its classifier reads "
+                            f"pooling={config.get('pooling')!r}, intermediate_dim={config.get('intermediate_dim')}; "
+                            f"tfdp's ViT classifies the class token directly")
+    found = by_block(h5_groups(os.path.join(preset, "model.weights.h5")))
+    values, names = {}, {}
+
+    def put(layer, arrays, sources):
+        values[layer], names[layer] = arrays, sources
+    for path, arrays in found.items():
+        if path in KERAS_HUB_NAMES:
+            layer = KERAS_HUB_NAMES[path]
+            if layer == "pos_embed":
+                arrays = [arrays[0][None]]
+            put(layer, arrays, [f"{path}/vars/{i}" for i in range(len(arrays))])
+    blocks = sorted({int(p.split("/")[0][len("block"):]) for p in found if re.match(r"block\d+/", p)})
+    for i in blocks:
+        for part, layer in KERAS_HUB_BLOCK.items():
+            arrays = found[f"block{i}/{part}"]
+            if part == "mha/output_dense":   # (heads, head_dim, dim) → (dim, dim)
+                arrays = [arrays[0].reshape(-1, arrays[0].shape[-1]), arrays[1]]
+            put(f"blocks_{i}_{layer}", arrays, [f"transformer_block_{i + 1}/{part}/vars/{k}" for k in range(2)])
+        q, k, v = (found[f"block{i}/mha/{n}_dense"] for n in ("query", "key", "value"))
+        put(f"blocks_{i}_attn_qkv", [np.concatenate([t[0].reshape(t[0].shape[0], -1) for t in (q, k, v)], axis=1),
+                                     np.concatenate([t[1].reshape(-1) for t in (q, k, v)])],
+            [f"transformer_block_{i + 1}/mha/query|key|value_dense/vars/{n}" for n in range(2)])
+    if task is not None and os.path.isfile(os.path.join(preset, "task.weights.h5")):
+        for path, (name, arrays) in h5_groups(os.path.join(preset, "task.weights.h5")).items():
+            if name == "predictions" and path.startswith("layers/"):
+                put("head", arrays, [f"task.weights.h5 {path}/vars/{i}" for i in range(len(arrays))])
+    return Weights(f"{what} (keras-hub ViT preset)", values, names)
+
