@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.errors import Preempted
 from tfdp.distribute.preemption import PreemptionWatch
 from tfdp.distribute.replica_state import ReplicaSnapshot, metric_totals, restore_metric_totals
+from tfdp.train.divergence import check_finite_weights, last_checkpoint_words
 
 
 class EpochStats(keras.callbacks.Callback):
@@ -100,14 +102,24 @@ class MetricsLog(keras.callbacks.Callback):
 
 class AverageReplicaState(keras.callbacks.Callback):
     """Averages the non-trained state (batch-norm statistics) over replicas before every validation,
-    so validation, like the checkpoints, sees the one model every replica agrees on."""
+    so validation, like the checkpoints, sees the one model every replica agrees on; at the end of an
+    epoch without validation (train.validate), the same, for the epoch checkpoint."""
 
     def __init__(self, average: Callable[[], None]):
         super().__init__()
         self.average = average
+        self._averaged = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._averaged = False
 
     def on_test_begin(self, logs=None):
         self.average()
+        self._averaged = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self._averaged:   # at the point validation would have: the run computes the same either way
+            self.average()
 
 
 class EmaEvaluation(keras.callbacks.Callback):
@@ -170,11 +182,18 @@ class Checkpointer(keras.callbacks.Callback):
     replica's own batch-norm statistics (`snapshot`); the saved weights hold
     their average (`average`), as evaluation and export read them. `settings` holds the rest
     (`CheckpointSettings`: the monitored metric, where the run resumed, ...).
+
+    No checkpoint holds a nan or inf weight: the weights are checked before
+    each write, and non-finite ones end the run (`Diverged`, with `hint`: what
+    to change) keeping the checkpoints already written; an epoch whose
+    monitored metric is not a number is never the best.
     """
 
     def __init__(self, store: CheckpointStore, settings: CheckpointSettings, *, average: Callable[[], None],
-                 input_state: Callable[[int], list], snapshot: ReplicaSnapshot, watch: PreemptionWatch | None = None):
+                 input_state: Callable[[int], list], snapshot: ReplicaSnapshot, watch: PreemptionWatch | None = None,
+                 hint: str = "lower optimizer.lr or set optimizer.clip_norm"):
         super().__init__()
+        self.hint = hint
         self.store = store
         self.monitor = settings.monitor
         self.best = settings.best
@@ -218,13 +237,19 @@ class Checkpointer(keras.callbacks.Callback):
         run exactly as it was: where checkpoints are taken never changes what it computes."""
         own = self.snapshot.take()
         self.average()
+        self._check_weights(f"step {global_step} (epoch {self._epoch + 1})")
         state = {"epoch": self._epoch, "step": global_step, "step_in_epoch": in_epoch, "best": self.best,
                  "input": self.input_state(self._fit_steps), "metrics": metric_totals(self.model), **self.facts}
         self.store.save(self.model, state, kind="step", replica_state=own)
         self.snapshot.put_back(own)
 
+    def _check_weights(self, where: str) -> None:
+        check_finite_weights(self.model, where, lambda: last_checkpoint_words(self.store), self.hint)
+
     def on_epoch_end(self, epoch, logs=None):
-        value = float(logs[self.monitor])
+        # Workers that skip validation (train.validate) have no val_ metric: the evaluator keeps the best.
+        value = float(logs[self.monitor]) if self.monitor in logs else math.nan
+        self._check_weights(f"step {(epoch + 1) * self.steps_per_epoch} (the end of epoch {epoch + 1})")
         if self._improved(value):
             self.best = {"epoch": epoch + 1, "metric": self.monitor, "value": value}
             # Chosen by the moving average's metrics, the best checkpoint holds the moving average.
@@ -237,6 +262,8 @@ class Checkpointer(keras.callbacks.Callback):
             raise Preempted(f"saved at the end of epoch {epoch + 1}")
 
     def _improved(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
         if self.best is None:
             return True
         return value > self.best["value"] if self._higher_is_better else value < self.best["value"]
@@ -285,13 +312,17 @@ class FlushingTensorBoard(keras.callbacks.TensorBoard):
         self._val_writer.flush()
 
 
+KERAS_RUNS = ("train", "validation")   # the run folders Keras' TensorBoard callback writes
+
+
 def mark_restart(log_dir: str, step: int) -> None:
-    """Writes a SessionLog START event at `step` into each existing run folder (train/, validation/)."""
+    """Writes a SessionLog START event at `step` into each existing run folder Keras writes (train/,
+    validation/); the evaluator's eval/ is its own (tfdp/commands/continuous_eval.py)."""
     from tensorboard.compat.proto import event_pb2
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
     if not os.path.isdir(log_dir):
         return
-    for name in sorted(os.listdir(log_dir)):
+    for name in KERAS_RUNS:
         run = os.path.join(log_dir, name)
         if os.path.isdir(run):   # a bucket run's copy has the folders of the run's events, not the files
             writer = EventFileWriter(run, filename_suffix=".restart")

@@ -44,6 +44,7 @@ from tfdp.distribute.preemption import PreemptionWatch
 from tfdp.distribute.replica_state import decorrelate_random_streams, state_averager
 from tfdp.config.image_sizes import size_runs
 from tfdp.distribute.strategy import Runtime
+from tfdp.train.divergence import DivergenceWatch, advice, last_checkpoint_words
 from tfdp.train.run import Run
 from tfdp.train.input_streams import Streams
 from tfdp.train.task import Plan, TrainStream, make_plan
@@ -85,9 +86,10 @@ def size_line(data: DataConfig, epoch: int, epochs: int) -> str:
     return f"tfdp: data: {which} at {size} px"
 
 
-def train(cfg: Config, runtime: Runtime) -> dict:
-    """Trains (or resumes) the run described by `cfg`; returns the final summary."""
-    return Trainer(cfg, runtime).train()
+def train(cfg: Config, runtime: Runtime, evaluator: bool = False) -> dict:
+    """Trains (or resumes) the run described by `cfg`; returns the final summary. `evaluator`: the cluster has
+    an evaluator task (TF_CONFIG), which `train.validate: auto` leaves the validation to."""
+    return Trainer(cfg, runtime, evaluator).train()
 
 
 class Trainer:
@@ -101,12 +103,16 @@ class Trainer:
     Biases).
     """
 
-    def __init__(self, cfg: Config, runtime: Runtime):
+    def __init__(self, cfg: Config, runtime: Runtime, evaluator: bool = False):
         self.cfg = cfg
         self.runtime = runtime
+        self.evaluator = evaluator
+        self.validates = config_lib.workers_validate(cfg.train, evaluator)   # train.validate
 
     def train(self) -> dict:
         cfg, runtime = self.cfg, self.runtime
+        if not self.validates:
+            say(self.validation_line())
         if cfg.train.deterministic:
             tf.config.experimental.enable_op_determinism()
             say("tfdp: deterministic: TensorFlow op determinism on, seeded input; an op without a "
@@ -123,6 +129,17 @@ class Trainer:
                 return self.train_in(place)
         finally:
             place.close()
+
+    def validation_line(self) -> str:
+        """What a run whose workers skip validation says first; one whose best checkpoint needs it stops."""
+        cfg = self.cfg
+        why = ("the cluster's evaluator task evaluates each checkpoint and keeps the best one" if self.evaluator
+               else "`tfdp evaluate --continuous` beside the run evaluates each checkpoint and keeps the best one")
+        if cfg.train.best_metric.startswith("val_ema_"):
+            raise UserError(f"train.best_metric {cfg.train.best_metric} is measured by the workers' validation, "
+                            f"which they skip (train.validate: {cfg.train.validate}: {why}); set "
+                            f"train.validate: always")
+        return f"tfdp: validation: not on the workers (train.validate: {cfg.train.validate}): {why}"
 
     def build_run(self, source: Source, plan: Plan, model_dir: str) -> Run:
         """The model (in the strategy's scope), restored from model_dir's latest checkpoint or filled from
@@ -195,7 +212,7 @@ class Trainer:
         stream = run.train_stream(corrupt, streams)
         watch = PreemptionWatch(self.runtime.strategy, self.runtime.num_workers)
         decorrelate_random_streams(model)  # each replica flips and drops its own images, not replica 0's choices
-        val_ds = run.validation()
+        val_ds = run.validation() if self.validates else None
         callbacks = self.build_callbacks(run, stream, streams, store, watch, metrics_log, corrupt, val_ds, out,
                                          fits[0].initial_epoch)
         progressive = bool(cfg.data.progressive_min_size)
@@ -223,19 +240,23 @@ class Trainer:
     def build_callbacks(self, run: Run, stream: TrainStream, streams: Streams, store: CheckpointStore,
                         watch: PreemptionWatch, metrics_log: MetricsLog, corrupt: CorruptCounter, val_ds, out: str,
                         initial_epoch: int) -> list[keras.callbacks.Callback]:
-        """Every callback of the fit calls, in the order they run: epoch statistics, the replicas' averaged
-        state, the EMA evaluation, the metrics log, the loggers, and the checkpointer last."""
+        """Every callback of the fit calls, in the order they run: the divergence watch (first: a non-finite
+        loss stops the run before anything records its step), epoch statistics, the replicas' averaged state,
+        the EMA evaluation, the metrics log, the loggers, and the checkpointer last."""
         cfg = self.cfg
         average = state_averager(run.model)
-        checkpointer = Checkpointer(store, run.checkpoint_settings(streams), average=average, input_state=stream.state,
-                                    snapshot=run.replica_snapshot(), watch=watch)
-        ema = [EmaEvaluation(val_ds)] if cfg.optimizer.ema_decay else []
+        settings, hint = run.checkpoint_settings(streams), advice(cfg.optimizer)
+        checkpointer = Checkpointer(store, settings, average=average, input_state=stream.state,
+                                    snapshot=run.replica_snapshot(), watch=watch, hint=hint)
+        divergence = DivergenceWatch(settings.steps_per_epoch, cfg.model.num_classes,
+                                     lambda: last_checkpoint_words(store), hint, settings.resume)
+        ema = [EmaEvaluation(val_ds)] if cfg.optimizer.ema_decay and val_ds is not None else []
         stats = EpochStats(run.plan.global_batch, corrupt, live=sys.stdout.isatty(),
                            image_size=(lambda: stream.image_size) if cfg.data.progressive_min_size else None)
         # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
         # drops the killed run's copy of it (see `callbacks.tensorboard`).
-        return [stats, AverageReplicaState(average), *ema, metrics_log, *self.build_loggers(out, initial_epoch),
-                checkpointer]
+        return [divergence, stats, AverageReplicaState(average), *ema, metrics_log,
+                *self.build_loggers(out, initial_epoch), checkpointer]
 
     def build_loggers(self, out: str, initial_epoch: int) -> list[keras.callbacks.Callback]:
         """TensorBoard (into `out`, so only the chief's survives) and, on the chief, Weights & Biases."""
@@ -343,9 +364,16 @@ def summarize(rows: list[dict], runtime: Runtime, plan: Plan, best_metric: str =
     }
 
 
+def validation_words(s: dict) -> str:
+    """The summary's validation: the last epoch's and the best one's, or where the evaluator's are."""
+    if s.get("val_top1") is None:
+        return "no validation on the workers (the evaluator's is in eval_metrics.jsonl)"
+    return (f"validation top-1 {100 * s['val_top1']:.2f}% "
+            f"(best {100 * s['best_val_top1']:.2f}% at epoch {s['best_epoch']})")
+
+
 def format_summary(s: dict) -> str:
-    return (f"tfdp: done: {s['epochs']} epochs, validation top-1 {100 * s['val_top1']:.2f}% "
-            f"(best {100 * s['best_val_top1']:.2f}% at epoch {s['best_epoch']}), "
+    return (f"tfdp: done: {s['epochs']} epochs, {validation_words(s)}, "
             f"{s['seconds_per_epoch']:.1f} s/epoch, {s['images_per_sec']:.0f} images/s "
             f"on {s['replicas']} replica(s), global batch {s['global_batch']}"
             + (f"; skipped {s['corrupt_images']} corrupt training image(s)" if s.get("corrupt_images") else "")
