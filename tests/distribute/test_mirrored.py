@@ -62,12 +62,12 @@ def test_two_replicas_equal_one_replica_on_the_same_global_batch(two_and_one):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_whole_step_xla_trains_like_the_plain_keras_step_with_batch_norm(digits_dir, replicas):
+def test_whole_step_xla_trains_like_the_plain_keras_step_with_batch_norm(digits_dir, resnet_two_one, replicas):
     """ResNet with batch norm: tfdp's compiled step (forward, backward and the momentum update in XLA; on 2
     replicas with the gradient all-reduce between) gives the weights, batch-norm statistics and optimizer
-    state of Keras' own op-by-op step."""
+    state of Keras' own op-by-op step (the module's plain runs, `resnet_two_one`)."""
     # A moderate learning rate: at 0.4 a deep net amplifies XLA's different rounding within 6 steps.
-    _, plain, initial = train_steps(digits_dir, replicas, model="resnet18_small", lr=0.05)
+    _, plain, initial = resnet_two_one[0 if replicas == 2 else 1]
     _, xla, _ = train_steps(digits_dir, replicas, start=initial, model="resnet18_small", jit_compile=True, lr=0.05)
     forward_backward, whole_step, update = xla.tfdp_step_functions
     ran = [f.experimental_get_tracing_count() > 0 for f in (forward_backward, whole_step, update)]
@@ -116,7 +116,8 @@ def moving_statistics(model):
 
 @pytest.fixture(scope="module")
 def resnet_two_one(digits_dir):
-    """The demo's model (batch norm) after 6 steps on 2 replicas and on 1, plain batch norm."""
+    """The demo's model (batch norm) after 6 steps on 2 replicas and on 1, plain batch norm, Keras' own step;
+    both from the same weights. Tests that change them put them back."""
     two = train_steps(digits_dir, 2, model="resnet18_small", lr=0.05)
     return two, train_steps(digits_dir, 1, start=two[2], model="resnet18_small", lr=0.05)
 
@@ -141,6 +142,7 @@ def test_averaging_sets_every_replica_to_the_mean_of_the_replicas_statistics(res
         np.testing.assert_allclose(after[0], (before[path][0] + before[path][1]) / 2, rtol=1e-6, atol=1e-7,
                                    err_msg=path)
         np.testing.assert_array_equal(v.numpy(), after[0])  # what saving and evaluation read
+    snapshot.put_back(own)  # the module's model as it trained, for the tests after this one
 
 
 def test_sync_bn_on_two_replicas_equals_one_device_at_the_same_global_batch(digits_dir, resnet_two_one):
