@@ -257,7 +257,7 @@ def test_a_restarted_dispatcher_recovers_its_jobs_from_its_journal(small_dir, tm
 
 @pytest.mark.slow
 def test_a_dispatcher_that_lost_its_journal_ends_the_run_with_one_line_and_the_restart_status(small_dir, tmp_path):
-    """Restarted on an empty work_dir, the dispatcher has forgotten the trainer's job: one line, exit 75 (the same
+    """Restarted on an empty work_dir, the dispatcher has forgotten the trainer's job: one line, exit 143 (the same
     command resumes from the last checkpoint with a new job), no traceback."""
     svc = Service(tmp_path)
     try:
@@ -265,7 +265,7 @@ def test_a_dispatcher_that_lost_its_journal_ends_the_run_with_one_line_and_the_r
                                                            journal="empty")
     finally:
         svc.stop()
-    assert status == 75, err[-3000:]
+    assert status == 143, err[-3000:]
     assert "Traceback" not in out + err, err[-3000:]
     assert last_line(err).startswith(f"tfdp: stopped: the tf.data service at {svc.address} no longer knows this "
                                      f"run's input job"), last_line(err)
