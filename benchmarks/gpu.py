@@ -20,6 +20,12 @@ wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
   python benchmarks/gpu.py --rows=syn,keras,demo,split --epochs=3     # the short set, for a short lease
   python benchmarks/gpu.py --model=resnet18_small --size=32 --batch=32 --images=512 --epochs=3 \
       --precision=float32 --max_side=64 --steps=5 --skip_fp16       # a CPU smoke run
+  python benchmarks/gpu.py --model=vit_base_patch16_224 --optimizer=adamw --rows=keras,syn,nojit,split
+  python benchmarks/gpu.py --model=convnext_tiny --optimizer=adamw --rows=keras,syn,nojit,split
+
+Any registry model runs (a ViT takes image sizes its patch divides). `--optimizer=adamw` trains both sides
+with AdamW (weight decay 0.05; the transformers' and ConvNeXt's optimizer) instead of SGD with momentum. Every
+`tfdp train` row after the plain Keras row (first in the default order) prints its ratio to it.
 """
 
 from __future__ import annotations
@@ -50,28 +56,46 @@ def failure(run: subprocess.CompletedProcess) -> str:
     return "failed: " + (run.stderr.strip().splitlines() or ["?"])[-1][:160]
 
 
-def train_rate(args, model_dir: str, data: list[str], *extra: str, split: int = 0) -> str:
+# --optimizer → tfdp's config flags, and the plain Keras probe's optimizer from the same numbers (both scale the
+# learning rate per 256 images)
+OPTIMIZERS = {
+    "sgd": {"flags": (), "lr": 0.1},   # tfdp's default: SGD, momentum 0.9
+    "adamw": {"flags": ("--set=optimizer.name=adamw", "--set=optimizer.lr=0.001",
+                        "--set=optimizer.weight_decay=0.05"), "lr": 0.001},
+}
+
+
+def train_rate(args, model_dir: str, data: list[str], *extra: str, split: int = 0,
+               versus: dict | None = None) -> str:
     """Median images/s of epochs 2.. of a `tfdp train` run (the first epoch compiles); with `split`, on that
-    many logical GPUs of one card at the same global batch."""
+    many logical GPUs of one card at the same global batch; with `versus` holding the plain Keras row's rate,
+    the ratio to it."""
     run = tfdp("train", f"--model={args.model}", f"--model_dir={model_dir}", f"--epochs={args.epochs}",
                f"--batch_size_per_replica={args.batch // (split or 1)}", f"--set=data.image_size={args.size}",
                f"--set=train.precision={args.precision}", "--set=train.checkpoint_every_steps=0",
-               "--strategy=mirrored", *data, *extra, split=split)
+               "--strategy=mirrored", *OPTIMIZERS[args.optimizer]["flags"], *data, *extra, split=split)
     if run.returncode != 0:
         return failure(run)
     with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
         rates = [json.loads(line)["images_per_sec"] for line in f if line.strip()]
     later = rates[1:] or rates
-    return f"{statistics.median(later):,.0f} (epochs: {', '.join(f'{r:,.0f}' for r in rates)})"
+    median = statistics.median(later)
+    ratio = f"{median / versus['keras']:.2f}x plain Keras; " if versus and versus.get("keras") else ""
+    return f"{median:,.0f} ({ratio}epochs: {', '.join(f'{r:,.0f}' for r in rates)})"
 
 
-def plain_keras_rate(args) -> str:
-    """The same model compiled by plain Keras with whole-step XLA, in its own process."""
+def plain_keras_rate(args, measured: dict) -> str:
+    """The same model compiled by plain Keras with whole-step XLA, in its own process; its rate goes into
+    `measured["keras"]` for the ratios of the tfdp rows."""
     run = subprocess.run([sys.executable, os.path.abspath(__file__), "--plain_keras_probe", f"--model={args.model}",
                           f"--batch={args.batch}", f"--size={args.size}", f"--precision={args.precision}",
-                          f"--steps={args.steps}"], capture_output=True, text=True, timeout=3600)
+                          f"--steps={args.steps}", f"--optimizer={args.optimizer}"],
+                         capture_output=True, text=True, timeout=3600)
     lines = run.stdout.strip().splitlines()
-    return f"{float(lines[-1]):,.0f}" if run.returncode == 0 and lines else "failed: " + run.stderr[-200:]
+    if run.returncode != 0 or not lines:
+        return "failed: " + run.stderr[-200:]
+    measured["keras"] = float(lines[-1])
+    return f"{measured['keras']:,.0f}"
 
 
 def plain_keras_probe(args) -> None:
@@ -86,7 +110,10 @@ def plain_keras_probe(args) -> None:
     if args.precision != "float32":
         keras.mixed_precision.set_global_policy(args.precision)
     model = build_model(cfg.model, cfg.data)
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), jit_compile=True,
+    lr = OPTIMIZERS[args.optimizer]["lr"] * args.batch / 256   # as tfdp scales it
+    optimizer = (keras.optimizers.AdamW(lr, weight_decay=0.05) if args.optimizer == "adamw"
+                 else keras.optimizers.SGD(lr, momentum=0.9))
+    model.compile(optimizer=optimizer, jit_compile=True,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rate, _ = fit_rate(model, synthetic_dataset(cfg.data, 1000, args.batch), args.batch, args.steps, 5)
     print(rate)
@@ -169,6 +196,8 @@ def main() -> None:
     parser.add_argument("--max_side", type=int, default=256, help="downscaled shards: longer side")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"which rows, in this order: {','.join(ROWS)}")
     parser.add_argument("--skip_fp16", action="store_true", help="leave out the mixed_float16 row (emulated on CPUs)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
+                        help="both sides' optimizer: sgd (momentum 0.9) or adamw (weight decay 0.05)")
     parser.add_argument("--plain_keras_probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split_gpu", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--split_memory_mb", type=int, default=30_000, help=argparse.SUPPRESS)
@@ -183,12 +212,14 @@ def main() -> None:
         parser.error(f"unknown rows {sorted(unknown)}: choose from {','.join(ROWS)}")
 
     print(f"# {device_name()}, {os.cpu_count()} CPUs; {args.model}, batch {args.batch} per device, {args.size} px, "
-          f"{args.precision}\n\n| run | images/s |\n|---|---|", flush=True)
+          f"{args.precision}, {args.optimizer}\n\n| run | images/s |\n|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as work:
         start = time.perf_counter()
         synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={args.batch * 60}",
                      "--set=model.num_classes=1000"]
-        run = lambda name, *extra, split=0: train_rate(args, os.path.join(work, name), *extra, split=split)  # noqa: E731
+        measured: dict[str, float] = {}   # the plain Keras row's rate, once measured
+        run = lambda name, *extra, split=0: train_rate(args, os.path.join(work, name), *extra, split=split,  # noqa: E731
+                                                       versus=measured)
         real = {}
 
         def data(kind: str) -> list[str]:
@@ -204,7 +235,8 @@ def main() -> None:
             return real[kind]
 
         measure = {
-            "keras": lambda: [("plain Keras fit, jit_compile=True, one device, synthetic", plain_keras_rate(args))],
+            "keras": lambda: [("plain Keras fit, jit_compile=True, one device, synthetic",
+                               plain_keras_rate(args, measured))],
             "syn": lambda: [("tfdp train, synthetic, XLA auto", run("syn", synthetic))],
             "split": lambda: [("tfdp train, synthetic, XLA auto, 2 logical GPUs on one card (mirrored, same global batch)",
                                run("split", synthetic, split=2))],

@@ -41,6 +41,8 @@ ZOO = [  # (registry name, image size): one per family
     ("squeezenet1_1", 32),
     ("resnext50_32x4d", 32),
     ("mobilenet_v2", 32),
+    ("deit_tiny_distilled_patch16_224", 32),   # attention, LayerNorm, GELU, two classifier heads averaged
+    ("convnext_atto", 32),                     # depthwise 7x7 convolutions, LayerNorm, GELU, layer scale
     pytest.param("efficientnetv2_b0", 32, marks=pytest.mark.slow),
     pytest.param("inception_v3", 75, marks=pytest.mark.slow),
 ]

@@ -202,9 +202,32 @@ def _convert_onnx(network, signature):
         with warnings.catch_warnings(), _fresh_node_protos():
             warnings.simplefilter("ignore", FutureWarning)  # Keras' numpy-2 patch of tf2onnx probes np.object
             patch_tf2onnx()
+            _register_erfc()
             return tf2onnx.convert.from_function(serve, signature, large_model=True)
     finally:
         quiet.setLevel(level)
+
+
+def _register_erfc() -> None:
+    """Gives tf2onnx a conversion of TensorFlow's Erfc, which it lacks (it converts Erf): Erfc(x) = 1 - Erf(x),
+    with ONNX's Erf (opset 9 on).
+
+    TensorFlow's exact GELU (`tf.nn.gelu(approximate=False)`, what Keras' `gelu` runs) computes
+    0.5 x erfc(-x / sqrt 2): the MLP of every ViT/DeiT block. Registering again replaces the same handler.
+    """
+    from tf2onnx import utils
+    from tf2onnx.handler import tf_op
+
+    class Erfc:
+        @classmethod
+        def version_9(cls, ctx, node, **kwargs):
+            dtype = utils.map_onnx_to_numpy_type(ctx.get_dtype(node.input[0]))
+            one = ctx.make_const(utils.make_name(f"{node.name}_one"), np.array(1, dtype))
+            erf = ctx.make_node("Erf", [node.input[0]], op_name_scope=node.name)
+            node.type = "Sub"
+            ctx.replace_inputs(node, [one.output[0], erf.output[0]])
+
+    tf_op("Erfc")(Erfc)
 
 
 @contextlib.contextmanager
@@ -489,8 +512,10 @@ def verify(network: keras.Model, cfg: Config, split, paths: dict[str, str], form
     if split.kind == "synthetic":  # no encoded images to feed the bytes formats
         runners = {n: r for n, r in runners.items() if FORMATS[n].takes == "pixels"}
     tally = {name: [0, 0, 0.0, 0.0] for name in runners}
+    reference = ReferenceOutputs()
     for data, images in verification_batches(cfg, split, limit):
         logits = keras.ops.convert_to_numpy(network(images, training=False)).astype(np.float32)
+        reference.add(logits)
         probabilities = keras.ops.convert_to_numpy(keras.ops.softmax(logits, axis=-1))
         for name, run in runners.items():
             bytes_in = FORMATS[name].takes == "bytes"
@@ -502,8 +527,44 @@ def verify(network: keras.Model, cfg: Config, split, paths: dict[str, str], form
             t[1] += int(np.sum(np.argmax(got, axis=1) == np.argmax(want, axis=1)))
             t[2] = max(t[2], float(np.max(np.abs(got - want))))
             t[3] = max(t[3], float(np.max(np.abs(want))))
+    if (problem := reference.problem()):
+        raise UserError(f"{problem}; written, not verified: {', '.join(paths[name] for name in formats)}")
     return {name: Agreement(n, agree, diff, "probability" if FORMATS[name].takes == "bytes" else "logit", scale)
             for name, (n, agree, diff, scale) in tally.items()}
+
+
+class ReferenceOutputs:
+    """The Keras model's logits over the verification images, reduced to what says whether comparing with
+    them means anything: a model whose logits are the same for every image (dead units after a diverged
+    run: every format "agrees" on its one class) or are not finite (nan's argmax is 0 in every runtime)
+    would have every format agree with it on every image."""
+
+    def __init__(self):
+        self.images = self.non_finite = 0
+        self.low = self.high = None   # per class, over the finite images
+
+    def add(self, logits: np.ndarray) -> None:
+        finite = np.all(np.isfinite(logits), axis=1)
+        self.images += len(logits)
+        self.non_finite += int(np.sum(~finite))
+        if np.any(finite):
+            low, high = logits[finite].min(axis=0), logits[finite].max(axis=0)
+            self.low = low if self.low is None else np.minimum(self.low, low)
+            self.high = high if self.high is None else np.maximum(self.high, high)
+
+    def problem(self) -> str:
+        """'' when the logits can be compared; else one line saying why not."""
+        if self.non_finite:
+            return (f"the model's logits are not finite (nan or inf) for {self.non_finite} of the {self.images} "
+                    f"validation images checked: nothing to compare; the run diverged?")
+        if self.images < 2 or self.low is None:
+            return ""
+        scale = float(max(np.max(np.abs(self.low)), np.max(np.abs(self.high))))
+        # float32 rounds logits to about 1e-7 of their scale: a spread within that is no spread at all
+        if float(np.max(self.high - self.low)) <= 1e-6 * scale:
+            return (f"the model's logits are the same for every one of the {self.images} validation images "
+                    f"checked: nothing to compare; the run diverged?")
+        return ""
 
 
 def agreement_line(name: str, path: str, a: Agreement) -> str:
@@ -515,12 +576,14 @@ def agreement_line(name: str, path: str, a: Agreement) -> str:
 
 
 def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out_dir: str | None,
-                      formats: tuple[str, ...] | None = None, verify_images: int | None = 1000) -> dict:
+                      formats: tuple[str, ...] | None = None, verify_images: int | None = 1000,
+                      shown=lambda text: text) -> dict:
     """Writes the export formats, then (`verify_images` not None; 0: the whole split) runs that many validation
     images through each, loaded back in its own runtime, and prints its agreement with the Keras model.
 
     A format that could not be written does not stop the others: they are written and checked first, then
-    its reason is raised as one line naming the formats that were written."""
+    its reason is raised as one line naming the formats that were written. `shown`: a line with its paths
+    named as the user finds them (a bucket run's objects, where this one writes a local copy)."""
     formats = formats or DEFAULT_FORMATS
     if verify_images is not None and verify_images < 0:
         raise UserError(f"--verify_images must be 0 (the whole validation split) or more, got {verify_images}")
@@ -536,7 +599,7 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
     paths = written.paths
     made = [f for f in formats if f in paths]
     if made:
-        say(f"tfdp: export: wrote {', '.join(paths[f] for f in made)} and {paths['classes']}")
+        say(shown(f"tfdp: export: wrote {', '.join(paths[f] for f in made)} and {paths['classes']}"))
     if verify_images is not None and made:
         split = source.split(cfg.data.val_split)
         with data_errors():
@@ -544,7 +607,7 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
             agreements = verify(inference_network(model, portable=False), cfg, split, paths, tuple(made),
                                 verify_images)
         for name, agreement in agreements.items():
-            say(agreement_line(name, paths[name], agreement))
+            say(shown(agreement_line(name, paths[name], agreement)))
         paths["agreement"] = agreements
     if written.failed:  # after the others are written and checked: one line, exit status 2
         raise UserError(written.failure_line())

@@ -12,7 +12,7 @@ convolutions and a channels LayerNorm, the same function as Keras' Dense
 layers and LayerNorm: the weight reader only reshapes their kernels).
 Parameter counts equal timm's at 1,000 classes (tests/models/test_models.py).
 
-Four of Keras' layers are swapped after the build (same names, same
+Three of Keras' layers are swapped after the build (same names, same
 function, same rates and initial values), for what training and export
 need of them:
 
@@ -23,8 +23,6 @@ need of them:
   would turn into C one-channel convolutions. `DepthwiseConv2D` computes the
   same with TensorFlow's own depthwise kernels; its kernel is (7, 7, C, 1)
   where Conv2D's is (7, 7, 1, C).
-- GELU: Keras' exact `gelu` activation is TensorFlow's, built on Erfc, which
-  tf2onnx cannot convert; `ErfGelu` computes it with Erf (the ONNX export).
 - stochastic depth: Keras' `StochasticDepth` draws from Keras' global seed
   generator, which creates its variable inside the first traced step and so
   fails under `MirroredStrategy`; tfdp's `DropPath` (resnet.py) carries its
@@ -109,16 +107,6 @@ class LayerScale(layers.Layer):
         return {**super().get_config(), "init_value": self.init_value, "dim": self.dim}
 
 
-@keras.saving.register_keras_serializable(package="tfdp")
-class ErfGelu(layers.Layer):
-    """The exact GELU, x (1 + erf(x / sqrt 2)) / 2, written with Erf: TensorFlow's own exact GELU (Keras'
-    `gelu` activation) is built on Erfc, which tf2onnx cannot convert, so `tfdp export --format=onnx` could not
-    convert the model."""
-
-    def call(self, x):
-        return 0.5 * x * (1.0 + keras.ops.erf(x * (0.5 ** 0.5)))
-
-
 def _is_depthwise(layer: keras.layers.Layer) -> bool:
     """A Conv2D with one input and one output channel per group: a depthwise convolution."""
     return isinstance(layer, layers.Conv2D) and layer.groups > 1 and layer.groups == layer.filters \
@@ -126,13 +114,11 @@ def _is_depthwise(layer: keras.layers.Layer) -> bool:
 
 
 def _tfdp_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
-    """Keras' depthwise Conv2D, GELU, stochastic depth and layer scale → the layers the module's docstring
+    """Keras' depthwise Conv2D, stochastic depth and layer scale → the layers the module's docstring
     describes, same name and settings; every other layer as it is."""
     if _is_depthwise(layer):
         return layers.DepthwiseConv2D(layer.kernel_size, strides=layer.strides, padding=layer.padding,
                                       use_bias=layer.use_bias, name=layer.name)
-    if isinstance(layer, layers.Activation) and layer.activation is keras.activations.gelu:
-        return ErfGelu(name=layer.name)
     if isinstance(layer, keras_convnext.StochasticDepth):
         return DropPath(layer.drop_path_rate, name=layer.name)
     if isinstance(layer, keras_convnext.LayerScale):
@@ -151,7 +137,7 @@ def _with_head_dropout(model: keras.Model, rate: float) -> keras.Model:
 
 def convnext(input_shape, num_classes: int, dropout: float, spec: ConvNeXtSpec, drop_path: float = 0.0
              ) -> keras.Model:
-    """Keras' ConvNeXt for `spec`, its head's dropout added and four of its layers swapped (see the module)."""
+    """Keras' ConvNeXt for `spec`, its head's dropout added and three of its layers swapped (see the module)."""
     model = keras_convnext.ConvNeXt(
         depths=list(spec.depths), projection_dims=list(spec.dims), drop_path_rate=drop_path,
         layer_scale_init_value=LAYER_SCALE_INIT, name=spec.name, include_preprocessing=False, include_top=True,
