@@ -173,8 +173,8 @@ def run_evaluator(args: list[str], evaluator_in_cluster: bool) -> None:
     keep_best = not config_lib.workers_validate(cfg.train, evaluator_in_cluster or has_evaluator(tf_config_cluster()))
     if evaluator_in_cluster:
         os.environ.pop("TF_CONFIG", None)
-        runtime = started_runtime(dataclasses.replace(
-            cfg, distribute=dataclasses.replace(cfg.distribute, strategy="mirrored")))
+        from tfdp.distribute.cluster import evaluator_distribute
+        runtime = started_runtime(dataclasses.replace(cfg, distribute=evaluator_distribute(cfg.distribute)))
     else:
         runtime = started_runtime(cfg)
     from tfdp.commands.continuous_eval import evaluate_continuously

@@ -164,10 +164,12 @@ def test_worker_that_never_comes_up_is_named_within_the_timeout():
 
 
 def demo_on_workers(data_dir, model_dir, logs):
-    """The demo's model (batch norm) on 2 workers, deterministic, epoch checkpoints only."""
+    """The demo's model (batch norm) on 2 workers, deterministic, epoch checkpoints only, with the random flip on
+    (a random layer whose stream a resume must continue on every replica of every worker)."""
     return ["launch", "--workers=2", f"--launch_logs={logs}", "--", "train", "--config=configs/digits.yaml",
             f"--data_dir={data_dir}", "--data_format=image_folder", f"--model_dir={model_dir}", "--epochs=2",
-            "--set=data.image_size=16", "--set=train.checkpoint_every_steps=0", "--set=train.deterministic=true"]
+            "--set=data.image_size=16", "--set=train.checkpoint_every_steps=0", "--set=train.deterministic=true",
+            "--set=data.hflip=true"]
 
 
 def start_pods(tf_configs: dict, args: list[str], logs) -> dict:
@@ -198,8 +200,9 @@ def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp
     """SIGTERM to one pod of a TFJob: both save at one agreed step and exit 143 (128 + SIGTERM, which TFJob's
     `restartPolicy: ExitCode` restarts); the same command on the same pods then resumes with 0 steps lost, to
     the weights of the run never stopped. The pods get TF_CONFIG as Kubeflow's operator writes it, for a job of
-    Chief, Worker and Evaluator (support/operators.py): the evaluator's entry is in every training pod's
-    cluster, and is no member of the training (2 workers, the chief rank 0)."""
+    Master, Worker and Evaluator (support/operators.py): the master is the chief (rank 0, TensorFlow's
+    /job:chief), and the evaluator's entry is in every training pod's cluster but no member of the training
+    (2 workers). Chief + Workers + Evaluator pods: test_a_tfjob_with_an_evaluator_trains_on_three_pods_..."""
     clean = run_tfdp(*demo_on_workers(small_dir, tmp_path / "clean", tmp_path / "l0"), timeout=600)
     assert clean.returncode == 0, clean.stdout[-3000:]
     prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", clean.stdout))
@@ -215,9 +218,9 @@ def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp
     train = demo_on_workers(small_dir, model_dir, tmp_path / "unused")
     command = [*train[train.index("--") + 1:], "--strategy=multi_worker"]  # the same command on every pod
     ports = iter(free_ports(3))
-    local = {(rtype, 0): f"127.0.0.1:{next(ports)}" for rtype in ("Chief", "Worker", "Evaluator")}
-    tf_configs = tfjob_tf_configs({"Chief": 1, "Worker": 1, "Evaluator": 1}, lambda rtype, i: local[rtype, i])
-    trainers = {f"{rtype.lower()}-{i}": tf_configs[rtype, i] for rtype, i in (("Chief", 0), ("Worker", 0))}
+    local = {(rtype, 0): f"127.0.0.1:{next(ports)}" for rtype in ("Master", "Worker", "Evaluator")}
+    tf_configs = tfjob_tf_configs({"Master": 1, "Worker": 1, "Evaluator": 1}, lambda rtype, i: local[rtype, i])
+    trainers = {f"{rtype.lower()}-{i}": tf_configs[rtype, i] for rtype, i in (("Master", 0), ("Worker", 0))}
     pods = start_pods(trainers, command, tmp_path / "attempt-1")
     deadline = time.time() + 300
     while not (model_dir / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
@@ -227,18 +230,18 @@ def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp
     ended = wait_pods(pods, tmp_path / "attempt-1")
     for name, (code, log) in ended.items():
         assert code == PREEMPTED_EXIT_CODE == 143, f"{name}: {code}\n{log[-3000:]}"
-        job = name.split("-")[0]  # TensorFlow's job name: chief or worker, the evaluator no member
+        job = {"master": "chief"}.get(name.split("-")[0], "worker")  # TensorFlow's job: the master is its chief
         assert re.search(rf"^tfdp: strategy multi_worker: 2 replica\(s\) on /job:{job}/replica:0/task:0/device:CPU:0, "
                          r"2 worker\(s\)$", log, re.M), log[-3000:]
     saved = {name: re.findall(r"^tfdp: preempted: saved at step (\d+) \(epoch 2, step \d\); exit 143 \(run the "
                               r"same command to continue\)$", log, re.M) for name, (_, log) in ended.items()}
-    assert saved["chief-0"] == saved["worker-0"] and len(saved["chief-0"]) == 1, saved  # both pods, the same step
-    step = int(saved["chief-0"][0])
+    assert saved["master-0"] == saved["worker-0"] and len(saved["master-0"]) == 1, saved  # both pods, the same step
+    step = int(saved["master-0"][0])
     assert 5 < step < 10 and (model_dir / "checkpoints" / f"step-{step:09d}").exists()
 
     again = wait_pods(start_pods(trainers, command, tmp_path / "attempt-2"), tmp_path / "attempt-2")
-    assert {name: code for name, (code, _) in again.items()} == {"chief-0": 0, "worker-0": 0}, again
-    chief_log = again["chief-0"][1]
+    assert {name: code for name, (code, _) in again.items()} == {"master-0": 0, "worker-0": 0}, again
+    chief_log = again["master-0"][1]
     assert f"resuming at epoch 2 of 2, step {step - 5 + 1} of 5" in chief_log  # 0 steps lost
     resumed = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", chief_log + again["worker-0"][1]))
     assert resumed == prints  # bit-identical to the run never stopped

@@ -59,12 +59,14 @@ def test_two_replicas_train_as_one_on_the_same_global_batch(digits_dir, model, s
 
 
 def vit_run(data_dir, model_dir):
-    """The ViT on the demo's data, 2 replicas, AdamW, deterministic, a step checkpoint every 3 of 10 steps."""
+    """The ViT on the demo's data, 2 replicas, AdamW, deterministic, a step checkpoint every 3 of 10 steps;
+    with drop path and flips, whose random streams a resume must continue, not restart."""
     return ["train", "--config=configs/digits.yaml", f"--data_dir={data_dir}", "--data_format=image_folder",
             f"--model_dir={model_dir}", "--model=vit_mini_patch4_small", "--set=data.image_size=16", "--epochs=2",
             "--set=train.batch_size_per_replica=32", "--set=train.deterministic=true",
             "--set=train.checkpoint_every_steps=3", "--set=optimizer.name=adamw", "--set=optimizer.lr=0.001",
-            "--set=optimizer.weight_decay=0.05", "--set=optimizer.decay_norm_and_bias=false"]
+            "--set=optimizer.weight_decay=0.05", "--set=optimizer.decay_norm_and_bias=false",
+            "--set=model.drop_path=0.1", "--set=data.hflip=true"]
 
 
 def kill_after_step_checkpoint(args, model_dir, step):

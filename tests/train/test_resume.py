@@ -8,11 +8,17 @@ import subprocess
 import sys
 import time
 
+import json
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from conftest import REPO, last_line, read_jsonl, run_tfdp
+from tfdp.config import DistributeConfig
+from tfdp.distribute.replica_state import start_random_streams
+from tfdp.distribute.strategy import make_runtime
 from tfdp.rundir.checkpoints import CheckpointStore
 
 
@@ -62,6 +68,44 @@ def test_step_checkpoints_are_pruned_and_superseded_by_the_epoch_checkpoint(tmp_
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch-0001", "step-000000012"]
 
 
+def test_a_resumed_model_continues_every_replicas_random_stream(tmp_path):
+    """Keras' weights file leaves seed generators out: the checkpoint's own record of them gives each of 2
+    replicas back the very flips a run never stopped draws next; a checkpoint without it says so in one line."""
+    strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=2)).strategy
+    x = tf.reshape(tf.range(64 * 16, dtype=tf.float32), [64, 4, 4, 1])
+
+    def flipping_model():
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.RandomFlip("horizontal", seed=7)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    def flips(model):
+        out = strategy.experimental_local_results(strategy.run(tf.function(lambda: model(x, training=True))))
+        return [np.any(o.numpy() != x.numpy(), axis=(1, 2, 3)).tolist() for o in out]
+
+    model, store = flipping_model(), CheckpointStore(str(tmp_path))
+    assert start_random_streams(model, None) == ""
+    for _ in range(2):
+        flips(model)
+    store.save(model, {"epoch": 1, "step": 2, "step_in_epoch": 0, "best": None})
+    uninterrupted = flips(model)
+    assert uninterrupted[0] != uninterrupted[1]  # each replica its own stream
+
+    resumed = flipping_model()
+    assert start_random_streams(resumed, store.restore_latest(resumed)) == ""
+    assert flips(resumed) == uninterrupted
+
+    state_file = tmp_path / "checkpoints" / "epoch-0001" / "state.json"
+    state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items()
+                                      if k != "random_streams"}))  # as a checkpoint written before it was kept
+    old = flipping_model()
+    line = start_random_streams(old, store.restore_latest(old))
+    assert line.startswith("tfdp: the checkpoint holds no state of the random layers") and "restart" in line
+    assert flips(old) != uninterrupted
+
+
 def demo_args(data_dir, model_dir, epochs=3, every=2):
     """The demo's model (ResNet with batch norm) on 2 replicas, deterministic, a step checkpoint every 2 steps."""
     return ["train", "--config=configs/digits.yaml", f"--data_dir={data_dir}", "--data_format=image_folder",
@@ -75,14 +119,16 @@ def fingerprint(stdout):
 
 @pytest.mark.slow
 def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_path, small_dir):
-    """kill -9 twice at random moments (during steps or checkpoint writes), resume each time."""
-    clean = run_tfdp(*demo_args(small_dir, tmp_path / "clean"), timeout=600)
+    """kill -9 twice at random moments (during steps or checkpoint writes), resume each time; with random flips,
+    whose streams every resume continues."""
+    flipped = ["--set=data.hflip=true"]
+    clean = run_tfdp(*demo_args(small_dir, tmp_path / "clean"), *flipped, timeout=600)
     assert clean.returncode == 0, clean.stderr[-3000:]
     model_dir = tmp_path / "killed"
     rng = random.Random(7)
     resumed_steps = []
     for kill in range(2):
-        proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir)], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir), *flipped], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         # Wait for this run's first new checkpoint, then kill after a random delay: mid-step or mid-write.
         before = set(checkpoint_dirs(model_dir))
@@ -94,9 +140,9 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
         out = proc.communicate()[0]
         if m := re.search(r"resuming at epoch (\d+) of 3(?:, step (\d+) of 5)?", out):
             resumed_steps.append((int(m.group(1)) - 1) * 5 + int(m.group(2) or 1) - 1)
-    final = run_tfdp(*demo_args(small_dir, model_dir), timeout=600)
+    final = run_tfdp(*demo_args(small_dir, model_dir), *flipped, timeout=600)
     assert final.returncode == 0, final.stderr[-3000:]
-    assert "tfdp: resuming at epoch" in final.stdout
+    assert "tfdp: resuming at epoch" in final.stdout and "random streams" not in final.stdout
     assert len(resumed_steps) == 1 and resumed_steps[0] > 0  # the second run went on from the first's checkpoint
     assert fingerprint(final.stdout) == fingerprint(clean.stdout) != []
     assert last_line(final.stdout).split(",")[:2] == last_line(clean.stdout).split(",")[:2]  # same epochs, top-1
@@ -109,7 +155,7 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
     assert steps == [0, 1, 2]  # one point per epoch after the restarts' purges
 
     # What training reported for the last epoch is what `tfdp evaluate` finds in its checkpoint.
-    evaluated = run_tfdp("evaluate", *demo_args(small_dir, model_dir)[1:],
+    evaluated = run_tfdp("evaluate", *demo_args(small_dir, model_dir)[1:], *flipped,
                          f"--checkpoint={model_dir}/checkpoints/epoch-0003/model.weights.h5", timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert f"loss {rows[-1]['val_loss']:.4f}, top1 {rows[-1]['val_top1']:.4f}" in evaluated.stdout

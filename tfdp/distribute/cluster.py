@@ -23,6 +23,7 @@ import json
 import os
 import socket
 
+from tfdp.config import DistributeConfig
 from tfdp.errors import UserError
 
 TRAINING_TYPES = ("chief", "worker")  # in global rank order: the chief, if any, is rank 0
@@ -284,3 +285,10 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def evaluator_distribute(cfg: DistributeConfig) -> DistributeConfig:
+    """The evaluator task's own strategy: `mirrored` over this host's devices (its GPUs, or
+    `distribute.cpu_replicas`). It is no member of the training cluster and joins no collective, so the job's
+    `multi_worker` does not apply to it, and TensorFlow must not see the cluster."""
+    return dataclasses.replace(cfg, strategy="mirrored")

@@ -25,6 +25,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdp.rundir.checkpoints import RANDOM_STREAMS, seed_generator_states
+
 
 def float_non_trained(model: keras.Model) -> list:
     return [v for v in model.non_trainable_variables if "float" in str(v.dtype)]
@@ -149,6 +151,33 @@ class WorkerGather:
         return self._gather(tf.constant(rows)).numpy().tolist()
 
 
+def start_random_streams(model: keras.Model, checkpoint: dict | None) -> str:
+    """Puts the model's random layers where the run's streams stand: a fresh run's at their seeds, a resumed
+    one's where the checkpoint left them, every replica's its own (`decorrelate_random_streams`).
+
+    Keras' weights file leaves the seed generators out, so a checkpoint records
+    replica 0's [seed, counter] of each (`tfdp.rundir.checkpoints`); every
+    replica gets it back and then its offset, which is exactly the state of a
+    run never stopped, on every replica of every worker: the offsets are fixed
+    and the counters advance alike on every replica. Returns the line a resume
+    prints where the checkpoint cannot say where the streams stood ('' otherwise).
+    """
+    generators = seed_generator_states(model)
+    saved = checkpoint.get(RANDOM_STREAMS) if checkpoint else None
+    line = ""
+    if checkpoint and generators:
+        if isinstance(saved, list) and [np.shape(s) for s in saved] == [tuple(v.shape) for v in generators]:
+            for variable, state in zip(generators, saved):
+                variable.value.assign(tf.constant(state, variable.value.dtype))  # cross-replica: every copy
+        else:
+            held = "no state of the random layers" if not isinstance(saved, list) else \
+                f"the state of {len(saved)} random generators, the model has {len(generators)}"
+            line = (f"tfdp: the checkpoint holds {held}: the random streams of flip, dropout and drop path "
+                    f"restart, so this resume is not bit-identical to a run never stopped")
+    decorrelate_random_streams(model)
+    return line
+
+
 def decorrelate_random_streams(model: keras.Model) -> int:
     """Gives every replica its own random stream for the model's random layers (flip, dropout, drop path).
 
@@ -156,13 +185,12 @@ def decorrelate_random_streams(model: keras.Model) -> int:
     replica starts from the same state and the i-th image of every replica's
     batch is flipped (or dropped) alike. Here replica r's seed becomes
     seed + r * 7919, all workers counting replicas globally. It must run when
-    all replicas hold the same state (after building or restoring a
-    checkpoint, which stores replica 0's), and then reproduces exactly the
-    state of a run never interrupted: counters advance alike on every replica.
-    Returns how many generators it moved.
+    all replicas hold the same state (after building, or after
+    `start_random_streams` restored a checkpoint's). Returns how many
+    generators it moved.
     """
     strategy = model.distribute_strategy
-    states = [v.value for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
+    states = [v.value for v in seed_generator_states(model)]
     if not states or strategy.num_replicas_in_sync == 1:
         return 0
 

@@ -2,7 +2,8 @@
 
 Layout:
   epoch-0003/model.weights.h5      weights and optimizer state after 3 whole epochs
-  epoch-0003/state.json            {"epoch": 3, "step": 3 * steps_per_epoch, "best": {...}, ...}
+  epoch-0003/state.json            {"epoch": 3, "step": 3 * steps_per_epoch, "best": {...},
+                                   "random_streams": [[seed, counter], ...], ...}
   step-000000140/...               the same, mid-epoch, every `train.checkpoint_every_steps` steps;
                                    state.json also holds the input position and partial metrics,
                                    replicas.npy each replica's own batch-norm statistics
@@ -16,6 +17,12 @@ failing disk or a bad copy) is skipped with a warning naming it, and the run
 resumes from the newest one that can be read. A write that fails (disk full,
 read-only folder) removes its partial files and ends in one line saying what
 was being written, where, and how much space it needed.
+
+Keras' weights file leaves out the state of the model's seed generators
+(the random layers': flip, dropout, drop path), so every checkpoint records
+it in state.json (`random_streams`, replica 0's: the other replicas' differ
+from it by a fixed offset, `tfdp.distribute.replica_state`), and a resumed
+run's random layers continue their streams instead of restarting them.
 """
 
 from __future__ import annotations
@@ -39,6 +46,23 @@ KEEP_EPOCHS = 2
 KEEP_STEPS = 2
 _CHECKPOINT_DIR = re.compile(r"^(epoch|step)-(\d+)$")
 WEIGHTS, STATE, REPLICAS = "model.weights.h5", "state.json", "replicas.npy"
+RANDOM_STREAMS = "random_streams"
+
+
+def seed_generator_states(model: keras.Model) -> list:
+    """The state variable of every seed generator the model owns, in the model's (fixed) order."""
+    return [v for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
+
+
+def random_stream_states(model: keras.Model) -> list[list[int]]:
+    """Replica 0's [seed, counter] of each seed generator: read only when a checkpoint is written, so no step
+    waits for it. Under a strategy the variable's first local copy is replica 0's on the chief, the one
+    worker whose checkpoints are kept."""
+    states = []
+    for variable in seed_generator_states(model):
+        copies = getattr(variable.value, "values", None) or (variable.value,)
+        states.append([int(x) for x in copies[0].numpy().reshape(-1)])
+    return states
 
 
 def weights_size(model: keras.Model) -> int:
@@ -150,13 +174,15 @@ class CheckpointStore:
         """Writes `epoch-N/` (N = state['epoch']) or `step-N/` (N = state['step']) atomically, then prunes.
 
         `replica_state` (every replica's own non-trained state, see
-        `tfdp.distribute.replica_state.ReplicaSnapshot`) goes beside the weights.
+        `tfdp.distribute.replica_state.ReplicaSnapshot`) goes beside the weights; the seed generators'
+        state goes into state.json (`random_streams`).
         """
         if self.uploader:
             self.uploader.wait()   # the previous checkpoint's upload reads its folder, which pruning may delete
         number = state["epoch"] if kind == "epoch" else state["step"]
         final = os.path.join(self.root, f"{kind}-{number:04d}" if kind == "epoch" else f"{kind}-{number:09d}")
         tmp = os.path.join(self.root, f".tmp-{os.path.basename(final)}-{os.getpid()}")
+        state = {**state, RANDOM_STREAMS: random_stream_states(model)}
         try:
             with write_errors(f"checkpoint {os.path.basename(final)}", self.root, weights_size(model)):
                 os.makedirs(self.root, exist_ok=True)

@@ -41,7 +41,7 @@ from tfdp.rundir.lease import writer_lease
 from tfdp.rundir.metrics_file import METRICS_FILE, read_metrics
 from tfdp.rundir.writable import writable_tree
 from tfdp.distribute.preemption import PreemptionWatch
-from tfdp.distribute.replica_state import decorrelate_random_streams, state_averager
+from tfdp.distribute.replica_state import start_random_streams, state_averager
 from tfdp.config.image_sizes import size_runs
 from tfdp.distribute.strategy import Runtime
 from tfdp.train.divergence import DivergenceWatch, advice, last_checkpoint_words
@@ -211,7 +211,9 @@ class Trainer:
             say(line)
         stream = run.train_stream(corrupt, streams)
         watch = PreemptionWatch(self.runtime.strategy, self.runtime.num_workers)
-        decorrelate_random_streams(model)  # each replica flips and drops its own images, not replica 0's choices
+        # Each replica flips and drops its own images, continuing where the checkpoint's streams stood.
+        if (line := start_random_streams(model, run.state)):
+            say(line)
         val_ds = run.validation() if self.validates else None
         callbacks = self.build_callbacks(run, stream, streams, store, watch, metrics_log, corrupt, val_ds, out,
                                          fits[0].initial_epoch)
