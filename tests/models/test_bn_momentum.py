@@ -39,9 +39,21 @@ def test_the_momentum_reaches_every_batch_norm_layer(name):
     assert {layer.momentum for layer in batch_norms(fine_tuned)} == {0.99 if name == "resnet50" else 0.9}
 
 
+@pytest.fixture
+def op_determinism_restored():
+    """train.deterministic switches TensorFlow's op determinism on for the whole process; the tests that run
+    after this one in the same process (tf.data's unseeded random crops among them) need it off again. TensorFlow
+    exports no switch back: its framework config has one."""
+    yield
+    from tensorflow.python.framework import config as tf_framework_config
+    tf_framework_config.disable_op_determinism()
+
+
 @pytest.mark.slow
-def test_a_keras_applications_resnet50_from_scratch_validates_as_the_torchvision_layout_does(tmp_path):
-    """Four epochs of 600 real photos (12 classes) at 32 px. The same run with model.bn_momentum 0.99 (the
+def test_a_keras_applications_resnet50_from_scratch_validates_as_the_torchvision_layout_does(
+        tmp_path, op_determinism_restored):
+    """Four epochs of 600 real photos (12 classes) at 32 px, deterministic. The same run with model.bn_momentum
+    0.99 (the
     architecture's own) trains identically and validates at chance (8.3 %, validation loss 2e7):
     docs/models.md."""
     from support.photos import write_imagenet_tree

@@ -249,7 +249,7 @@ def bad_input_cases(trained_run, tmp_path):
                               f"{tmp_path}/keras/models/"]),
         "unknown kind": (["--init_from=imagenet21k"], ["unknown kind of weights 'imagenet21k'"]),
         "no torchvision layout": (["--model=resnet18_small", f"--init_from={SQUEEZENET}"],
-                                  ["model 'resnet18_small' has no torchvision layout"]),
+                                  ["model 'resnet18_small' has no torchvision or timm layout"]),
         "pickled torch file": ([f"--init_from={pth}"], ["is a pickled PyTorch file", ".safetensors"]),
         "a bucket": (["--init_from=gs://bucket/run"], ["gs://bucket/run: weights are read from a local path only"]),
         "exclude without init_from": (["--set=model.init_exclude=[logits]"], ["model.init_exclude needs"]),
