@@ -51,6 +51,7 @@ _remote_timeout = DEFAULT_REMOTE_TIMEOUT
 # (filesystem class, endpoint, bucket) → None when it answered, else the one-line error.
 _probed: dict[tuple, str | None] = {}
 _probe_lock = threading.Lock()
+_probe_locks: dict[tuple, threading.Lock] = {}   # one per bucket: a bucket is probed once, by one thread
 
 
 # url → bytes of the bucket objects a listing has seen (`note_sizes`): a streamed share's sizes, without
@@ -128,7 +129,9 @@ def _check_reachable(fs: fsspec.AbstractFileSystem, path: str, url: str) -> None
     where = endpoint(fs)
     bucket = fs._strip_protocol(path).split("/", 1)[0]
     key = (type(fs), where, bucket)
-    with _probe_lock:
+    with _probe_lock:   # held for a lookup only: a silent bucket's probe must not hold up another bucket's
+        lock = _probe_locks.setdefault(key, threading.Lock())
+    with lock:
         if key not in _probed:
             _probed[key] = _probe(fs, bucket, path, where or url, _remote_timeout)
         error = _probed[key]
