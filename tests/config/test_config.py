@@ -64,6 +64,12 @@ def test_ints_are_accepted_for_float_fields():
     ({"model_dir": "az://container/run"}, "gs:// or s3://, not az:// (the one-writer lease needs a store with "
                                           "conditional writes)"),
     ({"model_dir": "file:///data/run"}, "model_dir file:///data/run: give the path without file://"),
+    # a union field: one problem, named once, with what each branch takes (no pydantic branch tag in the name)
+    ({"model": {"bn_momentum": 1.5}}, "config field 'model.bn_momentum': input should be less than 1, or input "
+                                      "should be 'auto' (got 1.5)"),
+    ({"train": {"jit_compile": "maybe"}}, "config field 'train.jit_compile': input should be 'auto', or input "
+                                          "should be a valid boolean (got 'maybe')"),
+    ({"data": {"mean": [1, "x", 3]}}, "config field 'data.mean.1': input should be a valid number"),
 ])
 def test_bad_values_name_the_field(raw, message):
     with pytest.raises(UserError) as err:

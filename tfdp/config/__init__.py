@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import os
 import re
+import types
 import typing
 from typing import Annotated, Any, Literal
 
@@ -397,7 +398,7 @@ def validate(raw: dict[str, Any]) -> Config:
     try:
         cfg = _ADAPTER.validate_python(raw)
     except pydantic.ValidationError as e:
-        raise UserError(_describe(e.errors()[0])) from None
+        raise UserError(_describe_first(e.errors())) from None
     from tfdp.config.pretrained import resolve  # imports this module
     data = raw.get("data") or {}
     # the weights' preprocessing (their image size too), where the user set none (a DataConfig given whole counts
@@ -570,6 +571,42 @@ def _section_at(loc: tuple[str, ...]) -> type | None:
         if not dataclasses.is_dataclass(node):
             return None
     return node
+
+
+def _field_path(loc: tuple[str, ...]) -> tuple[str, ...]:
+    """An error's location without pydantic's union branch tags. A union field fails once per branch, each under
+    its own tag (`model.bn_momentum.constrained-float`, `train.jit_compile.literal['auto']`): not the user's words."""
+    node: Any = Config
+    for depth, key in enumerate(loc):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if key not in hints:
+            return loc
+        node = hints[key]
+        if _tagged_union(node):
+            return loc[:depth + 1] + loc[depth + 2:]
+    return loc
+
+
+def _tagged_union(hint: Any) -> bool:
+    """Whether pydantic tags this field's errors by branch: a union of two or more types besides None."""
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return False
+    return sum(arg is not type(None) for arg in typing.get_args(hint)) >= 2
+
+
+def _describe_first(errors: list[dict[str, Any]]) -> str:
+    """The first problem, in one line. A value no branch of a union field takes fails once per branch: those
+    failures are one problem, whose line names the field once and says what each branch wanted ("input should be
+    less than 1, or input should be 'auto'")."""
+    first = errors[0]
+    field = _field_path(tuple(str(part) for part in first["loc"]))
+    same = [e for e in errors if _field_path(tuple(str(p) for p in e["loc"])) == field]
+    if len(same) == 1:
+        return _describe({**first, "loc": field})
+    wanted = ", or ".join(dict.fromkeys(e["msg"].lower() for e in same))
+    return _describe({**first, "loc": field, "msg": wanted})
 
 
 def _describe(err: dict[str, Any]) -> str:
