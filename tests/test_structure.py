@@ -201,3 +201,70 @@ def test_config_and_the_rand_augment_parser_load_without_tensorflow():
                             env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines() == ["[]", "True tfdp.augment.batch"]
+
+
+def runtime_imports(path: Path, root: Path) -> set[str]:
+    """The tfdp modules `path` imports when it runs, function-level imports included; an import under
+    `if TYPE_CHECKING:` is for the type checker only, and a name imported from a package counts as that
+    package's submodule where one has the name."""
+    importer = module_name(path, root)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = resolve(node, importer, path.name == "__init__.py")
+            if base.split(".")[0] == PACKAGE:
+                found |= {f"{base}.{a.name}" if is_module(f"{base}.{a.name}", root) else base for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == PACKAGE}
+    return found - {importer}
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Groups of tfdp modules that import each other, directly or round a loop (strongly connected components
+    of the import graph with more than one module)."""
+    graph = {module_name(p, root): runtime_imports(p, root) for p in sorted((root / PACKAGE).rglob("*.py"))}
+    order, low, stack, circles = {}, {}, [], []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in sorted(graph[module] & graph.keys()):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            group = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(group) > 1:
+                circles.append(sorted(group))
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return circles
+
+
+def test_no_modules_import_each_other():
+    """A circle of imports (a function-level import of a module that imports the caller's) ties modules that
+    cannot then be read, tested or moved apart; what they share belongs in a module below both."""
+    circles = import_circles(Path(REPO))
+    assert not circles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_check_finds_a_function_level_circle(tmp_path):
+    """On a small package written here: a lazy import back is a circle; a TYPE_CHECKING-only one is not."""
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from tfdp import b\n")
+    (pkg / "b.py").write_text("def f():\n    from tfdp.a import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tfdp.a import x\n")
+    (pkg / "d.py").write_text("import tfdp.c\n")
+    assert import_circles(tmp_path) == [["tfdp.a", "tfdp.b"]]

@@ -25,6 +25,7 @@ from tfdp.config.rand_augment import RAND_AUGMENT_OP_NAMES, parse_rand_augment
 from tfdp.config.model_dir import DEFAULT_SCRATCH_DIR, check_model_dir
 from tfdp.errors import UserError
 from tfdp.config.image_sizes import ramp_sizes
+from tfdp.config.imagenet_stats import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401  (public here too)
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -38,10 +39,6 @@ Str = Annotated[str, Strict()]
 
 
 DEFAULT_CACHE_DIR = "~/.cache/tfdp/remote"
-# ImageNet's per-channel mean and standard deviation in 0..255 pixel units (timm's IMAGENET_DEFAULT_MEAN/STD
-# times 255): data.mean/data.std's defaults, and the augmentations' when called without them.
-IMAGENET_MEAN = (123.675, 116.28, 103.53)
-IMAGENET_STD = (58.395, 57.12, 57.375)
 
 
 @dataclasses.dataclass
@@ -90,6 +87,11 @@ class DataConfig:
     shuffle_buffer: PosInt = 10_000   # examples in the training shuffle buffer
     cache: Bool = False   # keep the encoded training images in memory after the first epoch
     deterministic: Bool = False   # crop windows from train.seed and the stream position: runs repeat them
+    # Who decodes and crops the training images: tf (TensorFlow, on the host's CPUs), dali (NVIDIA DALI on each
+    # replica's GPU, or its CPU operators on CPU replicas; the examples and their order stay tfdp's, the crop
+    # windows are DALI's: docs/data.md, decoders) or auto (dali where DALI is installed and every replica is a
+    # GPU of its own, else tf). Evaluation and prediction always decode with tf.
+    decoder: Literal["tf", "dali", "auto"] = "tf"
     # Repeated augmentation (DeiT's RASampler, torchvision's --ra-reps): every data epoch shows 1/k of
     # the images k times each, each copy cropped and augmented on its own, the copies of one image dealt
     # to different replicas of a step; an epoch keeps its length. 1: off.
@@ -470,6 +472,8 @@ def _check_cross_field(cfg: Config) -> None:
     _check_augment(cfg.augment)
     if d.service_address:
         _check_service(cfg)
+    if d.decoder == "dali":
+        _check_dali(cfg)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run
 
@@ -525,6 +529,20 @@ def _check_augment(a: AugmentConfig) -> None:
                         "per-image op policy); keep one")
     if a.erasing_area[0] > a.erasing_area[1]:
         raise UserError("augment.erasing_area must be [min, max] with min <= max")
+
+
+def _check_dali(cfg: Config) -> None:
+    """What DALI cannot promise or do, refused before anything starts (docs/data.md, decoders)."""
+    d = cfg.data
+    if cfg.train.deterministic or d.deterministic:
+        which = "train.deterministic" if cfg.train.deterministic else "data.deterministic"
+        raise UserError(f"{which} cannot use data.decoder: dali: DALI draws its own crop windows, not tfdp's "
+                        f"seeded ones, so runs would not repeat (use data.decoder: tf)")
+    if d.service_address:
+        raise UserError("data.decoder: dali decodes on the trainer's own devices; through the tf.data service "
+                        "(data.service_address) the service's workers decode (use data.decoder: tf)")
+    if d.format == "synthetic":
+        raise UserError("data.decoder: dali has nothing to decode in data.format: synthetic (use data.decoder: tf)")
 
 
 def _check_service(cfg: Config) -> None:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable, Collection
 
 import yaml
 
-from tfdp.config import IMAGENET_MEAN, IMAGENET_STD
+from tfdp.config.imagenet_stats import IMAGENET_MEAN, IMAGENET_STD
 from tfdp.errors import UserError
 
 if TYPE_CHECKING:

@@ -22,10 +22,9 @@ from tfdp.config import DataConfig
 from tfdp.data import streaming
 from tfdp.data.sources import Split
 from tfdp.data.storage import localize
-from tfdp.data.tfrecord import parse_record, read_record
+from tfdp.data.tfrecord import INTERLEAVE_CYCLE, parse_record, read_record
 
 AUTOTUNE = tf.data.AUTOTUNE
-INTERLEAVE_CYCLE = 16
 SYNTHETIC_BANK = 16   # distinct synthetic images, cycled: generating pixels per example would cost host CPU
 
 

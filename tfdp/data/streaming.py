@@ -63,7 +63,7 @@ import tensorflow as tf
 from tfdp.config import DataConfig, byte_size
 from tfdp.data import storage
 from tfdp.data.sources import Split
-from tfdp.data.tfrecord import HEADER_BYTES, LENGTH, record_offsets
+from tfdp.data.tfrecord import HEADER_BYTES, INTERLEAVE_CYCLE, LENGTH, record_offsets
 from tfdp.errors import UserError, first_line
 
 AUTO_FRACTION = 0.5        # data.cache_limit auto: this share of the free space of data.cache_dir at start
@@ -107,7 +107,6 @@ def _read_file(path: str, label: int, index: Any) -> bytes:
 
 def _records_at_once(sizes: list[int]) -> int:
     """The interleave reads INTERLEAVE_CYCLE shards side by side, so that many must fit."""
-    from tfdp.data.readers import INTERLEAVE_CYCLE  # readers imports this module
     return sum(sizes[:INTERLEAVE_CYCLE])
 
 

@@ -46,6 +46,9 @@ BBOX_KEYS = tuple(f"image/object/bbox/{k}" for k in ("xmin", "ymin", "xmax", "ym
 BBOX_LABEL_KEY = "image/object/bbox/label"
 LABEL_OFFSET = 1   # stored label = 0-based label + 1 (0 is "background")
 
+# Shards a training reader reads side by side (an interleave): what its order is made of, and how many shards a
+# streamed share must hold on disk at once.
+INTERLEAVE_CYCLE = 16
 IMAGENET_RECORDS = RecordFormat(image_key=IMAGE_KEY, label_key=LABEL_KEY, label_offset=-LABEL_OFFSET)
 
 
