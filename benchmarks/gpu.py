@@ -12,6 +12,12 @@ process), on the same model, per-device batch and precision:
   tfdp benchmark       `tfdp benchmark` on the same shards: synthetic and real training rates,
                        the input pipeline alone and beside training, and its verdict
   full JPEG decode     tf.io.decode_jpeg of the whole image, every core, as fast as tf.data goes
+  decoders             `tfdp train` per model of --decoder_models (ResNet-50 and ResNet-18 by default),
+                       synthetic and on the full-size shards with each `data.decoder` of --decoder
+                       (tf: the host's CPUs decode; dali: DALI on the GPU): images/s, its ratio to the
+                       model's synthetic rate, and the host CPU seconds per image (the process's user +
+                       system time over the images it trained, and that minus the synthetic run's:
+                       the input's own cost, start-up and compilation cancelled out)
 
 The JPEGs are cut from the real photos in the scikit-image/scikit-learn
 wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
@@ -22,6 +28,12 @@ wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
       --precision=float32 --max_side=64 --steps=5 --skip_fp16       # a CPU smoke run
   python benchmarks/gpu.py --model=vit_base_patch16_224 --optimizer=adamw --rows=keras,syn,nojit,split
   python benchmarks/gpu.py --model=convnext_tiny --optimizer=adamw --rows=keras,syn,nojit,split
+  python benchmarks/gpu.py --rows=decoders                      # tf vs DALI, ResNet-50 and ResNet-18, 224 px, bf16
+  python benchmarks/gpu.py --rows=decoders --decoder_models=resnet18_small --size=32 --batch=32 --images=512 \
+      --epochs=2 --precision=float32 --max_side=64              # its CPU smoke run (DALI's CPU operators)
+
+The real data (--images JPEGs and their shards) is made once per run, on first use: the JPEGs by one
+process per core, the shards converted with the GPU hidden (benchmarks/input_pipeline.py, make_data).
 
 Any registry model runs (a ViT takes image sizes its patch divides). `--optimizer=adamw` trains both sides
 with AdamW (weight decay 0.05; the transformers' and ConvNeXt's optimizer) instead of SGD with momentum. Every
@@ -34,6 +46,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -119,6 +132,58 @@ def plain_keras_probe(args) -> None:
     print(rate)
 
 
+def decoder_rows(args, work: str, shards: list[str], images: int) -> list[tuple[str, str]]:
+    """Per model of --decoder_models: synthetic, then the full-size shards with each decoder of --decoder, on
+    as many images per epoch (so the runs' steps, start-up and compilation match)."""
+    rows = []
+    for model in [m for m in args.decoder_models.split(",") if m]:
+        margs = argparse.Namespace(**{**vars(args), "model": model})
+        synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={images}",
+                     "--set=model.num_classes=1000"]
+        syn = timed_train(margs, os.path.join(work, f"dec-{model}-syn"), synthetic)
+        rows.append((f"{model}: tfdp train, synthetic", syn.line()))
+        for decoder in [d for d in args.decoder.split(",") if d]:
+            run = timed_train(margs, os.path.join(work, f"dec-{model}-{decoder}"),
+                              [*shards, f"--set=data.decoder={decoder}"])
+            rows.append((f"{model}: tfdp train, shards, data.decoder {decoder}", run.line(syn)))
+    return rows
+
+
+class Timed:
+    """One `tfdp train` run's median images/s (epochs 2..) and host CPU seconds per image trained."""
+
+    def __init__(self, error: str = "", rate: float = 0.0, cpu_per_image: float = 0.0):
+        self.error, self.rate, self.cpu_per_image = error, rate, cpu_per_image
+
+    def line(self, synthetic: "Timed | None" = None) -> str:
+        if self.error:
+            return self.error
+        text = f"{self.rate:,.0f} images/s, host CPU {1e3 * self.cpu_per_image:.2f} ms/image"
+        if synthetic is not None and not synthetic.error and synthetic.rate:
+            text += (f" ({self.rate / synthetic.rate:.2f}x synthetic; input "
+                     f"{1e3 * (self.cpu_per_image - synthetic.cpu_per_image):.2f} ms/image above it)")
+        return text
+
+
+def timed_train(args, model_dir: str, data: list[str]) -> Timed:
+    """`tfdp train` as `train_rate` runs it, with its CPU time (user + system, from the kernel's accounting of
+    the finished child) over the images it trained."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = tfdp("train", f"--model={args.model}", f"--model_dir={model_dir}", f"--epochs={args.epochs}",
+               f"--batch_size_per_replica={args.batch}", f"--set=data.image_size={args.size}",
+               f"--set=train.precision={args.precision}", "--set=train.checkpoint_every_steps=0",
+               "--strategy=mirrored", *OPTIMIZERS[args.optimizer]["flags"], *data)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if run.returncode != 0:
+        return Timed(failure(run))
+    with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    trained = sum(r["images_per_sec"] * r["seconds"] for r in rows)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Timed(rate=statistics.median([r["images_per_sec"] for r in rows[1:] or rows]),
+                 cpu_per_image=cpu / max(trained, 1))
+
+
 def benchmark_rows(args, model_dir: str, data: list[str]) -> list[tuple[str, str]]:
     out = os.path.join(model_dir, "bench")
     run = tfdp("benchmark", f"--model={args.model}", f"--model_dir={model_dir}", f"--batch_size_per_replica={args.batch}",
@@ -181,7 +246,7 @@ def device_name() -> str:
         return f"no GPU ({platform.processor() or platform.machine()})"
 
 
-ROWS = ("keras", "syn", "split", "demo", "nojit", "fp16", "files", "shards", "small", "benchmark", "decode")
+ROWS = ("keras", "syn", "split", "demo", "nojit", "fp16", "files", "shards", "small", "benchmark", "decode", "decoders")
 
 
 def main() -> None:
@@ -198,6 +263,8 @@ def main() -> None:
     parser.add_argument("--skip_fp16", action="store_true", help="leave out the mixed_float16 row (emulated on CPUs)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
                         help="both sides' optimizer: sgd (momentum 0.9) or adamw (weight decay 0.05)")
+    parser.add_argument("--decoder", default="tf,dali", help="the decoders row's data.decoder values, in this order")
+    parser.add_argument("--decoder_models", default="resnet50,resnet18", help="the decoders row's models")
     parser.add_argument("--plain_keras_probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split_gpu", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--split_memory_mb", type=int, default=30_000, help=argparse.SUPPRESS)
@@ -252,6 +319,7 @@ def main() -> None:
             "small": lambda: [(f"tfdp train, TFRecord shards, longer side {args.max_side}", run("small", data("small")))],
             "benchmark": lambda: benchmark_rows(args, os.path.join(work, "bench"), data("shards")),
             "decode": lambda: [("full JPEG decode alone, same files", full_decode_rate(data("files"), args.batch))],
+            "decoders": lambda: decoder_rows(args, work, data("shards"), len(data("files"))),
         }
         for row in wanted:
             for name, value in measure[row]():

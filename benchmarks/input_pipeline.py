@@ -31,6 +31,18 @@ Beside each rate: the CPU time the process spent per image (least of the
 rounds), which other jobs on the host disturb far less than the rate.
 
   python benchmarks/input_pipeline.py [--images=768] [--size=224] [--batch=128] [--max_side=256] [--baseline=REV]
+
+With --decoders, only the JPEG files are written and the rows are the two
+decoders of `data.decoder` on the host's CPU, side by side in the same rounds:
+
+  crop + resize alone (tf)        as above
+  crop + resize alone (DALI CPU)  the same bytes, read by tf.data, decoded, cropped and
+                                  resized by DALI's CPU operators (`device_id=None`)
+  tfdp train (files), decoder tf / dali (CPU)   tfdp's training pipeline on the files, its
+                                  transform and batches as `data.decoder` makes them
+                                  (tfdp.data.dali), on one CPU device
+
+  python benchmarks/input_pipeline.py --decoders [--images=256] [--size=224] [--batch=64]
 """
 
 from __future__ import annotations
@@ -53,18 +65,51 @@ sys.path.insert(1, os.path.join(REPO, "tests"))   # support.photos, support.gcs_
 import tfdp  # noqa: E402,F401  (TensorFlow environment defaults)
 
 
-def make_data(workdir: str, images: int, max_side: int) -> dict[str, str]:
-    from pipelines.convert_imagenet import convert
-    from support.photos import SYNSETS, write_imagenet_tree
-
-    classes = len(SYNSETS)
+def make_data(workdir: str, images: int, max_side: int, shards: bool = True) -> dict[str, str]:
+    """The JPEG tree (written by one process per core) and, with `shards`, its two shard conversions, each in a
+    process of its own with the GPU hidden: a GPU host's time goes to the measurement, not to making data."""
     tree = os.path.join(workdir, "tree")
-    write_imagenet_tree(tree, classes, max(images // classes, 1), 1, "ilsvrc")
-    shards = os.path.join(workdir, "shards")
-    small = os.path.join(workdir, f"shards-{max_side}")
-    convert(tree, shards, train_shards=16, val_shards=1, progress=False)
-    convert(tree, small, train_shards=16, val_shards=1, max_side=max_side, progress=False)
-    return {"tree": tree, "shards": shards, "small": small}
+    write_tree(tree, images)
+    if not shards:
+        return {"tree": tree}
+    made = {"tree": tree, "shards": os.path.join(workdir, "shards"),
+            "small": os.path.join(workdir, f"shards-{max_side}")}
+    hidden = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    for name, side in (("shards", 0), ("small", max_side)):
+        subprocess.run([sys.executable, "-m", "pipelines.convert_imagenet", f"--src={tree}", f"--out={made[name]}",
+                        "--train_shards=16", "--val_shards=1", f"--max_side={side}"], cwd=REPO, env=hidden,
+                       check=True, capture_output=True)
+    return made
+
+
+def write_tree(tree: str, images: int) -> None:
+    """A raw ILSVRC tree of about `images` training JPEGs (and one validation image per class), written by one
+    process per core: each writes its part of every class (a seed of its own) into a folder of its own, merged
+    after (file names kept apart by the part's number)."""
+    import concurrent.futures
+    import multiprocessing
+    import shutil
+
+    from support.photos import SYNSETS
+    classes = len(SYNSETS)
+    per_class = max(images // classes, 1)
+    parts = max(1, min(os.cpu_count() or 1, per_class))
+    counts = [len(range(p, per_class, parts)) for p in range(parts)]
+    folders = [os.path.join(tree + "-parts", str(p)) for p in range(parts)]
+    with concurrent.futures.ProcessPoolExecutor(parts, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_write_part, folders, [classes] * parts, counts, [1] + [0] * (parts - 1), range(parts)))
+    for p, folder in enumerate(folders):
+        for root, _, files in os.walk(folder):
+            target = os.path.join(tree, os.path.relpath(root, folder))
+            os.makedirs(target, exist_ok=True)
+            for name in files:
+                os.replace(os.path.join(root, name), os.path.join(target, name if p == 0 else f"p{p}-{name}"))
+    shutil.rmtree(tree + "-parts")
+
+
+def _write_part(folder: str, classes: int, per_class: int, val_per_class: int, seed: int) -> None:
+    from support.photos import write_imagenet_tree
+    write_imagenet_tree(folder, classes, per_class, val_per_class, "ilsvrc", seed=seed)
 
 
 def rate(dataset, batch: int, batches: int) -> tuple[float, float]:
@@ -105,7 +150,55 @@ def tfdp_train(data_format: str, directory: str, size: int, batch: int, cache_di
     from tfdp.data.pipeline import Bookkeeping, train_dataset
     cfg = DataConfig(format=data_format, dir=directory, image_size=size, shuffle_buffer=1024, cache_dir=cache_dir,
                      **data)
-    return train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0, books=Bookkeeping(num_classes=1000))
+    stream = lambda: train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0,  # noqa: E731
+                                   books=Bookkeeping(num_classes=1000))
+    if cfg.decoder != "dali":
+        return stream()
+    from tfdp.data import dali   # the stream's checked bytes, decoded by DALI on this process's CPU
+    return dali.replica_pipeline(dali.Dealer(stream, 1).batches(0), cfg, batch, "/device:CPU:0", seed=0)
+
+
+def dali_crop_and_resize_alone(files: list[str], size: int, batch: int):
+    """Each file read by tf.data, decoded, cropped and resized by DALI's CPU operators, and nothing else."""
+    import tensorflow as tf
+    from tfdp.config import DataConfig
+    from tfdp.data import dali
+    paths = tf.data.Dataset.from_tensor_slices(files).repeat()
+    encoded = paths.map(tf.io.read_file, num_parallel_calls=tf.data.AUTOTUNE).batch(batch, drop_remainder=True)
+    batches = encoded.map(lambda data: (data, tf.zeros([batch], tf.int32)))
+    iterator = iter(batches)
+    return dali.replica_pipeline(lambda: ((d.numpy(), l.numpy()) for d, l in iterator), DataConfig(image_size=size),
+                                 batch, "/device:CPU:0", seed=0)
+
+
+def decoder_rows(args) -> None:
+    """--decoders: tf and DALI's CPU operators on the same JPEG files, in alternating rounds."""
+    load_at_start = os.getloadavg()[0]
+    from tfdp.config import DataConfig
+    from tfdp.data import build_source
+    with tempfile.TemporaryDirectory() as workdir:
+        tree = make_data(workdir, args.images, args.max_side, shards=False)["tree"]
+        files = list(build_source(DataConfig(format="imagenet", dir=tree)).split("train").files)
+        variants = {
+            "crop + resize alone (tf)": lambda: crop_and_resize_alone(files, args.size, args.batch),
+            "crop + resize alone (DALI CPU)": lambda: dali_crop_and_resize_alone(files, args.size, args.batch),
+            "tfdp train (files), decoder tf": lambda: tfdp_train("imagenet", tree, args.size, args.batch),
+            "tfdp train (files), decoder dali (CPU)":
+                lambda: tfdp_train("imagenet", tree, args.size, args.batch, decoder="dali"),
+        }
+        timers = {name: (lambda ds: lambda: rate(ds, args.batch, args.batches))(make())
+                  for name, make in variants.items()}
+        best, cpu = {name: 0.0 for name in timers}, {name: float("inf") for name in timers}
+        for _ in range(args.rounds):
+            for name, timed in timers.items():
+                images_per_sec, cpu_us = timed()
+                best[name], cpu[name] = max(best[name], images_per_sec), min(cpu[name], cpu_us)
+    print(f"{len(files)} JPEGs; {args.size}x{args.size} crops, batch {args.batch}, {os.cpu_count()} CPU cores; best "
+          f"of {args.rounds} rounds; 1-minute load average {load_at_start:.2f} at the start, {os.getloadavg()[0]:.2f} "
+          f"after")
+    print(f"{'pipeline':42s} {'images/s':>9s} {'CPU us/image':>13s}")
+    for name, value in best.items():
+        print(f"{name:42s} {value:9.0f} {cpu[name]:13.0f}")
 
 
 class Baseline:
@@ -166,10 +259,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="", help="also write the results as JSON here")
     parser.add_argument("--baseline", default="", help="also time the shard pipeline of this git revision")
+    parser.add_argument("--decoders", action="store_true", help="only data.decoder's rows: tf and DALI (CPU)")
     parser.add_argument("--serve", default="", help=argparse.SUPPRESS)   # the --baseline child: shard folder
     args = parser.parse_args()
     if args.serve:
         return serve(args.serve, args)
+    if args.decoders:
+        return decoder_rows(args)
     load_at_start = os.getloadavg()[0]   # before this script's own work (making the data) adds to it
 
     from tfdp.config import DataConfig

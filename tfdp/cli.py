@@ -74,24 +74,10 @@ flags.DEFINE_string("cache_dir", None, "data-service worker: where --mirror copi
 flags.DEFINE_string("work_dir", None, "data-service dispatcher: directory for its journal, so a restarted dispatcher "
                     "recovers its datasets and jobs (fault-tolerant mode).")
 
-# Dedicated flag → the config field it overrides.
-FLAG_FIELDS = {
-    "model_dir": "model_dir",
-    "epochs": "train.epochs",
-    "batch_size_per_replica": "train.batch_size_per_replica",
-    "strategy": "distribute.strategy",
-    "cpu_replicas": "distribute.cpu_replicas",
-    "model": "model.name",
-    "init_from": "model.init_from",
-    "data_dir": "data.dir",
-    "data_format": "data.format",
-    "data_service": "data.service_address",
-}
-
 
 def overrides_from_flags() -> dict:
     overrides = dict(config_lib.parse_assignment(s) for s in FLAGS.set)
-    for flag, field in FLAG_FIELDS.items():
+    for flag, field in config_lib.FLAG_FIELDS.items():
         value = FLAGS[flag].value
         if value is not None:
             overrides[field] = value
@@ -117,7 +103,13 @@ def config_and_runtime(args: list[str], training: bool = False):
 
 
 def started_runtime(cfg: config_lib.Config):
-    """TensorFlow imported, the strategy built, the model's name checked: in this order, once per command."""
+    """TensorFlow imported, the strategy built, the model's name checked: in this order, once per command.
+
+    Where DALI may decode (data.decoder dali or auto), TensorFlow is told to grow its GPU memory rather than take
+    the cards at start, before it sees them: DALI allocates its own beside it (`tfdp.data.dali.memory_grows`).
+    The user's own TF_FORCE_GPU_ALLOW_GROWTH wins."""
+    if cfg.data.decoder != "tf":
+        os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     console.import_tensorflow()
     from tfdp.distribute.strategy import make_runtime
     runtime = make_runtime(cfg.distribute)

@@ -18,6 +18,7 @@ beside the training step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -171,7 +172,10 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     synthetic = runtime.strategy.distribute_datasets_from_function(
         lambda ctx: synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch, ctx))
     split = source.split(cfg.data.train_split)
-    local_pipeline = lambda: train_dataset(split, cfg.data, global_batch, cfg.train.seed)  # noqa: E731
+    # TensorFlow's decode, whatever data.decoder says: with dali the stream only checks the bytes (DALI decodes on
+    # the replicas' devices), so timing it alone would time no decoding; benchmarks/gpu.py --rows=decoders times DALI
+    data = dataclasses.replace(cfg.data, decoder="tf")
+    local_pipeline = lambda: train_dataset(split, data, global_batch, cfg.train.seed)  # noqa: E731
     result["synthetic_images_per_sec"], _ = fit_rate(model, synthetic, global_batch, steps, warmup)
     if measure_input:
         with Drain(local_pipeline()) as beside:  # the pipeline decoding while the model trains (a second run:

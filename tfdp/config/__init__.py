@@ -395,6 +395,22 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+# The command line's dedicated flags (tfdp.cli) and the field each sets: `--epochs=4` is `--set=train.epochs=4`.
+# Here, below the command line, so that what reads flags as the CLI does needs no absl flags defined.
+FLAG_FIELDS = {
+    "model_dir": "model_dir",
+    "epochs": "train.epochs",
+    "batch_size_per_replica": "train.batch_size_per_replica",
+    "strategy": "distribute.strategy",
+    "cpu_replicas": "distribute.cpu_replicas",
+    "model": "model.name",
+    "init_from": "model.init_from",
+    "data_dir": "data.dir",
+    "data_format": "data.format",
+    "data_service": "data.service_address",
+}
+
+
 def validate(raw: dict[str, Any]) -> Config:
     """Turns a merged dict into a `Config`, or raises a one-line `UserError`."""
     try:

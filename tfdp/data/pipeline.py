@@ -30,7 +30,8 @@ from absl import logging
 from tfdp.config import DataConfig
 from tfdp.data import readers, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
-from tfdp.data.preprocess import eval_transform, train_transform
+from tfdp.data.dali import DECODERS, dali_stopped
+from tfdp.data.preprocess import eval_transform
 from tfdp.data.sources import Split
 from tfdp.errors import StorageLost, UserError
 from tfdp.config.image_sizes import eval_image_size
@@ -135,7 +136,7 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     ds, stream = streaming.payloads(share, cfg, seed is not None, functools.partial(
         epoch_payloads, share, cfg, ctx, data_shard, seed, first_epoch, share_size, offset),
         part=books.cache_part)
-    transform = train_transform(cfg, seed)
+    transform = DECODERS[cfg.decoder].transform(cfg, seed)  # dali: the checked bytes, decoded after (tfdp.data.dali)
     ds = stream.examples(decoded_examples(ds, share, stream.decoding(cfg), transform, books.num_classes,
                                           first=consumed))
     names = StreamNames.of_training(share, cfg, ctx, data_shard, seed, share_size)
@@ -598,6 +599,8 @@ def data_errors():
         if (match := re.search(r"tfdp-data-unreachable: ([^\]\n]*)", e.message or "")):
             raise StorageLost(match.group(1).strip()) from None
         match = re.search(r"tfdp-data-error: ([^\]\n]*)", e.message or "")
+        if match is None and (stopped := dali_stopped(e.message or "")):
+            raise UserError(stopped) from None
         if match is None:
             raise
         raise UserError(match.group(1).strip()) from None

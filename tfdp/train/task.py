@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tfdp.config import Config, TrainConfig
 from tfdp.data import Source
-from tfdp.data import service, streaming
+from tfdp.data import dali, service, streaming
 from tfdp.data.pipeline import (Bookkeeping, CorruptCounter, StreamPosition, eval_dataset, prediction_dataset,
                                 streams_dataset, train_dataset)
 from tfdp.data.storage import is_remote_url
@@ -62,6 +62,8 @@ class Plan:
     xla: tuple[bool, str] | None = None
     # The line a resume prints where its global batch, the checkpoint's, is cut differently ('' otherwise).
     resume_line: str = ""
+    # Who decodes the training images, data.decoder with auto resolved on the run's devices (`tfdp.data.dali`).
+    decoder: str = "tf"
 
     def micro_batch(self) -> int:
         """Images per micro-batch over all replicas: what one forward pass sees, and the evaluation batch."""
@@ -142,7 +144,8 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime, checkpoint: dict | 
                 train.lost_records + val.lost_records,
                 tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n),
                 accum_steps=layout.accum_steps, layout=layout,
-                xla=use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn), resume_line=resume_line)
+                xla=use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn), resume_line=resume_line,
+                decoder=dali.choose(cfg.data, list(runtime.devices), runtime.kind))
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
@@ -304,6 +307,9 @@ class TrainStream:
         self.gather = WorkerGather(runtime.strategy, runtime.worker_index, runtime.num_workers)
         self._run_id: int | None = None
         self._jobs = 0
+        if plan.decoder == "dali":
+            say("tfdp: data: training images decoded and cropped by DALI on each replica's device "
+                "(data.decoder); evaluation decodes with TensorFlow")
         if cfg.data.service_address:
             train = source.split(cfg.data.train_split)
             say(service_line(cfg, runtime.num_workers, any(map(is_remote_url, train.files))))
@@ -316,7 +322,7 @@ class TrainStream:
         if starts and isinstance(starts[0], int):
             starts = [starts]  # one position: this worker's own stream
         train, cfg, plan = self.source.split(self.cfg.data.train_split), self.cfg, self.plan
-        data = dataclasses.replace(cfg.data, image_size=image_size or cfg.data.image_size)
+        data = dataclasses.replace(cfg.data, image_size=image_size or cfg.data.image_size, decoder=plan.decoder)
         if not self.streams.single:
             return self._streams_dataset(train, data, starts)
         self.start, self.position = tuple(starts[0]), StreamPosition()
@@ -328,8 +334,8 @@ class TrainStream:
             build, extra = service.train_dataset, {"job_name": self._job_name()}
             if any(self.start):
                 say(service.resume_note(train, data, self.start[0], self.runtime.num_workers))
-        ds = self.runtime.strategy.distribute_datasets_from_function(
-            lambda ctx: build(train, data, plan.global_batch, cfg.train.seed, ctx, books, **extra))
+        ds = self._distributed(lambda ctx: build(train, data, plan.global_batch, cfg.train.seed, ctx, books, **extra),
+                               data)
         self.image_size = data.image_size
         return ds
 
@@ -341,10 +347,20 @@ class TrainStream:
         part = cache_parts(cfg, self.source)[0].divided(len(streams.mine))
         books = {stream: Bookkeeping(start, position, self.corrupt if i == 0 else None, plan.num_classes, part)
                  for i, (stream, start, position) in enumerate(zip(streams.mine, self.starts, self.positions))}
-        ds = self.runtime.strategy.distribute_datasets_from_function(  # corrupt images: counted on the first stream
-            lambda ctx: streams_dataset(train, data, plan.global_batch, cfg.train.seed, streams.count, books, ctx))
+        ds = self._distributed(  # corrupt images: counted on the first stream
+            lambda ctx: streams_dataset(train, data, plan.global_batch, cfg.train.seed, streams.count, books, ctx),
+            data)
         self.image_size = data.image_size
         return ds
+
+    def _distributed(self, worker_dataset, data):
+        """This worker's pipeline on the replicas; with DALI, its checked batches of encoded images decoded by a
+        DALI pipeline per replica (`tfdp.data.dali.distribute`)."""
+        runtime = self.runtime
+        if not dali.DECODERS[data.decoder].dealt:
+            return runtime.strategy.distribute_datasets_from_function(worker_dataset)
+        return dali.distribute(runtime.strategy, worker_dataset, data, self.plan.global_batch, runtime.num_workers,
+                               runtime.worker_index, self.cfg.train.seed)
 
     def _job_name(self) -> str:
         """The tf.data service job of the next dataset: new for every dataset (a restarted stream is a new

@@ -1,0 +1,208 @@
+"""data.decoder: dali on CPU (DALI's CPU operators, `device_id=None`), 2 logical CPU replicas, no GPU.
+
+DALI only decodes and crops; the examples, their order, the stream positions and
+the corrupt-image bookkeeping are tfdp's. Each training image here is one flat
+colour that names it, so a decoded, cropped and resized image still says which
+file it came from. The GPU half ("mixed" decoding, the speed) is not run here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from conftest import CPU_DEVICES, REPO, assert_one_line_error, read_jsonl, run_tfdp
+from tfdp.config import DataConfig, validate
+from tfdp.data import build_source, dali
+from tfdp.data.corrupt import LOG
+from tfdp.data.pipeline import Bookkeeping, CorruptCounter, StreamPosition, train_dataset
+from tfdp.errors import UserError
+
+pytestmark = pytest.mark.skipif(bool(dali.available()), reason=f"NVIDIA DALI's TensorFlow plugin does not import "
+                                                               f"here ({dali.available()}): pip install tfdp[dali]")
+
+CLASSES, IMAGES, BROKEN = 4, 46, 13
+
+
+def colour(i: int) -> tuple[int, int, int]:
+    return 16 + 16 * (i % 14), 16 + 16 * (i // 14 % 14), 16 + 16 * (i // 196)
+
+
+def image_ids(images: np.ndarray) -> list[int]:
+    """The id each (cropped, resized) flat-colour image was written with."""
+    q = np.round((np.median(images.reshape(len(images), -1, 3), axis=1) - 16) / 16).astype(int)
+    return [int(i) for i in q[:, 0] + 14 * q[:, 1] + 196 * q[:, 2]]
+
+
+@pytest.fixture(scope="module")
+def id_tree(tmp_path_factory) -> str:
+    """46 flat-colour JPEGs of 4 classes (image i in class i mod 4) of assorted sizes; image 13 cut short."""
+    root = tmp_path_factory.mktemp("ids")
+    for split, n in (("train", IMAGES), ("val", 8)):
+        for i in range(n):
+            folder = root / split / f"c{i % CLASSES}"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{i:04d}.jpg"
+            Image.fromarray(np.full((24 + i % 5, 30 - i % 3, 3), colour(i), np.uint8)).save(path, quality=95)
+            if split == "train" and i == BROKEN:
+                path.write_bytes(path.read_bytes()[:200])  # as an interrupted copy leaves it
+    return str(root)
+
+
+def replica_batches(split, cfg: DataConfig, start: tuple[int, int], steps: int):
+    """`steps` steps of (ids, labels) per replica, the corrupt count and the stream position after each step."""
+    strategy = tf.distribute.MirroredStrategy(CPU_DEVICES)
+    position, corrupt = StreamPosition(), CorruptCounter()
+
+    def worker(ctx):
+        return train_dataset(split, cfg, 8, 3, ctx, Bookkeeping(start, position, corrupt, CLASSES))
+    ds = (strategy.distribute_datasets_from_function(worker) if cfg.decoder == "tf"
+          else dali.distribute(strategy, worker, cfg, 8, 1, 0, 3))
+    steps_seen, positions = [], []
+    iterator = iter(ds)
+    for step in range(steps):
+        images, labels = (strategy.experimental_local_results(t) for t in next(iterator))
+        steps_seen.append([(image_ids(i.numpy()), l.numpy().tolist()) for i, l in zip(images, labels)])
+        positions.append(position.after(2 * (step + 1)))
+    del iterator
+    return steps_seen, corrupt.value(), positions
+
+
+@pytest.mark.parametrize("repeated", [1, 2])
+def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_position(id_tree, repeated):
+    cfg = DataConfig(format="image_folder", dir=id_tree, image_size=8, shuffle_buffer=16, max_bad_fraction=0.2,
+                     repeated_augmentation=repeated)
+    split = build_source(cfg).split("train")
+    LOG.clear()
+    tf_steps, tf_bad, tf_positions = replica_batches(split, cfg, (0, 0), 8)
+    LOG.clear()
+    dali_cfg = dataclasses.replace(cfg, decoder="dali")
+    dali_steps, dali_bad, dali_positions = replica_batches(split, dali_cfg, (0, 0), 8)
+
+    assert dali_steps == tf_steps  # per step, per replica: the same files, labels and order
+    assert all(ids and all(i % CLASSES == label for i, label in zip(ids, labels))
+               for step in dali_steps for ids, labels in step)
+    # The same records consumed and corrupt images met after every step (what a checkpoint stores), and the
+    # broken image named by path, as on the tf path. (The running corrupt count is not compared: each
+    # pipeline reads ahead of the steps by its own prefetch depth.)
+    assert dali_positions == tf_positions
+    assert dali_bad >= dali_positions[-1][1] and tf_bad >= tf_positions[-1][1]
+    broken = [p for p in split.files if p.endswith(f"{BROKEN:04d}.jpg")]
+    assert list(LOG.entries) == (broken if dali_bad else [])
+    if repeated == 1:  # with every image once per epoch, 8 steps of 8 pass image 13
+        assert dali_positions[-1][1] >= 1 and "Invalid JPEG data" in LOG.entries[broken[0]]
+
+    # A stream started at a checkpoint's position goes on with the uninterrupted stream's examples.
+    resumed, _, _ = replica_batches(split, dali_cfg, dali_positions[2], 3)
+    assert resumed == dali_steps[3:6]
+
+
+def test_an_image_dali_cannot_decode_is_failed_before_it_and_a_whole_one_passes(id_tree):
+    transform = dali.encoded_transform(DataConfig(decoder="dali"), 0)
+    files = build_source(DataConfig(format="image_folder", dir=id_tree)).split("train").files
+    whole = next(p for p in files if p.endswith("0001.jpg"))
+    data = tf.io.read_file(whole)
+    assert transform(data, tf.constant(0, tf.int64)).numpy() == data.numpy()
+    for bad in (data.numpy()[:-2], b"not an image at all", data.numpy()[:300]):
+        with pytest.raises((tf.errors.OpError, ValueError)):
+            transform(tf.constant(bad), tf.constant(0, tf.int64))
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"train": {"deterministic": True}}, "train.deterministic cannot use data.decoder: dali"),
+    ({"data": {"deterministic": True}}, "data.deterministic cannot use data.decoder: dali"),
+    ({"data": {"service_address": "grpc://localhost:5050"}}, "through the tf.data service"),
+    ({"data": {"format": "synthetic"}}, "nothing to decode"),
+])
+def test_what_dali_cannot_do_is_refused_in_the_config(raw, message):
+    raw = {**raw, "data": {**raw.get("data", {}), "decoder": "dali"}}
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(raw)
+
+
+def test_auto_is_tf_on_cpu_replicas_and_dali_names_the_install_command_where_it_is_missing(tmp_path, tiny_dir):
+    assert dali.choose(DataConfig(decoder="auto", format="image_folder"), list(CPU_DEVICES)) == "tf"
+    assert dali.choose(DataConfig(decoder="dali", format="image_folder"), list(CPU_DEVICES)) == "dali"
+    with pytest.raises(UserError, match="needs distribute.strategy: mirrored"):  # no dataset per replica there
+        dali.choose(DataConfig(decoder="dali", format="image_folder"), list(CPU_DEVICES), "multi_worker")
+    shim = tmp_path / "shim" / "nvidia" / "dali"
+    shim.mkdir(parents=True)
+    (shim.parent / "__init__.py").write_text("")
+    (shim / "__init__.py").write_text("raise ImportError('No module named nvidia.dali (simulated)')\n")
+    result = run_tfdp("train", "--config=configs/digits.yaml", f"--data_dir={tiny_dir}", "--data_format=image_folder",
+                      f"--model_dir={tmp_path / 'run'}", "--set=data.decoder=dali",
+                      env_extra={"PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), REPO])})
+    assert_one_line_error(result, 2, "data.decoder: dali needs NVIDIA DALI", "--no-build-isolation",
+                          "nvidia-dali-tf-plugin-cuda120")
+
+
+def test_tfdp_trains_the_demo_with_dali(tmp_path, tiny_dir):
+    result = run_tfdp("train", "--config=configs/digits.yaml", f"--data_dir={tiny_dir}", "--data_format=image_folder",
+                      f"--model_dir={tmp_path}", "--epochs=1", "--set=schedule.warmup_epochs=0",
+                      "--set=data.decoder=dali", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "decoded and cropped by DALI" in result.stdout
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1] and np.isfinite(rows[0]["loss"])
+
+
+@pytest.mark.slow
+def test_shards_train_with_dali_and_a_run_killed_mid_epoch_resumes_at_its_position(tmp_path):
+    from test_data_faults import write_shards
+    data, model_dir = tmp_path / "shards", tmp_path / "run"
+    write_shards(str(data))  # 24 training records in 2 shards: 3 steps of 8 per epoch
+    args = ["train", "--config=configs/digits.yaml", "--model=simple_cnn", f"--data_dir={data}",
+            "--data_format=tfrecord", "--set=data.train_split=train", "--set=data.val_split=validation",
+            "--set=model.num_classes=3", f"--model_dir={model_dir}", "--epochs=2", "--set=data.image_size=16",
+            "--set=train.batch_size_per_replica=4", "--set=train.checkpoint_every_steps=1", "--set=data.decoder=dali"]
+    proc = subprocess.Popen([sys.executable, "-m", "tfdp", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    checkpoints = model_dir / "checkpoints"
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not (
+            checkpoints.exists() and any(p.startswith("step-") for p in os.listdir(checkpoints))):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    steps = sorted(int(p[len("step-"):]) for p in os.listdir(checkpoints) if p.startswith("step-"))
+    assert steps and steps[-1] % 3, steps  # killed mid-epoch, after a step checkpoint
+    with open(checkpoints / f"step-{steps[-1]:09d}" / "state.json", encoding="utf-8") as f:
+        saved = json.load(f)
+    assert saved["input"] == [[8 * steps[-1], 0]]  # records consumed: 8 per step on the one stream
+
+    final = run_tfdp(*args, timeout=600)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert f"resuming at epoch 1 of 2, step {steps[-1] + 1} of 3" in final.stdout, final.stdout
+    assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2]
+    for epoch, records in ((1, 24), (2, 48)):
+        with open(checkpoints / f"epoch-{epoch:04d}" / "state.json", encoding="utf-8") as f:
+            assert json.load(f)["input"] == [[records, 0]]
+
+
+def test_an_image_dali_stops_on_is_one_line_naming_the_tf_decoder(id_tree):
+    """What passes the check but stops DALI anyway ends the run in one line (here the check is left out)."""
+    files = build_source(DataConfig(format="image_folder", dir=id_tree)).split("train").files
+    broken = next(p for p in files if p.endswith(f"{BROKEN:04d}.jpg"))
+    with tf.device("/cpu:0"):
+        batches = tf.data.Dataset.from_tensors((tf.stack([tf.io.read_file(broken)] * 2), tf.zeros([2], tf.int32)))
+    iterator = iter(batches)
+    ds = dali.replica_pipeline(lambda: ((e.numpy(), l.numpy()) for e, l in iterator), DataConfig(image_size=8), 2,
+                               "/device:CPU:0", seed=0)
+    with pytest.raises(tf.errors.OpError) as raised:
+        next(iter(ds))
+    line = dali.dali_stopped(raised.value.message)
+    assert re.fullmatch(r"DALI stopped the training input in nvidia\.dali\.fn\.decoders\.image_random_crop: "
+                        r"\S[^\n]* \(data\.decoder: dali; with data\.decoder: tf an image that cannot be decoded "
+                        r"is skipped and named\)", line), line
+    assert dali.dali_stopped("some other error") == ""

@@ -1,0 +1,286 @@
+"""`data.decoder: dali`: NVIDIA DALI decodes and crops the training images, on each replica's own device.
+
+tfdp's training stream stays whole and decides everything it decides on the
+tf path: which examples, in which order (each data epoch's seeded order, the
+checkpoint's position, each worker's share), bucket files through the bounded
+cache, corrupt images counted and named, labels checked, every batch's stream
+position recorded. Only the per-image work moves: on the tf path the stream's
+transform decodes and crops (`tfdp.data.preprocess.train_transform`); with
+DALI it only checks that the bytes will decode (`encoded_transform`), so a
+per-replica batch leaves the stream as encoded bytes and labels, already
+counted. `distribute` deals each worker's batches to its replicas in the
+order the tf path's per-worker dataset gives them (batch k to local replica
+k mod n) and feeds each replica's batches, one image at a time, to a DALI
+pipeline on that replica's device (`DALIDatasetWithInputs`: decode with the
+random-resized crop, resize; "mixed" on a GPU, its CPU operators with
+`device_id=None`). DALI never reads a shard or a file itself, so it needs
+no index files, and the flip, normalisation and batch augmentations still
+run on the device as the model's first layers.
+
+What is not the tf path's: DALI draws its own crop windows (so
+`data.deterministic` refuses it) and it stops on an image it cannot decode
+rather than skipping it, hence the check before it. Evaluation and
+prediction keep the tf decoder.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import threading
+from typing import Callable
+
+import tensorflow as tf
+
+from tfdp.config import DataConfig
+from tfdp.data.preprocess import ASPECT_RATIO_RANGE, train_transform
+from tfdp.errors import UserError
+
+INSTALL = ('pip install "tfdp[dali]" && pip install --no-build-isolation nvidia-dali-tf-plugin-cuda120==2.4.0')
+LABEL_BYTES = 4   # each image travels to DALI as its int32 label's bytes, then its encoded bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """What the training stream's transform hands on, and how its checked batches become training batches."""
+    # (data config, seed) → (encoded, record index) → what a batch carries: the crop, or the checked bytes
+    transform: Callable
+    # whether the per-replica batches go through `distribute` (DALI) or straight to the replicas
+    dealt: bool
+
+
+DECODERS: dict[str, Decoder] = {}   # filled below: "tf", "dali"
+
+
+def available() -> str:
+    """'' where DALI and its TensorFlow plugin import, else why not (the import's first line)."""
+    try:
+        import nvidia.dali  # noqa: F401
+        import nvidia.dali.plugin.tf  # noqa: F401
+    except Exception as e:  # ImportError, or the plugin's own failure to load against this TensorFlow
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+    return ""
+
+
+# The strategies whose `distribute_datasets_from_function` makes a dataset per replica
+# (InputReplicationMode.PER_REPLICA), which a DALI pipeline per device needs: TensorFlow's MirroredStrategy only,
+# so DALI runs on one host.
+PER_REPLICA_STRATEGIES = ("mirrored",)
+
+
+def choose(cfg: DataConfig, devices: list[str], strategy: str = "mirrored") -> str:
+    """The decoder a run uses: data.decoder, with auto resolved on the run's strategy and replica devices.
+
+    auto is DALI where it imports, the strategy makes a dataset per replica
+    and every replica is a GPU of its own (DALI is given a physical GPU's
+    number; a card split into logical GPUs has fewer numbers than replicas),
+    else tf: DALI's CPU operators decode no faster than TensorFlow's
+    (docs/benchmarks.md), so its worth is the GPU.
+    """
+    if cfg.decoder == "tf" or cfg.format == "synthetic":
+        return "tf"
+    gpus = bool(devices) and all("GPU" in d.upper() for d in devices)
+    if cfg.decoder == "auto":
+        physical = len(tf.config.list_physical_devices("GPU"))
+        fits = strategy in PER_REPLICA_STRATEGIES and gpus and len(devices) <= physical and memory_grows()
+        return "dali" if fits and not available() else "tf"
+    if strategy not in PER_REPLICA_STRATEGIES:
+        raise UserError(f"data.decoder: dali needs distribute.strategy: mirrored (one host), not {strategy}: only "
+                        f"TensorFlow's MirroredStrategy makes the dataset per replica a DALI pipeline per device needs")
+    why = available()
+    if why:
+        raise UserError(f"data.decoder: dali needs NVIDIA DALI and its TensorFlow plugin ({why}); install them "
+                        f"with: {INSTALL}")
+    if gpus and not memory_grows():
+        raise UserError("data.decoder: dali on GPUs needs TF_FORCE_GPU_ALLOW_GROWTH=true in the environment: "
+                        "TensorFlow otherwise reserves nearly all of each card's memory at start, and DALI's "
+                        "decoder allocates its own beside it")
+    return "dali"
+
+
+def memory_grows() -> bool:
+    """Whether TensorFlow grows its GPU memory as it needs it rather than taking the cards at start (DALI's
+    documentation: with TensorFlow's default, DALI's own allocations fail)."""
+    if os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true":
+        return True
+    cards = tf.config.list_physical_devices("GPU")
+    return bool(cards) and all(tf.config.experimental.get_memory_growth(card) for card in cards)
+
+
+def encoded_transform(cfg: DataConfig, seed: int):
+    """`(encoded, record index) → encoded`, the same bytes, for images DALI will decode; any other fails.
+
+    DALI stops the whole pipeline at an image it cannot decode, so what the
+    tf path would skip as corrupt is failed here, in the stream, where it is
+    counted and named as on the tf path (`tfdp.data.pipeline.corrupt_namer`
+    calls this transform again for the reason). A JPEG's header is parsed
+    and it must end in its end-of-image marker (a truncated file does not;
+    checking costs no decoding). Other formats (PNG, GIF, BMP: rare in
+    image datasets) are decoded once here in full.
+    """
+    def transform(data, index):
+        def jpeg():
+            shape = tf.io.extract_jpeg_shape(data)
+            whole = tf.debugging.Assert(tf.equal(tf.strings.substr(data, -2, 2), b"\xff\xd9"),
+                                        ["a truncated JPEG: no end-of-image marker"])
+            with tf.control_dependencies([shape, whole]):
+                return tf.identity(data)
+
+        def other():
+            image = tf.io.decode_image(data, channels=3, expand_animations=False)
+            with tf.control_dependencies([image]):
+                return tf.identity(data)
+        return tf.cond(tf.io.is_jpeg(data), jpeg, other)
+    return transform
+
+
+_TF = Decoder(train_transform, dealt=False)
+# auto reaches the pipeline only where no run chose (`choose`): a benchmark's or a test's bare pipeline, the tf path.
+DECODERS.update(tf=_TF, auto=_TF, dali=Decoder(encoded_transform, dealt=True))
+
+
+class Dealer:
+    """One worker's stream of per-replica batches dealt to its `n` local replicas: batch k to replica k mod n,
+    as `distribute_datasets_from_function` deals a per-worker dataset's elements.
+
+    Each replica's DALI input asks for its own next batch; the stream is read
+    once, and a batch read for another replica waits in that replica's queue
+    (every step takes one batch per replica, so the queues stay a few batches
+    deep). Each new iterator of a replica's input is that replica's next
+    round: round g of every replica reads round g's stream, made by whichever
+    replica starts it first, and the round before it is let go.
+    """
+
+    def __init__(self, make: Callable[[], tf.data.Dataset], n: int):
+        self.make, self.n = make, n
+        self._lock = threading.Lock()
+        self._calls = [0] * n
+        self._rounds: dict[int, _Round] = {}
+
+    def batches(self, replica: int):
+        """The generator function of `replica`'s batches (for `Dataset.from_generator`)."""
+        def generator():
+            with self._lock:
+                number = self._calls[replica]
+                self._calls[replica] += 1
+                if number not in self._rounds:
+                    with tf.device("/cpu:0"):
+                        self._rounds[number] = _Round(iter(self.make()), [collections.deque() for _ in range(self.n)])
+                    for old in [g for g in self._rounds if g < min(self._calls) - 1]:
+                        del self._rounds[old]
+                this = self._rounds[number]
+            while True:
+                batch = this.next_for(replica, self.n)
+                if batch is None:
+                    return
+                yield batch
+        return generator
+
+
+@dataclasses.dataclass
+class _Round:
+    iterator: object
+    queues: list
+    taken: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def next_for(self, replica: int, n: int):
+        with self.lock:
+            while not self.queues[replica]:
+                try:
+                    images, labels = next(self.iterator)
+                except StopIteration:
+                    return None
+                self.queues[self.taken % n].append((images.numpy(), labels.numpy()))
+                self.taken += 1
+            return self.queues[replica].popleft()
+
+
+def dali_stopped(message: str) -> str:
+    """The one line for a DALI pipeline that stopped (an image it could not decode that passed
+    `encoded_transform`'s check, or DALI's own fault); '' for any other error. DALI does not say which image."""
+    if "Critical error in pipeline" not in message and "DALI_ERROR" not in message:
+        return ""
+    operator = re.search(r"Error in (?:CPU|GPU|MIXED) operator `([^`]+)`", message)
+    where = f" in {operator.group(1)}" if operator else ""
+    return (f"DALI stopped the training input{where}: {_dali_reason(message)} (data.decoder: dali; with "
+            f"data.decoder: tf an image that cannot be decoded is skipped and named)")
+
+
+def _dali_reason(message: str) -> str:
+    """DALI's cause in one line (its messages nest: the operator, its Python traceback, then what it encountered)."""
+    cause = re.search(r"encountered:\s*\n\s*([^\n]*?)\s*:?\s*\n", message)
+    if cause and cause.group(1):
+        return cause.group(1)[:300]
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return (lines[0] if lines else "unknown error")[:300]
+
+
+def input_options() -> tf.distribute.InputOptions:
+    """Each replica's dataset made on its own device and iterated there: DALI's outputs are already where the
+    replica computes (with the default options the per-worker prefetch to the devices crashes on a DALI dataset
+    when its iterator is deleted)."""
+    return tf.distribute.InputOptions(experimental_place_dataset_on_device=True, experimental_fetch_to_device=False,
+                                      experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
+
+
+def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig, global_batch: int,
+               num_workers: int, worker_index: int, seed: int):
+    """The distributed training dataset: this worker's stream (`worker_dataset(input_context)`, the tf path's
+    per-worker dataset of checked batches of encoded bytes) decoded by one DALI pipeline per local replica."""
+    replicas = strategy.num_replicas_in_sync
+    local = replicas // num_workers
+    worker_ctx = tf.distribute.InputContext(num_input_pipelines=num_workers, input_pipeline_id=worker_index,
+                                            num_replicas_in_sync=replicas)
+    batch = worker_ctx.get_per_replica_batch_size(global_batch)
+    dealer = Dealer(lambda: worker_dataset(worker_ctx), local)
+    devices = list(strategy.extended.worker_devices)
+
+    def replica_dataset(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        replica = ctx.input_pipeline_id % local
+        return replica_pipeline(dealer.batches(replica), cfg, batch, devices[replica],
+                                seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31))
+    return strategy.distribute_datasets_from_function(replica_dataset, options=input_options())
+
+
+def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: int) -> tf.data.Dataset:
+    """One replica's DALI dataset: `generator`'s (encoded [batch], labels [batch]) batches, each image decoded,
+    cropped and resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU: DALI's CPU operators)."""
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin import tf as dali_tf
+
+    spec = tf.DeviceSpec.from_string(device)
+    on_gpu = (spec.device_type or "").upper() == "GPU"
+    with tf.device("/cpu:0"):
+        packed = tf.data.Dataset.from_generator(generator, output_signature=(
+            tf.TensorSpec([batch], tf.string), tf.TensorSpec([batch], tf.int32))).unbatch().map(_packed)
+    if on_gpu:  # DALI takes its inputs on its own device (it copies them back for the host-side parse)
+        packed = packed.apply(tf.data.experimental.copy_to_device(device))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, min(8, cores)) if on_gpu else max(1, cores)
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=spec.device_index if on_gpu else None,
+                  seed=seed, prefetch_queue_depth=2)
+    def decode():
+        element = fn.external_source(name="packed", dtype=types.UINT8, ndim=1)
+        label = fn.reinterpret(element[0:LABEL_BYTES], dtype=types.INT32, shape=[1])
+        image = fn.decoders.image_random_crop(
+            element[LABEL_BYTES:], device="mixed" if on_gpu else "cpu", output_type=types.RGB,
+            random_area=[cfg.min_crop_area, cfg.max_crop_area], random_aspect_ratio=list(ASPECT_RATIO_RANGE),
+            num_attempts=10)
+        image = fn.resize(image, resize_x=cfg.image_size, resize_y=cfg.image_size, interp_type=types.INTERP_LINEAR,
+                          antialias=False, dtype=types.UINT8)
+        return image, label.gpu() if on_gpu else label
+
+    with tf.device(device):
+        return dali_tf.experimental.DALIDatasetWithInputs(
+            pipeline=decode(), input_datasets={"packed": packed}, batch_size=batch, num_threads=threads,
+            device_id=spec.device_index if on_gpu else None, output_dtypes=(tf.uint8, tf.int32),
+            output_shapes=((batch, cfg.image_size, cfg.image_size, 3), (batch,)))
+
+
+def _packed(encoded: tf.Tensor, label: tf.Tensor) -> tf.Tensor:
+    """One image for DALI's one input: its label's 4 bytes, then its encoded bytes (uint8 [4 + length])."""
+    return tf.concat([tf.bitcast(tf.cast(label, tf.int32), tf.uint8), tf.io.decode_raw(encoded, tf.uint8)], 0)
