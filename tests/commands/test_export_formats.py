@@ -87,11 +87,20 @@ AGREEMENT_LINE = re.compile(r"tfdp: export: (\w+): .*: top-1 agrees with the Ker
                             r"images \(([\d.]+)%\), max \|(\w+) difference\| / max \|\w+\| (\S+) \((\S+) of (\S+)\)$")
 
 
-def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, tmp_path):
-    args, cfg = trained_run
-    out = tmp_path / "export"
+@pytest.fixture(scope="module")
+def exported(trained_run, tmp_path_factory):
+    """The real `tfdp export` of the trained run in every format, checked on the whole validation split: the
+    files the tests below read back in their own runtimes (one export, shared)."""
+    args, _ = trained_run
+    out = tmp_path_factory.mktemp("exported") / "export"
     result = run_tfdp("export", *args, "--format=saved_model,keras,onnx,litert", f"--export_dir={out}",
                       "--verify_images=0", timeout=600)
+    return result, out
+
+
+def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported):
+    _, cfg = trained_run
+    result, out = exported
     assert result.returncode == 0, result.stderr[-3000:]
     printed = {m[1]: m for m in (AGREEMENT_LINE.match(line) for line in result.stdout.splitlines()) if m}
     assert sorted(printed) == ["keras", "litert", "onnx", "saved_model"], result.stdout
@@ -127,11 +136,13 @@ def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, tmp_path
     assert b"_XlaMustCompile" not in graph and b"XlaLaunch" not in graph  # no XLA cluster in the served graph
 
 
-def test_exported_graphs_take_raw_uint8_and_normalise_inside(trained_run, tmp_path):
-    """uint8 pixels into ONNX and LiteRT give what the bare backbone gives on (x - data.mean) / data.std."""
+def test_exported_graphs_take_raw_uint8_and_normalise_inside(trained_run, exported):
+    """uint8 pixels into ONNX and LiteRT (the files `tfdp export` wrote) give what the bare backbone gives on
+    (x - data.mean) / data.std."""
     _, cfg = trained_run
-    paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), None, str(tmp_path),
-                              ("onnx", "litert"), verify_images=None)
+    result, out = exported
+    assert result.returncode == 0, result.stderr[-3000:]
+    paths = {"onnx": str(out / "model.onnx"), "litert": str(out / "model.tflite")}
     model, images, _, _ = keras_reference(cfg)
     backbone = next(layer for layer in model.layers if isinstance(layer, keras.Model))
     normalised = (images.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
@@ -247,10 +258,17 @@ def test_one_format_that_cannot_be_written_does_not_cost_the_others(trained_run,
     assert (out / "saved_model" / "saved_model.pb").is_file() and (out / "classes.json").is_file()
 
 
-def test_the_difference_is_printed_relative_to_the_logits_scale(small_dir, tmp_path, capsys):
-    """Logits of about 1e7 (the classifier's weights scaled up): the absolute difference of float32 rounding is
-    large, the printed relative one is what rounding gives, and it is the absolute one over the largest logit."""
-    from tfdp.commands.export import export_checkpoint
+@pytest.fixture(scope="module")
+def big_logits_export(small_dir, tmp_path_factory):
+    """One in-process export (ONNX and LiteRT, checked on the 40 validation digits) of the demo's ResNet with
+    random weights, its classifier's kernel scaled by 1e7 (logits of about 1e7), and `ONNX_INLINE_BYTES` lowered
+    to 0, so that its ONNX weights take the external-data path: the model, what the export returned, and the
+    lines it printed."""
+    import contextlib
+    import io
+
+    import tfdp.commands.export
+    tmp_path = tmp_path_factory.mktemp("big-logits")
     cfg = validate({"model_dir": str(tmp_path), "model": {"name": "resnet18_small", "num_classes": 10},
                     "data": {"format": "image_folder", "dir": small_dir, "image_size": 16, "eval_crop_fraction": 1.0}})
     keras.utils.set_random_seed(1)
@@ -260,9 +278,20 @@ def test_the_difference_is_printed_relative_to_the_logits_scale(small_dir, tmp_p
     head.set_weights([kernel * 1e7, bias])
     path = str(tmp_path / "big.weights.h5")
     model.save_weights(path)
-    paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), path, str(tmp_path / "out"),
-                              ("onnx", "litert"), verify_images=0)
-    lines = [AGREEMENT_LINE.match(line) for line in capsys.readouterr().out.splitlines()]
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(tfdp.commands.export, "ONNX_INLINE_BYTES", 0)
+        paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), path,
+                                  str(tmp_path / "out"), ("onnx", "litert"), verify_images=0)
+    print(printed.getvalue(), end="")
+    return model, paths, printed.getvalue(), tmp_path / "out"
+
+
+def test_the_difference_is_printed_relative_to_the_logits_scale(big_logits_export):
+    """Logits of about 1e7 (the classifier's weights scaled up): the absolute difference of float32 rounding is
+    large, the printed relative one is what rounding gives, and it is the absolute one over the largest logit."""
+    _, paths, printed, _ = big_logits_export
+    lines = [AGREEMENT_LINE.match(line) for line in printed.splitlines()]
     lines = {m[1]: m for m in lines if m}
     assert sorted(lines) == ["litert", "onnx"]
     for name, m in lines.items():
@@ -275,24 +304,15 @@ def test_the_difference_is_printed_relative_to_the_logits_scale(small_dir, tmp_p
         assert relative < 1e-4  # rounding, at any scale of the logits
 
 
-def test_onnx_weights_above_the_inline_limit_go_to_external_data(small_dir, tmp_path, monkeypatch):
+def test_onnx_weights_above_the_inline_limit_go_to_external_data(big_logits_export):
     """Above `ONNX_INLINE_BYTES` the weights are written to model.onnx.data (ONNX external data, how a model
     past protobuf's 2 GiB is stored); onnxruntime loads the pair and agrees with Keras. The limit is lowered to 0
-    here so that the demo's ResNet takes that path."""
+    (in the shared export above) so that the demo's ResNet takes that path."""
     import onnx
 
-    import tfdp.commands.export
     from tfdp.commands.export import weight_bytes
-    monkeypatch.setattr(tfdp.commands.export, "ONNX_INLINE_BYTES", 0)
-    cfg = validate({"model_dir": str(tmp_path), "model": {"name": "resnet18_small", "num_classes": 10},
-                    "data": {"format": "image_folder", "dir": small_dir, "image_size": 16, "eval_crop_fraction": 1.0}})
-    keras.utils.set_random_seed(3)
-    model = serving_model(cfg)
-    path = str(tmp_path / "w.weights.h5")
-    model.save_weights(path)
-    paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), path, str(tmp_path / "out"),
-                              ("onnx",), verify_images=0)
-    data = tmp_path / "out" / "model.onnx.data"
+    model, paths, _, out = big_logits_export
+    data = out / "model.onnx.data"
     weights = weight_bytes(inference_network(model))
     assert data.stat().st_size >= 0.99 * weights  # the large tensors are there (small ones stay inline)
     assert os.path.getsize(paths["onnx"]) < weights / 10

@@ -268,19 +268,26 @@ def test_the_training_stream_names_the_corrupt_image_it_skipped(small_dir, tmp_p
     CORRUPT_LOG.clear()
 
 
-def test_a_training_run_names_corrupt_images_and_ignored_files(small_dir, tmp_path):
+def test_a_training_run_names_corrupt_images_and_ignored_files(small_dir, tmp_path, capsys):
+    """`tfdp train --config=FILE`, run in this process (inprocess): what the run says and writes; the
+    console of the real process is test_the_console_says_each_corrupt_image_once_and_nothing_from_library_internals'."""
+    from support.inprocess import train_in_process
     root = corrupt_copy(small_dir, tmp_path / "data")
     model_dir = tmp_path / "run"
     config_file = tmp_path / "config.yaml"
     raw = settings(str(root), model_dir, max_bad_fraction=0.05)
     config_file.write_text(yaml.safe_dump({**raw, "train": {**raw["train"], "epochs": 1}}))
-    result = run_tfdp("train", f"--config={config_file}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    capsys.readouterr()
+    try:
+        _, stdout = train_in_process(f"--config={config_file}")
+    finally:
+        CORRUPT_LOG.clear()  # the process's log of corrupt images: the tests after this one start from none
+    stderr = capsys.readouterr().err
     train_bad, val_bad = root / "train" / "0" / "zz-corrupt.jpg", root / "val" / "1" / "zz-corrupt.jpg"
     assert f"split 'train' in {root}/train: ignored 1 file(s) that are not images TensorFlow decodes (1 .txt;" \
-        in result.stdout
-    assert f"tfdp: warning: corrupt image {train_bad}: Invalid JPEG data" in result.stderr
-    assert f"tfdp: warning: corrupt image {val_bad}: " in result.stderr
+        in stdout
+    assert f"tfdp: warning: corrupt image {train_bad}: Invalid JPEG data" in stderr
+    assert f"tfdp: warning: corrupt image {val_bad}: " in stderr
     listed = dict(line.split("\t") for line in (model_dir / "corrupt_images.txt").read_text().splitlines())
     assert set(listed) == {str(train_bad), str(val_bad)}
     assert "Unknown image file format" in listed[str(val_bad)] or "GIF" in listed[str(val_bad)]

@@ -7,7 +7,6 @@ ViT with layer scale, their logits on 4 real photos resized to 16 and 32 px, and
 key and shape lists.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import REPO
+from support.shapes import shapes_only
 from tfdp.config import ModelConfig, validate
 from tfdp.errors import UserError
 from tfdp.models import MODELS, build_model
@@ -40,17 +40,6 @@ TIMM_COUNTS = {
     "deit_base_patch16_224": 86_567_656, "deit_tiny_distilled_patch16_224": 5_910_800,
     "deit_small_distilled_patch16_224": 22_436_432, "deit_base_distilled_patch16_224": 87_338_192,
 }
-
-
-@contextlib.contextmanager
-def shapes_only():
-    """Variables made in the block have their shapes and no values: Keras defers initialising the variables of a
-    StatelessScope, and those it leaves uninitialised are dropped from its list after, so nothing allocates them."""
-    from keras.src.backend.common import global_state
-    before = list(global_state.get_global_attribute("uninitialized_variables", []) or [])
-    with keras.StatelessScope(initialize_variables=False):
-        yield
-    global_state.set_global_attribute("uninitialized_variables", before)
 
 
 def relative(ours: np.ndarray, theirs: np.ndarray) -> float:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import CPU_DEVICES, REPO, assert_one_line_error, run_tfdp
+from support.inprocess import export_in_process, train_in_process
 from tfdp.config import validate
 from tfdp.errors import UserError
 from tfdp.models import build_model
@@ -140,12 +141,11 @@ def train_args(data_dir, model_dir, *extra):
 
 @pytest.fixture(scope="module")
 def trained_run(small_dir, tmp_path_factory):
-    """A real one-epoch run of simple_cnn on digits, and its export."""
+    """A real one-epoch run of simple_cnn on digits, and its export (`tfdp train` and `tfdp export` from these
+    flags, run in this process: inprocess)."""
     run = str(tmp_path_factory.mktemp("pre") / "run")
-    trained = run_tfdp(*train_args(small_dir, run), timeout=300)
-    assert trained.returncode == 0, trained.stderr[-2000:]
-    exported = run_tfdp("export", *train_args(small_dir, run)[1:], timeout=300)
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    train_in_process(*train_args(small_dir, run)[1:])
+    export_in_process(*train_args(small_dir, run)[1:])
     return run
 
 
@@ -169,19 +169,17 @@ def test_every_keras_source_loads_the_same_weights(trained_run):
 def test_a_resumed_run_continues_from_its_own_checkpoint(trained_run, small_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    resumed = run_tfdp(*train_args(small_dir, run, "--epochs=2", f"--init_from={SQUEEZENET}"), timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    lines = [line for line in resumed.stdout.splitlines() if line.startswith("tfdp: init_from")]
+    _, stdout = train_in_process(*train_args(small_dir, run, "--epochs=2", f"--init_from={SQUEEZENET}")[1:])
+    lines = [line for line in stdout.splitlines() if line.startswith("tfdp: init_from")]
     assert lines == [f"tfdp: init_from: resumed run, continuing from its own checkpoint; model.init_from "
-                     f"({SQUEEZENET}) applies to a fresh run only"], resumed.stdout[-2000:]
-    assert "tfdp: resuming at epoch 2 of 2" in resumed.stdout
+                     f"({SQUEEZENET}) applies to a fresh run only"], stdout[-2000:]
+    assert "tfdp: resuming at epoch 2 of 2" in stdout
 
 
 def test_a_fresh_run_starts_from_a_run_directory(trained_run, small_dir, tmp_path):
-    fresh = run_tfdp(*train_args(small_dir, tmp_path / "run", f"--init_from={trained_run}"), timeout=300)
-    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    _, stdout = train_in_process(*train_args(small_dir, tmp_path / "run", f"--init_from={trained_run}")[1:])
     assert (f"tfdp: init_from: loaded 4 of 4 layers from the best checkpoint of run {trained_run}; new: none"
-            in fresh.stdout), fresh.stdout[-2000:]
+            in stdout), stdout[-2000:]
 
 
 def standardize_config(keras_file) -> dict:
@@ -214,14 +212,12 @@ def test_the_weights_preprocessing_reaches_config_yaml_and_the_export(trained_ru
     saved["data"].update(mean=[120.0, 110.0, 100.0], std=[60.0, 50.0, 40.0], channel_order="bgr")
     (source / "config.yaml").write_text(yaml.safe_dump(saved))
     run = tmp_path / "run"
-    fresh = run_tfdp(*train_args(small_dir, run, f"--init_from={source}"), timeout=300)
-    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    _, stdout = train_in_process(*train_args(small_dir, run, f"--init_from={source}")[1:])
     assert (f"tfdp: preprocessing from the weights of run {source}: BGR, mean 120,110,100, std 60,50,40 (R,G,B), "
-            f"eval crop 1; set data.mean/std/channel_order/eval_crop_fraction to override") in fresh.stdout
+            f"eval crop 1; set data.mean/std/channel_order/eval_crop_fraction to override") in stdout
     data = yaml.safe_load((run / "config.yaml").read_text())["data"]
     assert (data["mean"], data["std"], data["channel_order"]) == ([120.0, 110.0, 100.0], [60.0, 50.0, 40.0], "bgr")
-    exported = run_tfdp("export", *train_args(small_dir, run)[1:], "--format=keras", "--verify=false", timeout=300)
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    export_in_process(*train_args(small_dir, run)[1:], formats=("keras",), verify_images=None)  # --verify=false
     layer = standardize_config(run / "export" / "model.keras")
     assert (layer["mean"], layer["std"], layer["channel_order"]) == ([120.0, 110.0, 100.0], [60.0, 50.0, 40.0], "bgr")
 

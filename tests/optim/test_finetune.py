@@ -272,17 +272,19 @@ def h5_weights(path):
 @pytest.mark.slow
 def test_fine_tuning_from_a_checkpoint_freezes_then_trains_everything(tmp_path, small_dir):
     """Pretrain 1 epoch; fine-tune 2 more with the backbone frozen for epoch 2: epoch 2 leaves the backbone
-    and its batch-norm statistics bit-identical (the head moves); epoch 3 trains everything."""
+    and its batch-norm statistics bit-identical (the head moves); epoch 3 trains everything. Both runs in this
+    process, with the flags `tfdp train` would get: the freeze switch is tested here, the process boundary
+    (kill -9, resume, two workers) below."""
+    from support.inprocess import train_in_process
     run = tmp_path / "run"
-    first = run_tfdp(*common_args(small_dir, run, 1), timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
+    train_in_process(*common_args(small_dir, run, 1)[1:])
     pretrained = h5_weights(run / "checkpoints" / "epoch-0001" / "model.weights.h5")  # pruned later
-    tuned = run_tfdp(*common_args(small_dir, run, 3), "--set=train.freeze=[backbone]", "--set=train.freeze_epochs=2",
-                     "--set=optimizer.layer_decay=0.8", timeout=600)
-    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    keras.backend.clear_session()
+    _, tuned = train_in_process(*common_args(small_dir, run, 3)[1:], "--set=train.freeze=[backbone]",
+                                "--set=train.freeze_epochs=2", "--set=optimizer.layer_decay=0.8")
     assert "tfdp: fine-tuning: 40 layers frozen (backbone) for epoch 2; their batch norm runs in inference mode" \
-        in tuned.stdout
-    assert "tfdp: fine-tuning: every layer trains from epoch 3 on (train.freeze_epochs: 2" in tuned.stdout
+        in tuned
+    assert "tfdp: fine-tuning: every layer trains from epoch 3 on (train.freeze_epochs: 2" in tuned
     epochs = [pretrained, *(h5_weights(run / "checkpoints" / f"epoch-000{i}" / "model.weights.h5") for i in (2, 3))]
     head = [k for k in epochs[0] if "/dense/" in k]
     assert len(head) == 2 and len(epochs[0]) > 100

@@ -119,6 +119,9 @@ def test_recipes_read_imagenet_shards(tmp_path):
 # the recipes' bfloat16: on a CPU without bfloat16 instructions TensorFlow emulates bfloat16 kernels, which made
 # these runs minutes long (docs/benchmarks.md, test suite); bfloat16 training is proven by
 # tests/test_cli.py::test_mixed_bfloat16_matches_float32_accuracy.
+# In this process, with the flags `tfdp train` and `tfdp evaluate` would get (resolved to the config as the CLI
+# resolves them, then the commands' own functions): what is tested is each recipe's switches, not the process
+# boundary, and a fresh process per run would add TensorFlow's start twice per recipe.
 RECIPE_TEST_PRECISION = "--set=train.precision=float32"
 # The model: the small CNN where the recipe's switches do not touch it (it traces in half the time), the
 # demo's ResNet where progressive resizing needs a model that takes any image size.
@@ -149,22 +152,22 @@ def test_each_recipe_family_trains_and_evaluates_on_the_digits(tmp_path, tiny_di
     augmentation for torchvision, AdamW + RandAugment + batch-mode Mixup/CutMix + a fixed global batch for ConvNeXt
     and DeiT, layer decay + a head multiplier + gradient clipping for the ViT fine-tune), on the digits with a small model (`simple_cnn`, or `resnet18_small` where
     the recipe resizes progressively, the EfficientNetV2 recipe included) in float32 for 2 epochs: it trains with finite losses, evaluates every epoch
-    (the EMA too where the recipe has one), and `tfdp evaluate` reads its best checkpoint."""
+    (the EMA too where the recipe has one), and `tfdp evaluate` (in this process) reads its best checkpoint."""
+    from support.inprocess import evaluate_in_process, train_in_process
     cfg = recipe(name)
     common = [f"--config=configs/{name}", f"--data_dir={tiny_dir}", "--data_format=image_folder",
               "--set=model.num_classes=10", "--set=data.image_size=24",
               "--batch_size_per_replica=16", "--set=schedule.warmup_epochs=0", f"--model_dir={tmp_path}",
               RECIPE_TEST_PRECISION, *RECIPE_RUNS[name]]
-    result = run_tfdp("train", *common, "--epochs=2", timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(*common, "--epochs=2")
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2]
     for row in rows:
         assert all(math.isfinite(row[k]) for k in ("loss", "val_loss", "val_top1")), row
         assert ("val_ema_top1" in row) == bool(cfg.optimizer.ema_decay)
-    evaluated = run_tfdp("evaluate", *common, f"--checkpoint={tmp_path}/checkpoints/best.weights.h5", timeout=300)
-    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
-    assert "top1" in evaluated.stdout
+    evaluated, out = evaluate_in_process(*common, checkpoint=f"{tmp_path}/checkpoints/best.weights.h5")
+    assert "top1" in out
+    assert evaluated["examples"] == 40   # the whole validation split, through the checkpoint read back
 
 
 def _is_modern(cfg) -> bool:
