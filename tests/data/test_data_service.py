@@ -290,31 +290,28 @@ def test_training_through_the_service_matches_the_local_pipeline(service, small_
 
 
 @pytest.mark.slow
-def test_a_service_worker_killed_mid_epoch_does_not_stop_training(small_dir, tmp_path):
+def test_a_service_worker_killed_mid_epoch_does_not_stop_training(service, small_dir, tmp_path):
     """One of 2 workers is killed (SIGKILL) in the middle of an epoch: the run goes on with the other and
-    finishes, and the corrupt images it met on the service's workers are in its summary. A service of its
-    own: the dispatcher keeps the dead worker's address for good (see tfdp/data/service_servers.py)."""
+    finishes, and the corrupt images it met on the service's workers are in its summary. The module's service,
+    which no test uses after this one but the SIGTERM test at the end (the dispatcher keeps the dead worker's
+    address for good, see tfdp/data/service_servers.py)."""
     data = corrupt_tree(small_dir, tmp_path / "data", corrupt_places=(2, 7), keep=32)
-    (tmp_path / "svc").mkdir()
-    svc = Service(tmp_path / "svc")
-    try:
-        doomed = [svc.add_worker() for _ in range(2)][1]
-        proc = subprocess.Popen([sys.executable, "-m", "tfdp", "train", *FAST, f"--data_dir={data}", "--epochs=12",
-                                 "--set=data.max_bad_fraction=0.1", f"--model_dir={tmp_path}/run",
-                                 f"--data_service={svc.address}"],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        output = []
-        for line in proc.stdout:
-            output.append(line)
-            if line.startswith("Epoch 4/"):
-                time.sleep(0.3)   # into the epoch's steps
-                doomed.kill()
-                break
-        output.extend(proc.stdout)
-        assert proc.wait(timeout=300) == 0, "".join(output)[-3000:]
-        assert doomed.wait() == -signal.SIGKILL
-    finally:
-        svc.stop()
+    assert all(worker.poll() is None for worker in service.workers) and len(service.workers) == 2
+    doomed = service.workers[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tfdp", "train", *FAST, f"--data_dir={data}", "--epochs=12",
+                             "--set=data.max_bad_fraction=0.1", f"--model_dir={tmp_path}/run",
+                             f"--data_service={service.address}"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if line.startswith("Epoch 4/"):
+            time.sleep(0.3)   # into the epoch's steps
+            doomed.kill()
+            break
+    output.extend(proc.stdout)
+    assert proc.wait(timeout=300) == 0, "".join(output)[-3000:]
+    assert doomed.wait() == -signal.SIGKILL
     text = "".join(output)
     assert "tfdp: done: 12 epochs" in text and "Traceback" not in text
     assert re.search(r"skipped \d+ corrupt training image\(s\)", last_line(text)), last_line(text)
@@ -411,7 +408,9 @@ def test_kubernetes_template_runs_one_service_for_its_trainers():
 
 
 def test_service_processes_exit_0_on_sigterm(service):
-    """Last in the file: it ends the module's service."""
+    """Last in the file: it ends the module's service (its dispatcher and the workers still alive: one, after the
+    killed-worker test above; both where this test runs alone)."""
+    assert service.dispatcher.poll() is None and [p for p in service.workers if p.poll() is None]
     for proc in [*service.workers, service.dispatcher]:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -72,8 +72,12 @@ def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
     assert not [p for p in os.listdir("/tmp") if p.startswith("tfdp-worker1-")]
 
 
-def test_killed_worker_then_same_command_resumes(tmp_path, digits_dir):
-    common = [*FAST, "--batch_size_per_replica=32", f"--data_dir={digits_dir}", "--epochs=6"]
+def test_killed_worker_then_same_command_resumes(tmp_path, small_dir):
+    """The chief killed with -9 during epoch 2: the launcher stops the other worker and exits 4; the same command
+    resumes after the last complete epoch and ends with the uninterrupted run's weights (deterministic, so the
+    resumed run must match it bit for bit: a stronger check than its accuracy)."""
+    common = [*FAST, "--batch_size_per_replica=32", f"--data_dir={small_dir}", "--data_format=image_folder",
+              "--epochs=4", "--set=train.deterministic=true", "--set=train.checkpoint_every_steps=0"]
     clean = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/l0", "--", "train", *common,
                      f"--model_dir={tmp_path}/clean", timeout=600)
     assert clean.returncode == 0, clean.stdout[-3000:]
@@ -94,15 +98,17 @@ def test_killed_worker_then_same_command_resumes(tmp_path, digits_dir):
     for pid in pids.values():  # nothing left running
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     done = {int(p[-4:]) for p in os.listdir(model_dir / "checkpoints") if p.startswith("epoch-")}
-    assert max(done) < 6
+    assert max(done) < 4
 
     again = run_tfdp(*args[3:], timeout=600)
     assert again.returncode == 0, again.stdout[-3000:]
-    assert f"tfdp: resuming at epoch {max(done) + 1} of 6" in again.stdout
+    assert f"tfdp: resuming at epoch {max(done) + 1} of 4" in again.stdout
     rows = read_jsonl(model_dir / "metrics.jsonl")
-    assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    reference = read_jsonl(tmp_path / "clean" / "metrics.jsonl")[-1]["val_top1"]
-    assert abs(rows[-1]["val_top1"] - reference) <= 0.03
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4]
+    prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", clean.stdout))
+    assert set(prints) == {"0", "1"}
+    assert dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", again.stdout)) == prints
+    assert rows[-1]["val_top1"] == read_jsonl(tmp_path / "clean" / "metrics.jsonl")[-1]["val_top1"]
 
 
 def start_launch(args, env=None):
@@ -165,10 +171,11 @@ def test_worker_that_never_comes_up_is_named_within_the_timeout():
 
 def demo_on_workers(data_dir, model_dir, logs):
     """The demo's model (batch norm) on 2 workers, deterministic, epoch checkpoints only, with the random flip on
-    (a random layer whose stream a resume must continue on every replica of every worker)."""
+    (a random layer whose stream a resume must continue on every replica of every worker); at 8 px, its smallest
+    input."""
     return ["launch", "--workers=2", f"--launch_logs={logs}", "--", "train", "--config=configs/digits.yaml",
             f"--data_dir={data_dir}", "--data_format=image_folder", f"--model_dir={model_dir}", "--epochs=2",
-            "--set=data.image_size=16", "--set=train.checkpoint_every_steps=0", "--set=train.deterministic=true",
+            "--set=data.image_size=8", "--set=train.checkpoint_every_steps=0", "--set=train.deterministic=true",
             "--set=data.hflip=true"]
 
 
@@ -209,7 +216,7 @@ def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp
     assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]  # batch-norm statistics included
     rows = read_jsonl(tmp_path / "clean" / "metrics.jsonl")
     evaluated = run_tfdp("evaluate", "--config=configs/digits.yaml", f"--data_dir={small_dir}",
-                         "--data_format=image_folder", "--set=data.image_size=16",
+                         "--data_format=image_folder", "--set=data.image_size=8",
                          f"--checkpoint={tmp_path}/clean/checkpoints/epoch-0002/model.weights.h5", timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert f"loss {rows[-1]['val_loss']:.4f}, top1 {rows[-1]['val_top1']:.4f}" in evaluated.stdout
@@ -225,7 +232,8 @@ def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp
     deadline = time.time() + 300
     while not (model_dir / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
         time.sleep(0.02)
-    time.sleep(1.0)  # into epoch 2
+    # At once, not after a pause into epoch 2: the flag is read at each step's end but an epoch's last, so a signal
+    # after epoch 1's checkpoint is saved at step 6 to 9 whenever it comes, if before epoch 2's step 9 ends.
     pods["worker-0"].send_signal(signal.SIGTERM)  # only the non-chief is told
     ended = wait_pods(pods, tmp_path / "attempt-1")
     for name, (code, log) in ended.items():

@@ -106,10 +106,11 @@ def test_a_resumed_model_continues_every_replicas_random_stream(tmp_path):
     assert flips(old) != uninterrupted
 
 
-def demo_args(data_dir, model_dir, epochs=3, every=2):
-    """The demo's model (ResNet with batch norm) on 2 replicas, deterministic, a step checkpoint every 2 steps."""
+def demo_args(data_dir, model_dir, epochs=3, every=2, size=8):
+    """The demo's model (ResNet with batch norm) on 2 replicas, deterministic, a step checkpoint every 2 steps; at
+    8 px (its smallest input: batch norm down to 1x1 maps) its steps cost a quarter of 16 px's."""
     return ["train", "--config=configs/digits.yaml", f"--data_dir={data_dir}", "--data_format=image_folder",
-            f"--model_dir={model_dir}", f"--epochs={epochs}", "--set=data.image_size=16",
+            f"--model_dir={model_dir}", f"--epochs={epochs}", f"--set=data.image_size={size}",
             f"--set=train.checkpoint_every_steps={every}", "--set=train.deterministic=true"]
 
 
@@ -189,14 +190,17 @@ def test_resuming_with_a_model_that_does_not_fit_is_one_line_alone(tmp_path, sma
 
 @pytest.mark.slow
 def test_sigterm_on_one_host_saves_where_it_is_and_loses_no_step(tmp_path, small_dir):
-    args = demo_args(small_dir, tmp_path / "run", epochs=2, every=0)
+    """SIGTERM once epoch 1 is committed: the run saves at the end of the step it is in (6 to 9: the preemption
+    flag is read at each step's end but an epoch's last, whose epoch checkpoint follows), exits 143 and resumes
+    there. The small CNN at 96 px: steps as long as the demo ResNet's at 16 px (about 0.2 s; the signal must come
+    before step 9 of 10 ends) at half its CPU, which is tracing the ResNet's graph."""
+    args = [*demo_args(small_dir, tmp_path / "run", epochs=2, every=0, size=96), "--model=simple_cnn"]
     proc = subprocess.Popen([sys.executable, "-m", "tfdp", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not (tmp_path / "run" / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
         time.sleep(0.02)
-    time.sleep(0.5)  # into epoch 2, whose 5 steps now take about a second (1.0 s reached its end once)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)   # at once: a saved step is past 5 whenever it comes after epoch 1's checkpoint
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err[-2000:]
     line = last_line(err)
