@@ -97,7 +97,7 @@ def resume_input_cost(records: int) -> tuple[float, float, float]:
     decode one batch: what a resume costs against the images it does not decode."""
     import dataclasses
 
-    from tfdp.data.digits import write_digits
+    from tfdp.data.layouts.digits import write_digits
     from tfdp.config import validate
     from tfdp.data import build_source
     from tfdp.data.pipeline import Bookkeeping, train_dataset

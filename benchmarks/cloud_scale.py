@@ -100,7 +100,7 @@ SHARD_MAKER = r"""
 import json, os, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import tensorflow as tf
-from tfdp.data.tfrecord import Item, Prepared, image_example
+from tfdp.data.layouts.tfrecord import Item, Prepared, image_example
 spec = json.load(sys.stdin)
 images = [bytes.fromhex(h) for h in spec["jpegs"]]
 w, h = spec["size"]
@@ -115,9 +115,9 @@ for name, labels in spec["shards"].items():
 
 
 def shard_bodies(root: str, divisor: int, images: list[bytes]) -> dict[str, bytes]:
-    """name → bytes of every shard at one size: standard ImageNet records (tfdp.data.tfrecord.image_example,
+    """name → bytes of every shard at one size: standard ImageNet records (tfdp.data.layouts.tfrecord.image_example,
     written by TensorFlow's own TFRecordWriter in a process of its own), built once under `root`."""
-    from tfdp.data.records import shard_name
+    from tfdp.data.layouts.records import shard_name
 
     train, val = TRAIN_SHARDS // divisor, VAL_SHARDS // divisor
     names = [shard_name("train", i, train) for i in range(train)] + [shard_name("validation", i, val) for i in range(val)]

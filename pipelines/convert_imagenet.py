@@ -1,4 +1,4 @@
-"""Raw ImageNet tree → TFRecord shards in the standard format (see tfdp/data/tfrecord.py).
+"""Raw ImageNet tree → TFRecord shards in the standard format (see tfdp/data/layouts/tfrecord.py).
 
     python -m pipelines.convert_imagenet --src=/data/ILSVRC2012 --out=/data/imagenet-tfrecord
 
@@ -48,10 +48,10 @@ from absl import app, flags
 from tfdp.errors import atomic_write_text
 from tfdp.config import DataConfig
 from tfdp.data import build_source
-from tfdp.data.records import shard_name
-from tfdp.data.sources import Source
+from tfdp.data.layouts.records import shard_name
+from tfdp.data.layouts import Source
 from tfdp.data.storage import filesystem, is_remote
-from tfdp.data.tfrecord import Item, Prepared, image_example
+from tfdp.data.layouts.tfrecord import Item, Prepared, image_example
 from tfdp.errors import UserError
 
 REPORT = "conversion_report.json"
@@ -148,7 +148,7 @@ def _xml_boxes(bbox_dir: str) -> dict[str, list[tuple]]:
 
 
 def _kaggle_boxes(src: str) -> dict[str, list[tuple]]:
-    from tfdp.data.imagenet import layout, read_kaggle_solution
+    from tfdp.data.layouts.imagenet import layout, read_kaggle_solution
 
     fs, root = filesystem(src)
     if not fs.isdir(root) or layout(fs, root) != "kaggle":

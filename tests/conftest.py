@@ -92,7 +92,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> str:
     """The real demo dataset (1,797 JPEGs), written once per test session."""
-    from tfdp.data.digits import write_digits
+    from tfdp.data.layouts.digits import write_digits
     out = str(tmp_path_factory.mktemp("data") / "digits")
     write_digits(out, progress=False)
     return out

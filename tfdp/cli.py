@@ -97,7 +97,7 @@ def config_and_runtime(args: list[str], training: bool = False):
     from tfdp.data import check_reachable
     check_reachable(cfg.data)
     if training and cfg.data.service_address:
-        from tfdp.data.service_servers import check_service
+        from tfdp.data.service.servers import check_service
         check_service(cfg.data.service_address, cfg.data.service_timeout)
     return cfg, started_runtime(cfg)
 
@@ -260,14 +260,14 @@ def cmd_launch(args: list[str]) -> None:
 
 
 def cmd_data_service(args: list[str]) -> None:
-    from tfdp.data import service_servers
-    if len(args) != 1 or args[0] not in service_servers.ROLES:
-        raise UserError(f"usage: tfdp data-service {'|'.join(service_servers.ROLES)} [--port=N] ...")
+    from tfdp.data.service import servers
+    if len(args) != 1 or args[0] not in servers.ROLES:
+        raise UserError(f"usage: tfdp data-service {'|'.join(servers.ROLES)} [--port=N] ...")
     if args[0] == "dispatcher":
-        service_servers.dispatcher(5050 if FLAGS.port is None else FLAGS.port, FLAGS.work_dir)
+        servers.dispatcher(5050 if FLAGS.port is None else FLAGS.port, FLAGS.work_dir)
     else:
-        service_servers.worker(FLAGS.dispatcher_address, FLAGS.port or 0, FLAGS.worker_address, tuple(FLAGS.mirror),
-                               FLAGS.cache_dir or service_servers.DEFAULT_CACHE_DIR, FLAGS.dispatcher_timeout)
+        servers.worker(FLAGS.dispatcher_address, FLAGS.port or 0, FLAGS.worker_address, tuple(FLAGS.mirror),
+                       FLAGS.cache_dir or servers.DEFAULT_CACHE_DIR, FLAGS.dispatcher_timeout)
 
 
 COMMANDS = {

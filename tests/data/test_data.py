@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.data import digits as digits_lib
+from tfdp.data.layouts import digits as digits_lib
 from tfdp.config import DataConfig
 from tfdp.data import build_source
 from tfdp.data.pipeline import Bookkeeping, StreamPosition, eval_dataset, train_dataset

@@ -209,7 +209,7 @@ def test_a_service_address_that_is_not_grpc_host_port_is_one_line(address, tmp_p
 def test_a_service_without_workers_is_one_line_within_the_timeout(small_dir, tmp_path):
     """A dispatcher that answers but has no worker would leave the trainer waiting for batches forever: the
     trainer asks the dispatcher for its workers first (its GetWorkers RPC), and gives up after the timeout."""
-    from tfdp.data.service_servers import check_service
+    from tfdp.data.service.servers import check_service
     svc = Service(tmp_path)
     try:
         started = time.monotonic()
@@ -294,7 +294,7 @@ def test_a_service_worker_killed_mid_epoch_does_not_stop_training(service, small
     """One of 2 workers is killed (SIGKILL) in the middle of an epoch: the run goes on with the other and
     finishes, and the corrupt images it met on the service's workers are in its summary. The module's service,
     which no test uses after this one but the SIGTERM test at the end (the dispatcher keeps the dead worker's
-    address for good, see tfdp/data/service_servers.py)."""
+    address for good, see tfdp/data/service/servers.py)."""
     data = corrupt_tree(small_dir, tmp_path / "data", corrupt_places=(2, 7), keep=32)
     assert all(worker.poll() is None for worker in service.workers) and len(service.workers) == 2
     doomed = service.workers[1]

@@ -366,8 +366,8 @@ def shards_read_in_order(share, cfg, ctx, data_shard, seed, first_epoch, size, o
 @pytest.fixture(scope="module")
 def many_shards(tmp_path_factory):
     """20 shards (more than one interleave cycle) of 0 to 6 records of different lengths; a Split of them."""
-    from tfdp.data.sources import Split
-    from tfdp.data.tfrecord import IMAGENET_RECORDS
+    from tfdp.data.layouts import Split
+    from tfdp.data.layouts.tfrecord import IMAGENET_RECORDS
     root = tmp_path_factory.mktemp("many")
     files, counts = [], []
     for s in range(20):
@@ -386,7 +386,7 @@ def test_a_record_stream_is_the_shards_read_in_order_through_the_seeded_buffer(m
     """The records the training stream yields, position by position, are those reading the shards themselves
     gives: the same seed gives the same records as ever, from any epoch and offset."""
     from tfdp.data import pipeline
-    from tfdp.data.tfrecord import read_record
+    from tfdp.data.layouts.tfrecord import read_record
     cfg = DataConfig(shuffle_buffer=shuffle_buffer, repeated_augmentation=repeated)
     ctx = tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=index,
                                      num_replicas_in_sync=pipelines)
@@ -425,7 +425,7 @@ def test_a_resumed_record_stream_reads_no_record_it_skips(shards, tmp_path):
 
 def test_a_damaged_record_costs_only_itself(trees, tmp_path):
     """A record failing its CRC is one corrupt image; the records after it in its shard are still read."""
-    from tfdp.data.tfrecord import record_offsets
+    from tfdp.data.layouts.tfrecord import record_offsets
     write_records(str(tmp_path / "rec"), trees["ilsvrc"])
     shard = str(tmp_path / "rec" / "train-00000-of-00001")
     damage_record(shard, int(record_offsets(shard)[0][5]))

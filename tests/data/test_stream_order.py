@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.data import build_source, pipeline, readers
-from tfdp.data.sources import Split, folder_entries
+from tfdp.data.layouts import Split, folder_entries
 from tfdp.data.storage import filesystem
 
 FILES = 37

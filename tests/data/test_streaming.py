@@ -19,8 +19,8 @@ import tensorflow as tf
 from tfdp.config import DataConfig
 from tfdp.data import streaming
 from tfdp.data.pipeline import Bookkeeping, eval_dataset, train_dataset
-from tfdp.data.sources import Split
-from tfdp.data.tfrecord import IMAGENET_RECORDS, IMAGE_KEY, LABEL_KEY, LABEL_OFFSET
+from tfdp.data.layouts import Split
+from tfdp.data.layouts.tfrecord import IMAGENET_RECORDS, IMAGE_KEY, LABEL_KEY, LABEL_OFFSET
 from tfdp.errors import UserError
 
 IMAGES = 160            # image files, one example each

@@ -10,7 +10,7 @@ from tfdp.rundir.checkpoints import CheckpointStore, load_checkpoint
 from tfdp.config import Config
 from tfdp.data import build_source
 from tfdp.data.pipeline import data_errors
-from tfdp.data.sources import require_complete
+from tfdp.data.layouts import require_complete
 from tfdp.errors import UserError
 from tfdp.distribute.strategy import Runtime
 from tfdp.train.task import ClassificationTask

@@ -35,7 +35,7 @@ import numpy as np
 from tfdp.config import Config
 from tfdp.data import build_source
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
-from tfdp.data.sources import IMAGE_PATTERNS, Ignored, is_image_file
+from tfdp.data.layouts import IMAGE_PATTERNS, Ignored, is_image_file
 from tfdp.data.storage import cache_paths, filesystem, is_remote, is_remote_url, localize, url
 from tfdp.errors import UserError, first_line
 from tfdp.startup.console import say

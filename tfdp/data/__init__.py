@@ -10,13 +10,13 @@ from typing import Callable
 
 from tfdp.config import DataConfig
 from tfdp.data import storage
-from tfdp.data.sources import RecordFormat, Source, Split, image_folder
+from tfdp.data.layouts import RecordFormat, Source, Split, image_folder
 from tfdp.errors import UserError
 
 
 def _digits(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     """The embedded demo: scikit-learn's digits, written as JPEGs on first use."""
-    from tfdp.data.digits import ensure_digits
+    from tfdp.data.layouts.digits import ensure_digits
     return image_folder(ensure_digits(cfg.dir), splits)
 
 
@@ -25,17 +25,17 @@ def _image_folder(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
 
 
 def _imagenet(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
-    from tfdp.data.imagenet import imagenet_tree
+    from tfdp.data.layouts.imagenet import imagenet_tree
     return imagenet_tree(cfg.dir, splits)
 
 
 def _tfrecord(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
-    from tfdp.data.records import tfrecord_source
+    from tfdp.data.layouts.records import tfrecord_source
     return tfrecord_source(cfg.dir, splits, cfg.cache_dir)
 
 
 def _tfds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
-    from tfdp.data.tfds_source import tfds_source
+    from tfdp.data.layouts.tfds import tfds_source
     return tfds_source(cfg.dir, cfg.tfds_name, splits, cfg.cache_dir, cfg.tfds_manual_dir)
 
 

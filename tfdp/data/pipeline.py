@@ -32,7 +32,7 @@ from tfdp.data import readers, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.dali import DECODERS, dali_stopped
 from tfdp.data.preprocess import eval_transform
-from tfdp.data.sources import Split
+from tfdp.data.layouts import Split
 from tfdp.errors import StorageLost, UserError
 from tfdp.config.image_sizes import eval_image_size
 

@@ -20,9 +20,9 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.data import streaming
-from tfdp.data.sources import Split
+from tfdp.data.layouts import Split
 from tfdp.data.storage import localize
-from tfdp.data.tfrecord import INTERLEAVE_CYCLE, parse_record, read_record
+from tfdp.data.layouts.tfrecord import INTERLEAVE_CYCLE, parse_record, read_record
 
 AUTOTUNE = tf.data.AUTOTUNE
 SYNTHETIC_BANK = 16   # distinct synthetic images, cycled: generating pixels per example would cost host CPU

@@ -62,8 +62,8 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig, byte_size
 from tfdp.data import storage
-from tfdp.data.sources import Split
-from tfdp.data.tfrecord import HEADER_BYTES, INTERLEAVE_CYCLE, LENGTH, record_offsets
+from tfdp.data.layouts import Split
+from tfdp.data.layouts.tfrecord import HEADER_BYTES, INTERLEAVE_CYCLE, LENGTH, record_offsets
 from tfdp.errors import UserError, first_line
 
 AUTO_FRACTION = 0.5        # data.cache_limit auto: this share of the free space of data.cache_dir at start

@@ -35,7 +35,7 @@ from tfdp.data import Source, build_source, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.rundir.bucket import Place, place_for
-from tfdp.data.sources import check_lost
+from tfdp.data.layouts import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
 from tfdp.rundir.lease import writer_lease
 from tfdp.rundir.metrics_file import METRICS_FILE, read_metrics

@@ -1,7 +1,7 @@
 """TFRecord shards in the standard ImageNet format.
 
 Shards are named `train-00000-of-01024` and `validation-00000-of-00128`,
-each a sequence of tf.train.Example in the format `tfdp.data.tfrecord`
+each a sequence of tf.train.Example in the format `tfdp.data.layouts.tfrecord`
 defines (TensorFlow's official `build_imagenet_data.py` format).
 
 tfdp's converter (`pipelines/convert_imagenet.py`) writes this format and,
@@ -27,9 +27,9 @@ import fnmatch
 import json
 import posixpath
 
-from tfdp.data.sources import Source, Split
+from tfdp.data.layouts import Source, Split
 from tfdp.data.storage import filesystem, is_remote, localize, url
-from tfdp.data.tfrecord import IMAGENET_RECORDS, count_records, first_record, readable_records
+from tfdp.data.layouts.tfrecord import IMAGENET_RECORDS, count_records, first_record, readable_records
 from tfdp.errors import UserError
 
 SYNSET_FILES = ("synsets.txt", "LOC_synset_mapping.txt", "imagenet_metadata.txt", "imagenet_lsvrc_2015_synsets.txt")

@@ -43,7 +43,7 @@ from tfdp.data import readers
 from tfdp.data.pipeline import (AUTOTUNE, MAX_EPOCHS, Bookkeeping, Tally, checked,
                                 decoded_examples, epoch_payloads, pipeline_share, share_sizes, tallied)
 from tfdp.data.preprocess import train_transform
-from tfdp.data.sources import Split
+from tfdp.data.layouts import Split
 from tfdp.data.storage import cache_paths, is_remote_url
 from tfdp.errors import UserError, first_line
 

@@ -17,7 +17,7 @@ the same walk gives each record's byte offset (`record_offsets`), so the
 training stream can shuffle offsets and read each record where it is decoded
 (`read_record`, used by `tfdp.data.readers`).
 
-Readers (`tfdp.data.records`) use `IMAGENET_RECORDS`; the converter
+Readers (`tfdp.data.layouts.records`) use `IMAGENET_RECORDS`; the converter
 (`pipelines/convert_imagenet.py`) writes records with `image_example`.
 """
 
@@ -32,7 +32,7 @@ import struct
 import numpy as np
 import tensorflow as tf
 
-from tfdp.data.sources import RecordFormat
+from tfdp.data.layouts import RecordFormat
 from tfdp.data.storage import filesystem
 from tfdp.errors import UserError
 

@@ -17,7 +17,7 @@ import posixpath
 
 from absl import logging
 
-from tfdp.data.sources import RecordFormat, Source, Split
+from tfdp.data.layouts import RecordFormat, Source, Split
 from tfdp.data.storage import filesystem, is_remote, localize, url
 from tfdp.errors import UserError
 

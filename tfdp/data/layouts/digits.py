@@ -7,7 +7,7 @@ bitmaps, averaged down by the UCI authors) and written as
 understands. The validation split is a fixed, stratified 20% so numbers from
 different runs and machines compare.
 
-Run directly: `python -m tfdp.data.digits --out DIR`.
+Run directly: `python -m tfdp.data.layouts.digits --out DIR`.
 """
 
 from __future__ import annotations

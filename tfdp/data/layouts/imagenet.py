@@ -26,7 +26,7 @@ import io
 import posixpath
 import re
 
-from tfdp.data.sources import Ignored, Source, Split, class_folder_split, folder_entries, is_image_file
+from tfdp.data.layouts import Ignored, Source, Split, class_folder_split, folder_entries, is_image_file
 from tfdp.data.storage import filesystem, url
 from tfdp.errors import UserError
 
