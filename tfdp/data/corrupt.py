@@ -80,6 +80,12 @@ class CorruptLog:
                     rows = (line.rstrip("\n").split("\t", 1) for line in f if line.strip())
                     self.earlier = {row[0]: (row[1] if len(row) > 1 else "") for row in rows}
 
+    def close(self) -> None:
+        """The run is over: what the process meets from now on is no longer its to list (another run, or any
+        pipeline after it in this process, would otherwise write into a file that may be gone)."""
+        with self._lock:
+            self.file = None
+
     def clear(self) -> None:
         with self._lock:
             self.entries, self.earlier, self.file = {}, {}, None

@@ -238,6 +238,7 @@ class Trainer:
         finally:
             watch.uninstall()
             streaming.close_all()   # the bounded cache's windows go with the run
+            CORRUPT_LOG.close()     # and so does its list of corrupt images
 
     def build_callbacks(self, run: Run, stream: TrainStream, streams: Streams, store: CheckpointStore,
                         watch: PreemptionWatch, metrics_log: MetricsLog, corrupt: CorruptCounter, val_ds, out: str,
