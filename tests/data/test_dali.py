@@ -135,7 +135,7 @@ def test_auto_is_tf_on_cpu_replicas_and_dali_names_the_install_command_where_it_
     assert dali.choose(DataConfig(decoder="auto", format="image_folder"), list(CPU_DEVICES)) == "tf"
     assert dali.choose(DataConfig(decoder="dali", format="image_folder"), list(CPU_DEVICES)) == "dali"
     with pytest.raises(UserError, match="needs distribute.strategy: mirrored"):  # no dataset per replica there
-        dali.choose(DataConfig(decoder="dali", format="image_folder"), list(CPU_DEVICES), "multi_worker")
+        dali.choose(DataConfig(decoder="dali", format="image_folder"), list(CPU_DEVICES), False, "multi_worker")
     shim = tmp_path / "shim" / "nvidia" / "dali"
     shim.mkdir(parents=True)
     (shim.parent / "__init__.py").write_text("")

@@ -64,14 +64,11 @@ def available() -> str:
     return ""
 
 
-# The strategies whose `distribute_datasets_from_function` makes a dataset per replica
-# (InputReplicationMode.PER_REPLICA), which a DALI pipeline per device needs: TensorFlow's MirroredStrategy only,
-# so DALI runs on one host.
-PER_REPLICA_STRATEGIES = ("mirrored",)
-
-
-def choose(cfg: DataConfig, devices: list[str], strategy: str = "mirrored") -> str:
+def choose(cfg: DataConfig, devices: list[str], per_replica: bool = True, strategy: str = "mirrored") -> str:
     """The decoder a run uses: data.decoder, with auto resolved on the run's strategy and replica devices.
+
+    `per_replica`: whether the run's strategy makes a dataset per replica, which a DALI pipeline per device
+    needs (`tfdp.distribute.strategy.Runtime.per_replica_datasets`); `strategy` names it in the refusal.
 
     auto is DALI where it imports, the strategy makes a dataset per replica
     and every replica is a GPU of its own (DALI is given a physical GPU's
@@ -84,9 +81,9 @@ def choose(cfg: DataConfig, devices: list[str], strategy: str = "mirrored") -> s
     gpus = bool(devices) and all("GPU" in d.upper() for d in devices)
     if cfg.decoder == "auto":
         physical = len(tf.config.list_physical_devices("GPU"))
-        fits = strategy in PER_REPLICA_STRATEGIES and gpus and len(devices) <= physical and memory_grows()
+        fits = per_replica and gpus and len(devices) <= physical and memory_grows()
         return "dali" if fits and not available() else "tf"
-    if strategy not in PER_REPLICA_STRATEGIES:
+    if not per_replica:
         raise UserError(f"data.decoder: dali needs distribute.strategy: mirrored (one host), not {strategy}: only "
                         f"TensorFlow's MirroredStrategy makes the dataset per replica a DALI pipeline per device needs")
     why = available()

@@ -46,6 +46,13 @@ class Runtime:
         return self.strategy.num_replicas_in_sync
 
     @property
+    def per_replica_datasets(self) -> bool:
+        """Whether `distribute_datasets_from_function` can make a dataset per replica
+        (InputReplicationMode.PER_REPLICA), as a decoder per device needs (`tfdp.data.dali`): TensorFlow's
+        MirroredStrategy only, so one host."""
+        return self.kind == "mirrored"
+
+    @property
     def is_chief(self) -> bool:
         """The one process that writes checkpoints, logs and the final model."""
         return self.worker_index == 0

@@ -145,7 +145,7 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime, checkpoint: dict | 
                 tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n),
                 accum_steps=layout.accum_steps, layout=layout,
                 xla=use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn), resume_line=resume_line,
-                decoder=dali.choose(cfg.data, list(runtime.devices), runtime.kind))
+                decoder=dali.choose(cfg.data, list(runtime.devices), runtime.per_replica_datasets, runtime.kind))
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
