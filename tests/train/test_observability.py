@@ -130,6 +130,17 @@ def test_probes_wait_for_two_windows_that_agree():
     assert not steady([0.0, 1.0, 2.0], 2)           # one window is never steady
 
 
+def test_input_rate_beside_training_counts_whole_batch_intervals():
+    """A pipeline slower than one batch per training window still reads as its rate (CI once read 0 here)."""
+    from tfdp.commands.benchmark import Drain
+    drain = Drain(dataset=None)
+    drain.stamps = [0.0, 1.0, 2.0, 3.0]        # one batch of 8 a second
+    assert drain.rate(8, 1.2, 1.5) == pytest.approx(8.0)    # no batch inside the window: 1.0 -> 2.0
+    assert drain.rate(8, 0.5, 2.5) == pytest.approx(8.0)    # two inside: 0.0 -> 3.0, three intervals
+    drain.stamps = [0.0]                       # nothing arrived after the window: no rate to claim
+    assert drain.rate(8, 1.0, 2.0) == 0.0
+
+
 @pytest.mark.slow
 def test_benchmark_measures_one_and_two_replicas(tmp_path, digits_dir):
     out = tmp_path / "bench"

@@ -236,19 +236,24 @@ def pipeline_rate(dataset, global_batch: int, steps: int, warmup: int) -> float:
 class Drain:
     """Reads a pipeline as fast as it delivers, in a thread, while the caller trains: the input rate under load."""
 
+    FIRST_BATCH_S = 120  # how long entering waits for the pipeline's first batch (start-up is not its rate)
+
     def __init__(self, dataset):
         import threading
         self.dataset, self.stamps, self.stop = dataset, [], threading.Event()
+        self.first = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="tfdp-benchmark-drain")
 
     def _run(self):
         for _ in self.dataset:
             self.stamps.append(time.perf_counter())
+            self.first.set()
             if self.stop.is_set():
                 return
 
     def __enter__(self):
         self.thread.start()
+        self.first.wait(self.FIRST_BATCH_S)
         return self
 
     def __exit__(self, *exc):
@@ -256,10 +261,21 @@ class Drain:
         self.thread.join(timeout=60)
 
     def rate(self, global_batch: int, start: float, end: float) -> float:
-        """Images/s delivered between `start` and `end` (the timed training window): the batches that arrived
-        in it over its length, so a pipeline slower than one batch per window still reads as a rate, not 0."""
-        inside = [t for t in self.stamps if start <= t <= end]
-        return global_batch * len(inside) / (end - start) if end > start else 0.0
+        """Images/s delivered over the timed training window (`start`, `end`).
+
+        Measured from the last batch before the window to the first after it,
+        so the span holds whole batch intervals: a pipeline slower than one
+        batch per window (a short window on a loaded host) still reads as its
+        rate, not as 0.
+        """
+        stamps = sorted(self.stamps)
+        before = [t for t in stamps if t <= start]
+        after = [t for t in stamps if t >= end]
+        inside = [t for t in stamps if start < t < end]
+        lo = before[-1] if before else start
+        hi = after[0] if after else end
+        batches = len(inside) + (1 if after else 0)
+        return global_batch * batches / (hi - lo) if hi > lo else 0.0
 
 
 if __name__ == "__main__":
