@@ -268,13 +268,12 @@ class Drain:
         batch per window (a short window on a loaded host) still reads as its
         rate, not as 0.
         """
-        stamps = sorted(self.stamps)
-        before = [t for t in stamps if t <= start]
-        after = [t for t in stamps if t >= end]
-        inside = [t for t in stamps if start < t < end]
-        lo = before[-1] if before else start
-        hi = after[0] if after else end
-        batches = len(inside) + (1 if after else 0)
+        import bisect
+        stamps = self.stamps  # in arrival order, so sorted
+        first_in, first_after = bisect.bisect_right(stamps, start), bisect.bisect_left(stamps, end)
+        lo = stamps[first_in - 1] if first_in else start
+        hi = stamps[first_after] if first_after < len(stamps) else end
+        batches = first_after - first_in + (first_after < len(stamps))
         return global_batch * batches / (hi - lo) if hi > lo else 0.0
 
 

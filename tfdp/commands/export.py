@@ -340,9 +340,9 @@ def _write_litert(network, served, cfg, path):
 
     Keras' `export(format="litert")` converts the same function but first builds and writes its whole export
     archive, whose walk over the model's objects is slow: a LiteRT export of ResNeXt-50 took 12 s instead of 18 s
-    this way, the same file (docs/benchmarks.md). The converter freezes the variables it finds tracked by the object it is given: a
-    `tf.Module` holding the network's own `tf.Variable`s (Keras 3's variables wrap them; the network itself is not
-    tracked that way, and without them the file's weights would be uninitialised).
+    this way, the same file (docs/benchmarks.md). The converter freezes the variables it finds tracked by the
+    object it is given: a `tf.Module` holding the network's own `tf.Variable`s (Keras 3's variables wrap them;
+    the network itself is not tracked that way, and without them the file's weights would be uninitialised).
     """
     @tf.function(input_signature=pixel_signature(cfg), autograph=False)
     def serve(image):
