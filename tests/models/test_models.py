@@ -29,7 +29,7 @@ KERAS_APPLICATIONS = {
     "efficientnetv2_b3": 14_467_622, "efficientnetv2_s": 21_612_360, "efficientnetv2_m": 54_431_388,
     "efficientnetv2_l": 119_027_848,
 }
-SMALL_IMAGE = {"resnet18_small", "simple_cnn"}  # for 16-32 px inputs: no ImageNet reference
+SMALL_IMAGE = {"resnet18_small", "resnet10_small", "simple_cnn"}  # for 16-32 px inputs: no ImageNet reference
 # Not built for their count here: test_convnext.py checks every ConvNeXt's count from its depths and widths, and
 # builds one of each table (convnext_atto, convnext_tiny).
 COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small", "base", "large")}
@@ -74,7 +74,7 @@ def strategy():
 # the parameter counts above check one by one.
 ONE_PER_BUILDER = {
     "resnet18": "resnet18", "resnet34": "resnet18", "resnet50_v1_5": "resnet50_v1_5",
-    "resnext50_32x4d": "resnext50_32x4d", "resnet18_small": "resnet18_small",
+    "resnext50_32x4d": "resnext50_32x4d", "resnet18_small": "resnet18_small", "resnet10_small": "resnet18_small",
     "resnet50": "resnet50", "resnet101": "resnet50", "resnet152": "resnet50", "inception_v3": "inception_v3",
     "mobilenet_v2": "mobilenet_v2", "mobilenet_v3_large": "mobilenet_v3_large",
     **{f"efficientnetv2_{s}": "efficientnetv2_b0" for s in ("b0", "b1", "b2", "b3", "s", "m", "l")},

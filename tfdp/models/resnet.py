@@ -164,3 +164,10 @@ def resnet18_small(input_shape, num_classes: int, dropout: float, drop_path: flo
     spec = ResNetSpec(basic_block, (2, 2, 2, 2), "resnet18_small_backbone", small_images=True,
                       block_kwargs=(("pytorch_padding", False),))
     return resnet(input_shape, num_classes, dropout, spec, drop_path)
+
+
+@register("resnet10_small", min_size=8, drop_path=True, layer_groups=LAYER_GROUPS)
+def resnet10_small(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
+    spec = ResNetSpec(basic_block, (1, 1, 1, 1), "resnet10_small_backbone", small_images=True,
+                      block_kwargs=(("pytorch_padding", False),))
+    return resnet(input_shape, num_classes, dropout, spec, drop_path)
