@@ -111,19 +111,22 @@ def test_train_two_replicas_reaches_accuracy_saves_config_and_evaluates(demo_run
     assert f"{100 * rows[-1]['val_top1']:.2f}%" in summary and "on 2 replica(s), global batch 64" in summary
     assert (model_dir / "checkpoints" / "best.weights.h5").exists()
 
-    evaluated = run_tfdp("evaluate", "--config=configs/digits.yaml", f"--model_dir={model_dir}", *FAST,
-                         f"--data_dir={digits_dir}", timeout=300)
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    # `tfdp evaluate` in this process (tests/support/inprocess.py): what it prints, not its process, is checked
+    from support.inprocess import evaluate_in_process
+    _, evaluated = evaluate_in_process("--config=configs/digits.yaml", f"--model_dir={model_dir}", *FAST,
+                                       f"--data_dir={digits_dir}")
     best = max(r["val_top1"] for r in rows)
-    assert f"top1 {best:.4f}" in evaluated.stdout
+    assert f"top1 {best:.4f}" in evaluated
 
 
 @pytest.mark.slow
 def test_mixed_bfloat16_matches_float32_accuracy(tmp_path, digits_dir, demo_run):
     """Compared on the plateau (last 3 epochs, 2 seeds): one run's final epoch
     on 360 images moves by a point between seeds in either precision. The demo's run above is the float32 run
-    of seed 0 (the config's defaults, checked in the config it saved); the other three are run here."""
-    common = ["train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
+    of seed 0 (the config's defaults, checked in the config it saved); the other three are run here, in this
+    process (tests/support/inprocess.py: accuracy is the point, not the process)."""
+    from support.inprocess import train_in_process
+    common = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
               f"--data_dir={digits_dir}", "--epochs=8"]
     top1 = {}
     for precision in ("float32", "mixed_bfloat16"):
@@ -131,13 +134,15 @@ def test_mixed_bfloat16_matches_float32_accuracy(tmp_path, digits_dir, demo_run)
         for seed in (0, 1):
             if (precision, seed) == ("float32", 0):
                 result, model_dir = demo_run
+                assert result.returncode == 0, result.stderr[-2000:]
                 saved = yaml.safe_load((model_dir / "config.yaml").read_text())["train"]
                 assert (saved["precision"], saved["seed"], saved["epochs"]) == (precision, seed, 8), saved
             else:
                 model_dir = tmp_path / f"{precision}-{seed}"
-                result = run_tfdp(*common, f"--model_dir={model_dir}", f"--set=train.precision={precision}",
-                                  f"--set=train.seed={seed}", timeout=600)
-            assert result.returncode == 0, result.stderr[-2000:]
+                train_in_process(*common, f"--model_dir={model_dir}", f"--set=train.precision={precision}",
+                                 f"--set=train.seed={seed}")
+                saved = yaml.safe_load((model_dir / "config.yaml").read_text())["train"]
+                assert (saved["precision"], saved["seed"], saved["epochs"]) == (precision, seed, 8), saved
             plateau += [row["val_top1"] for row in read_jsonl(model_dir / "metrics.jsonl")[-3:]]
         top1[precision] = sum(plateau) / len(plateau)
     assert top1["float32"] >= 0.97
@@ -148,7 +153,9 @@ def test_mixed_bfloat16_matches_float32_accuracy(tmp_path, digits_dir, demo_run)
 
 @pytest.mark.slow
 def test_killed_run_resumes_after_the_last_complete_epoch(tmp_path, digits_dir):
-    """kill -9 during epoch 2, run the same command again: it resumes at epoch 2, each epoch logged once."""
+    """kill -9 during epoch 2, run the same command again: it resumes at epoch 2, each epoch logged once.
+    The killed run is a real process; the runs after it are the same command in this process
+    (tests/support/inprocess.py): what they read from the killed run's folder is the point, not their process."""
     import signal
     import subprocess
     import sys
@@ -169,16 +176,15 @@ def test_killed_run_resumes_after_the_last_complete_epoch(tmp_path, digits_dir):
     assert not (model_dir / "checkpoints" / "epoch-0002").exists(), "epoch 2 finished before the kill"
     assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1]
 
-    second = run_tfdp(*args[3:], timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "tfdp: resuming at epoch 2 of 3" in second.stdout
+    from support.inprocess import train_in_process
+    _, second = train_in_process(*args[4:])
+    assert "tfdp: resuming at epoch 2 of 3" in second
     assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2, 3]
     assert not [p for p in os.listdir(model_dir / "checkpoints") if p.startswith(".tmp")]
 
-    third = run_tfdp(*args[3:], timeout=300)  # already complete: nothing retrained, same summary
-    assert third.returncode == 0
-    assert "tfdp: all 3 epochs already trained" in third.stdout and "Epoch " not in third.stdout
-    assert last_line(third.stdout) == last_line(second.stdout)
+    _, third = train_in_process(*args[4:])  # already complete: nothing retrained, same summary
+    assert "tfdp: all 3 epochs already trained" in third and "Epoch " not in third
+    assert last_line(third) == last_line(second)
 
 
 TF_INTERNALS = re.compile(r"^(\[worker \d\] )?([IWEF]\d{4} |WARNING: All log messages)|cross_device_ops|oneDNN|cudart|"

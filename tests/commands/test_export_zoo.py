@@ -6,7 +6,10 @@ checkpoint and exported by the real `tfdp export` in a fresh process, whose
 peak resident memory is read back (`ru_maxrss` of the finished child) and held
 to `tfdp.commands.export.export_memory_bound` for the model's weights (docs/export.md).
 One model per family runs by default, ResNeXt (grouped convolutions) among
-them; the larger ones are `slow`. VGG is measured by benchmarks/export_memory.py
+them. EfficientNetV2-B0 and Inception-v3 (keras.applications, as MobileNetV2)
+run only with TFDP_FULL_ZOO=1 (and are `slow`): MobileNetV2 takes the same
+converter paths (a keras.applications functional graph, batch norm, depthwise
+convolutions) in the default run. VGG is measured by benchmarks/export_memory.py
 (its export needs more memory than a test may take beside the suite's other
 processes), and EfficientNetV2-L too, without an agreement check: with random
 weights its activations grow to ~1e4 and the rounding differences of Keras' own
@@ -35,6 +38,11 @@ LINE = re.compile(r"tfdp: export: (\w+): .*: top-1 agrees with the Keras model o
 # float32 rounding is ~1e-6 of the outputs' scale; a broken graph is off by a whole share of it
 MAX_RELATIVE_DIFFERENCE = 1e-4
 IMAGES = 24
+# Two more keras.applications families, about 50 CPU-s each: mobilenet_v2 takes their converter paths by default.
+FULL_ZOO = pytest.mark.skipif(
+    os.environ.get("TFDP_FULL_ZOO") != "1",
+    reason="runs with TFDP_FULL_ZOO=1: mobilenet_v2 covers the keras.applications converter paths (functional "
+           "graph, batch norm, depthwise convolutions) in the default run")
 
 ZOO = [  # (registry name, image size): one per family
     ("simple_cnn", 8),
@@ -43,8 +51,8 @@ ZOO = [  # (registry name, image size): one per family
     ("mobilenet_v2", 32),
     ("deit_tiny_distilled_patch16_224", 32),   # attention, LayerNorm, GELU, two classifier heads averaged
     ("convnext_atto", 32),                     # depthwise 7x7 convolutions, LayerNorm, GELU, layer scale
-    pytest.param("efficientnetv2_b0", 32, marks=pytest.mark.slow),
-    pytest.param("inception_v3", 75, marks=pytest.mark.slow),
+    pytest.param("efficientnetv2_b0", 32, marks=[pytest.mark.slow, FULL_ZOO]),   # squeeze-excite, swish
+    pytest.param("inception_v3", 75, marks=[pytest.mark.slow, FULL_ZOO]),        # concatenated branches
 ]
 
 

@@ -86,7 +86,9 @@ def test_bad_ramps_are_one_line_errors(fields, message):
     assert "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("name", ["resnet18_small", "mobilenet_v2"])
+# The small-image ResNet builder (resnet10_small: resnet18_small's code with one block per stage) and a
+# keras.applications model.
+@pytest.mark.parametrize("name", ["resnet10_small", "mobilenet_v2"])
 def test_any_size_model_gives_the_static_models_logits(name):
     size = 32
     static_cfg = validate({"model": {"name": name}, "data": {"image_size": size}})
@@ -180,7 +182,7 @@ def test_whole_step_xla_compiles_each_size(strategy_of_two):
 
 def test_evaluation_and_export_run_at_the_evaluation_size(small_dir, tmp_path):
     from tfdp.commands.export import export
-    cfg = validate({"model": {"name": "resnet18_small"},
+    cfg = validate({"model": {"name": "resnet10_small"},   # an any-size model with batch norm, the demo's builder
                     "data": {"format": "image_folder", "dir": small_dir, "image_size": 16, "eval_image_size": 24,
                              "eval_crop_fraction": 1.0, "hflip": False}})
     split = build_source(cfg.data).split("val")
@@ -215,13 +217,14 @@ def test_bad_sizes_on_the_command_line_are_one_line(small_dir, tmp_path):
 
 @pytest.mark.slow
 def test_progressive_run_trains_each_size_and_evaluates_at_the_test_size(tiny_dir, tmp_path):
-    """resnet18_small on 2 replicas, 16 -> 24 -> 32 px over 3 epochs (of one step: 64 digits, a ResNet's epoch
-    at 32 px being what costs), evaluated at 40 px; `tfdp evaluate` of the last checkpoint finds what training
+    """resnet10_small (the demo's small-image ResNet with one block per stage: any size, batch norm) on 2 replicas,
+    16 -> 24 -> 32 px over 3 epochs (of one step: 64 digits, a ResNet's epoch at 32 px being what costs), evaluated
+    at 40 px; `tfdp evaluate` of the last checkpoint finds what training
     reported for the last epoch. Both commands run in this process, from the same flags (inprocess):
     what is checked is what the run does, not the process around it."""
     from support.inprocess import evaluate_in_process, train_in_process
     args = ["--config=configs/digits.yaml", "--data_format=image_folder", f"--data_dir={tiny_dir}",
-            f"--model_dir={tmp_path}", "--cpu_replicas=2", "--set=data.image_size=32",
+            f"--model_dir={tmp_path}", "--cpu_replicas=2", "--model=resnet10_small", "--set=data.image_size=32",
             "--set=data.progressive_min_size=16", "--set=data.progressive_end_epoch=2",
             "--set=data.progressive_step=8", "--set=data.eval_image_size=40", "--set=schedule.warmup_epochs=0"]
     _, stdout = train_in_process(*args, "--epochs=3")

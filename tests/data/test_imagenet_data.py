@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, last_line, read_jsonl, run_tfdp
+from support.inprocess import train_in_process
 from pipelines.convert_imagenet import Item, Prepared, convert, image_example
 from support.photos import SYNSETS, write_imagenet_tree
 from tfdp.config import DataConfig
@@ -668,11 +669,12 @@ def test_file_level_sharding_when_files_suffice_else_by_example(trees, shards):
 def test_train_on_shards_reports_corrupt_images_and_stops_when_too_many(trees, tmp_path):
     write_records(str(tmp_path / "rec"), trees["ilsvrc"], corrupt_at=(2, 9), n=40)
     common = ["train", "--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=tfrecord",
-              f"--data_dir={tmp_path / 'rec'}", "--set=model.num_classes=3", "--epochs=2",
+              f"--data_dir={tmp_path / 'rec'}", "--set=model.num_classes=3", "--epochs=1",
               "--batch_size_per_replica=4", "--set=data.image_size=16", "--set=schedule.warmup_epochs=0"]
-    ok = run_tfdp(*common, f"--model_dir={tmp_path / 'ok'}", "--set=data.max_bad_fraction=0.1", timeout=300)
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "skipped" in last_line(ok.stdout) and "corrupt training image(s)" in last_line(ok.stdout)
+    # The run that goes through in this process (its exit status is not the point; the two that stop are
+    # processes, for their status and their one line). Both corrupt records are in the first epoch.
+    _, ok = train_in_process(*common[1:], f"--model_dir={tmp_path / 'ok'}", "--set=data.max_bad_fraction=0.1")
+    assert "skipped" in last_line(ok) and "corrupt training image(s)" in last_line(ok)
     assert read_jsonl(tmp_path / "ok" / "metrics.jsonl")[-1]["corrupt_images"] >= 2
     strict = run_tfdp(*common, f"--model_dir={tmp_path / 'strict'}", "--set=data.max_bad_fraction=0.01", timeout=300)
     assert strict.returncode == 2

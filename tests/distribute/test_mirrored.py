@@ -13,6 +13,8 @@ from tfdp.train.task import Plan, compile_model
 
 STEPS = 6
 GLOBAL_BATCH = 32
+# A ResNet with batch norm, the demo's stem, stages and head, one block per stage: the batch-norm tests' model.
+RESNET = "resnet10_small"
 
 
 def make_cfg(digits_dir, replicas, model="simple_cnn", jit_compile=False, lr=0.4, sync_bn=False):
@@ -68,7 +70,7 @@ def test_whole_step_xla_trains_like_the_plain_keras_step_with_batch_norm(digits_
     state of Keras' own op-by-op step (the module's plain runs, `resnet_two_one`)."""
     # A moderate learning rate: at 0.4 a deep net amplifies XLA's different rounding within 6 steps.
     _, plain, initial = resnet_two_one[0 if replicas == 2 else 1]
-    _, xla, _ = train_steps(digits_dir, replicas, start=initial, model="resnet18_small", jit_compile=True, lr=0.05)
+    _, xla, _ = train_steps(digits_dir, replicas, start=initial, model=RESNET, jit_compile=True, lr=0.05)
     forward_backward, whole_step, update = xla.tfdp_step_functions
     ran = [f.experimental_get_tracing_count() > 0 for f in (forward_backward, whole_step, update)]
     assert ran == ([False, True, False] if replicas == 1 else [True, False, True])  # one program, or two
@@ -116,10 +118,10 @@ def moving_statistics(model):
 
 @pytest.fixture(scope="module")
 def resnet_two_one(digits_dir):
-    """The demo's model (batch norm) after 6 steps on 2 replicas and on 1, plain batch norm, Keras' own step;
+    """A ResNet with batch norm (RESNET) after 6 steps on 2 replicas and on 1, plain batch norm, Keras' own step;
     both from the same weights. Tests that change them put them back."""
-    two = train_steps(digits_dir, 2, model="resnet18_small", lr=0.05)
-    return two, train_steps(digits_dir, 1, start=two[2], model="resnet18_small", lr=0.05)
+    two = train_steps(digits_dir, 2, model=RESNET, lr=0.05)
+    return two, train_steps(digits_dir, 1, start=two[2], model=RESNET, lr=0.05)
 
 
 def test_averaging_sets_every_replica_to_the_mean_of_the_replicas_statistics(resnet_two_one):
@@ -147,7 +149,7 @@ def test_averaging_sets_every_replica_to_the_mean_of_the_replicas_statistics(res
 
 def test_sync_bn_on_two_replicas_equals_one_device_at_the_same_global_batch(digits_dir, resnet_two_one):
     (_, plain, start), (_, one, _) = resnet_two_one
-    _, synced, _ = train_steps(digits_dir, 2, start=start, model="resnet18_small", lr=0.05, sync_bn=True)
+    _, synced, _ = train_steps(digits_dir, 2, start=start, model=RESNET, lr=0.05, sync_bn=True)
     reference = moving_statistics(one)
 
     def worst(model):

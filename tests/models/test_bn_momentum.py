@@ -29,14 +29,18 @@ def batch_norms(model: keras.Model) -> list[keras.layers.BatchNormalization]:
 
 @pytest.mark.parametrize("name", ["resnet50", "resnet50_v1_5"])   # keras.applications (0.99), torchvision layout (0.9)
 def test_the_momentum_reaches_every_batch_norm_layer(name):
+    """Built for their layers only (`shapes_only`: a momentum is the layer's, no weight value is needed)."""
+    from support.shapes import shapes_only
     data = DataConfig(image_size=32)
-    own = {layer.name: layer.momentum for layer in
-           batch_norms(build_model(ModelConfig(name=name, bn_momentum=0.5, init_from=""), data))}
-    assert set(own.values()) == {0.5}
-    scratch = build_model(ModelConfig(name=name), data)   # auto, from scratch
-    assert {layer.momentum for layer in batch_norms(scratch)} == {0.9}
-    fine_tuned = build_model(ModelConfig(name=name, init_from="imagenet"), data)   # auto: the architecture's own
-    assert {layer.momentum for layer in batch_norms(fine_tuned)} == {0.99 if name == "resnet50" else 0.9}
+    with shapes_only():
+        own = {layer.name: layer.momentum for layer in
+               batch_norms(build_model(ModelConfig(name=name, bn_momentum=0.5, init_from=""), data))}
+        assert set(own.values()) == {0.5}
+        scratch = build_model(ModelConfig(name=name), data)   # auto, from scratch
+        assert {layer.momentum for layer in batch_norms(scratch)} == {0.9}
+        fine_tuned = build_model(ModelConfig(name=name, init_from="imagenet"), data)   # auto: the architecture's own
+        assert {layer.momentum for layer in batch_norms(fine_tuned)} == {0.99 if name == "resnet50" else 0.9}
+    keras.backend.clear_session()
 
 
 @pytest.fixture

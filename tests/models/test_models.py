@@ -163,11 +163,14 @@ def _dropout_rates(model):
 
 @pytest.mark.parametrize("name, layers", [("vgg11", ("dropout1", "dropout2")), ("squeezenet1_1", ("dropout",))])
 def test_vgg_and_squeezenet_dropout_defaults_to_half_and_a_configured_zero_removes_it(name, layers):
+    """Built for their layers only (`shapes_only`: no values for VGG's 133M weights, which the rates do not need)."""
     import keras
+    from support.shapes import shapes_only
     rates = {}
     for dropout in (None, 0.0, 0.3):
         cfg = validate({"model": {"name": name, "dropout": dropout}, "data": {"image_size": 32}})
-        rates[dropout] = _dropout_rates(build_model(cfg.model, cfg.data))
+        with shapes_only():
+            rates[dropout] = _dropout_rates(build_model(cfg.model, cfg.data))
         keras.backend.clear_session()
     assert rates == {None: dict.fromkeys(layers, 0.5), 0.0: {}, 0.3: dict.fromkeys(layers, 0.3)}
 
@@ -176,13 +179,16 @@ def test_vgg_and_squeezenet_dropout_defaults_to_half_and_a_configured_zero_remov
                                                   ("efficientnetv2_b0", "top_dropout", 0.2),  # rate set afterwards
                                                   ("mobilenet_v3_large", "dropout", 0.2)])  # `dropout_rate`
 def test_keras_applications_models_honour_the_configured_dropout(name, layer, default):
+    """Built for their layers only (`shapes_only`: the rates and the output shape need no weight values)."""
     import keras
+    from support.shapes import shapes_only
     rates = {}
     for dropout in (None, 0.3):
         cfg = validate({"model": {"name": name, "num_classes": 5, "dropout": dropout}, "data": {"image_size": 32}})
-        model = build_model(cfg.model, cfg.data)
-        rates[dropout] = _dropout_rates(model)
-        assert model.output_shape == (None, 5)
+        with shapes_only():
+            model = build_model(cfg.model, cfg.data)
+            rates[dropout] = _dropout_rates(model)
+            assert model.output_shape == (None, 5)
         keras.backend.clear_session()
     assert rates == {None: {layer: default} if default else {}, 0.3: {layer: 0.3}}
 

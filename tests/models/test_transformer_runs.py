@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, last_line, read_jsonl, run_tfdp
+from conftest import REPO, last_line, read_jsonl
 from support.fixed_steps import train_fixed_batches
 from tfdp.config import validate
 
@@ -83,20 +83,31 @@ def kill_after_step_checkpoint(args, model_dir, step):
     assert checkpoint.exists()
 
 
+@pytest.fixture
+def op_determinism_restored():
+    """train.deterministic switches TensorFlow's op determinism on for the whole process; the tests that run
+    after this one in the same process (tf.data's unseeded random crops among them) need it off again. TensorFlow
+    exports no switch back: its framework config has one."""
+    yield
+    from tensorflow.python.framework import config as tf_framework_config
+    tf_framework_config.disable_op_determinism()
+
+
 @pytest.mark.slow
-def test_vit_killed_mid_epoch_resumes_bit_identical(tmp_path, small_dir):
+def test_vit_killed_mid_epoch_resumes_bit_identical(tmp_path, small_dir, op_determinism_restored):
     """kill -9 right after the step checkpoint of step 3 (of 5 in epoch 1), the same command again: it goes on
-    at step 4 and ends with the uninterrupted run's weights fingerprint, metrics and validation numbers."""
-    clean = run_tfdp(*vit_run(small_dir, tmp_path / "clean"), timeout=600)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    at step 4 and ends with the uninterrupted run's weights fingerprint, metrics and validation numbers.
+    The killed run is a real `tfdp` process (what SIGKILL interrupts); the uninterrupted run and the resume run
+    in this process from the same flags (inprocess), so the fingerprints also match across processes."""
+    from support.inprocess import train_in_process
+    _, clean = train_in_process(*vit_run(small_dir, tmp_path / "clean")[1:])
     model_dir = tmp_path / "killed"
     kill_after_step_checkpoint(vit_run(small_dir, model_dir), model_dir, 3)
-    resumed = run_tfdp(*vit_run(small_dir, model_dir), timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "tfdp: resuming at epoch 1 of 2, step 4 of 5" in resumed.stdout
+    _, resumed = train_in_process(*vit_run(small_dir, model_dir)[1:])
+    assert "tfdp: resuming at epoch 1 of 2, step 4 of 5" in resumed
     fingerprint = re.compile(r"weights fingerprint (\w+)")
-    assert fingerprint.findall(resumed.stdout) == fingerprint.findall(clean.stdout) != []
-    assert last_line(resumed.stdout).split(",")[:2] == last_line(clean.stdout).split(",")[:2]  # epochs, top-1
+    assert fingerprint.findall(resumed) == fingerprint.findall(clean) != []
+    assert last_line(resumed).split(",")[:2] == last_line(clean).split(",")[:2]  # epochs, top-1
     rows, clean_rows = read_jsonl(model_dir / "metrics.jsonl"), read_jsonl(tmp_path / "clean" / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2]
     for key in ("loss", "top1", "val_loss", "val_top1"):  # the partial epoch's metrics continued exactly

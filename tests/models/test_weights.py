@@ -252,12 +252,24 @@ def bad_input_cases(trained_run, tmp_path):
     }
 
 
-def test_bad_weights_are_one_line_each(trained_run, small_dir, tmp_path):
-    for case, (args, fragments) in bad_input_cases(trained_run, tmp_path).items():
-        result = run_tfdp(*train_args(small_dir, tmp_path / case.replace(" ", "_"), *args), timeout=300,
-                          env_extra={"KERAS_HOME": str(tmp_path / "keras"), MIRROR_ENV: OFFLINE_MIRROR})
-        line = assert_one_line_error(result, 2, "tfdp: error: ", *fragments)
-        assert case and line
+def test_bad_weights_are_one_line_each(trained_run, small_dir, tmp_path, monkeypatch):
+    """Each case stops `tfdp train` with a one-line UserError naming the problem: every case in this process (the
+    trainer from the same flags: inprocess), which is where the error is made and worded; and one case through the
+    real command line, which turns any UserError into that line on stderr and exit status 2 (`tfdp.cli.main`)."""
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras"))
+    monkeypatch.setenv(MIRROR_ENV, OFFLINE_MIRROR)
+    cases = bad_input_cases(trained_run, tmp_path)
+    for case, (args, fragments) in cases.items():
+        with pytest.raises(UserError) as raised:
+            train_in_process(*train_args(small_dir, tmp_path / case.replace(" ", "_"), *args)[1:])
+        message = str(raised.value)
+        assert raised.value.exit_code == 2 and "\n" not in message, (case, message)
+        for fragment in fragments:
+            assert fragment in message, (case, message)
+    args, fragments = cases["another architecture (shapes)"]
+    result = run_tfdp(*train_args(small_dir, tmp_path / "command_line", *args), timeout=300,
+                      env_extra={"KERAS_HOME": str(tmp_path / "keras"), MIRROR_ENV: OFFLINE_MIRROR})
+    assert_one_line_error(result, 2, "tfdp: error: ", *fragments)
 
 
 @pytest.mark.parametrize("torch_name,name", [("resnet34", "resnet34"), ("resnet50", "resnet50_v1_5"),

@@ -225,7 +225,7 @@ def test_sync_bn_with_accumulation_normalises_each_micro_batch_over_both_replica
 
     def with_sync_bn(*args, **kwargs):
         cfg = original(*args, **kwargs)
-        cfg.model.name, cfg.model.sync_bn = "resnet18_small", True
+        cfg.model.name, cfg.model.sync_bn = "resnet10_small", True  # a ResNet: batch norm
         return cfg
     monkeypatch.setattr(f"{__name__}.make_cfg", with_sync_bn)
     model, initial = train_steps(digits_dir, 2, 2, jit=False)
@@ -258,10 +258,19 @@ def test_keras_own_gradient_accumulation_cannot_run_under_mirrored_strategy():
 def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_path, tiny_dir):
     """2 workers (`tfdp launch`), whole-step XLA, 2 micro-batches of 16 per worker and step, against one process
     with 2 replicas of 32 and Keras' own step: the same weights after 4 steps (rtol 1e-4, atol 1e-5)."""
-    from test_multi_worker import FAST, assert_matches_two_replica_run, deterministic
+    from support.inprocess import train_in_process
+    from test_multi_worker import FAST, deterministic, layer_weights
     launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
                         f"--model_dir={tmp_path}/mw", "--set=train.global_batch=64", "--set=train.grad_accum_steps=2",
                         *deterministic(tiny_dir), "--set=train.jit_compile=true", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
     assert "tfdp: batch: global 64 = 16 per replica x 2 replica(s) x 2 accumulation step(s)" in launched.stdout
-    assert_matches_two_replica_run(tmp_path, tiny_dir, rtol=1e-4, atol=1e-5)
+    # The reference: test_multi_worker's one-process 2-replica run (`assert_matches_two_replica_run`), in this
+    # process (the 2 logical CPUs conftest splits) instead of a third `tfdp` process.
+    train_in_process(*FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
+                     "--batch_size_per_replica=32", *deterministic(tiny_dir))
+    ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
+    assert ours.keys() == reference.keys() and len(ours) >= 8
+    for name in ours:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)

@@ -51,11 +51,25 @@ def captured_stdout():
         yield tee
 
 
+@contextlib.contextmanager
+def op_determinism_as_it_was():
+    """`train.deterministic` switches TensorFlow's op determinism on for the rest of a process's life (a `tfdp`
+    process ends with its run); in a test process the tests after it (tf.data's unseeded random crops among them)
+    need it off again. TensorFlow exports no switch back: its framework config has one."""
+    from tensorflow.python.framework import config as tf_framework_config
+    was_on = tf_framework_config.is_op_determinism_enabled()
+    try:
+        yield
+    finally:
+        if not was_on:
+            tf_framework_config.disable_op_determinism()
+
+
 def train_in_process(*args: str) -> tuple[dict, str]:
-    """`tfdp train *args` in this process: the run's summary and its stdout."""
+    """`tfdp train *args` in this process: the run's summary and its stdout (op determinism as it was before)."""
     from tfdp.distribute.strategy import make_runtime
     from tfdp.train.trainer import train
-    with captured_stdout() as out:
+    with captured_stdout() as out, op_determinism_as_it_was():
         cfg = cli_config(*args)
         summary = train(cfg, make_runtime(cfg.distribute))
     return summary, out.getvalue()

@@ -25,10 +25,11 @@ def scalar_steps(event_dir):
 
 
 @pytest.fixture(scope="module")
-def finished_run(digits_dir, tmp_path_factory):
+def finished_run(small_dir, tmp_path_factory):
+    """3 epochs of 5 steps (320 of the digits, a global batch of 64): the profiled steps 2 and 3 in each."""
     model_dir = tmp_path_factory.mktemp("obs") / "run"
     wandb_dir = model_dir.parent / "wandb-home"
-    result = run_tfdp("train", *FAST, f"--model_dir={model_dir}", f"--data_dir={digits_dir}", "--epochs=3",
+    result = run_tfdp("train", *FAST, f"--model_dir={model_dir}", f"--data_dir={small_dir}", "--epochs=3",
                       "--set=log.profile_steps=[2, 3]", "--set=log.wandb_project=tfdp-test",
                       "--set=log.wandb_mode=offline", timeout=600,
                       env_extra={"WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"})

@@ -8,8 +8,11 @@ class probabilities: `saved_model/` (TensorFlow Serving; signature `serve`,
 input `image_bytes`) and `model.keras`. ONNX and LiteRT have no JPEG decoder
 op, so `model.onnx` and `model.tflite` take the uint8 NHWC batch of
 evaluation-size crops and return logits, as timm's and torchvision's ONNX
-exports do. SavedModel, Keras and LiteRT are written by Keras' own exporters
-(`keras.Model.export`); ONNX by tf2onnx in its large-model mode (below). All
+exports do. The SavedModel is TensorFlow's saver applied to the function
+Keras' `export(format="tf_saved_model")` traces, the LiteRT file its TFLite
+converter on the pixel function (each without Keras' export archive, whose
+walk over the model is slow), `model.keras` Keras' own `save`; ONNX is
+tf2onnx in its large-model mode (below). All
 come from the network rebuilt for inference: without its training-only
 random flip, with grouped convolutions split into plain ones
 (`tfdp.models.layers`), in float32 whatever `train.precision` trained it in.
@@ -124,7 +127,24 @@ def pixel_signature(cfg: Config) -> list[tf.TensorSpec]:
 # --- writers ------------------------------------------------------------------
 
 def _write_saved_model(network, served, cfg, path):
-    served.export(path, format="tf_saved_model", verbose=False)
+    """The SavedModel Keras' `export(format="tf_saved_model")` writes (endpoint `serve`, also `serving_default`,
+    input `image_bytes`, output `output_0`), saved straight from the traced function and the network's own
+    `tf.Variable`s (as `_write_litert` gives them to its converter).
+
+    Keras' exporter first walks every object the model holds to collect lookup tables (`TrackableResource`s), a
+    walk that costs more than the save itself on a deep network; a tfdp serving model has no such table, and a
+    resource the function used but this holder does not track makes `tf.saved_model.save` fail, not write a
+    broken file.
+    """
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")], autograph=False)
+    def serve(image_bytes):
+        return served(image_bytes, training=False)
+
+    holder = tf.Module()
+    holder.weights = [v.value for v in served.variables]
+    holder.serve = serve
+    concrete = serve.get_concrete_function()
+    tf.saved_model.save(holder, path, signatures={"serve": concrete, "serving_default": concrete})
 
 
 def _write_keras(network, served, cfg, path):
