@@ -45,12 +45,11 @@ def test_the_momentum_reaches_every_batch_norm_layer(name):
 
 @pytest.fixture
 def op_determinism_restored():
-    """train.deterministic switches TensorFlow's op determinism on for the whole process; the tests that run
-    after this one in the same process (tf.data's unseeded random crops among them) need it off again. TensorFlow
-    exports no switch back: its framework config has one."""
-    yield
-    from tensorflow.python.framework import config as tf_framework_config
-    tf_framework_config.disable_op_determinism()
+    """train.deterministic switches TensorFlow's op determinism on for the whole process; the tests after this one
+    in the same process need it off again (tests/support/inprocess.py)."""
+    from support.inprocess import op_determinism_as_it_was
+    with op_determinism_as_it_was():
+        yield
 
 
 @pytest.mark.slow

@@ -83,18 +83,8 @@ def kill_after_step_checkpoint(args, model_dir, step):
     assert checkpoint.exists()
 
 
-@pytest.fixture
-def op_determinism_restored():
-    """train.deterministic switches TensorFlow's op determinism on for the whole process; the tests that run
-    after this one in the same process (tf.data's unseeded random crops among them) need it off again. TensorFlow
-    exports no switch back: its framework config has one."""
-    yield
-    from tensorflow.python.framework import config as tf_framework_config
-    tf_framework_config.disable_op_determinism()
-
-
 @pytest.mark.slow
-def test_vit_killed_mid_epoch_resumes_bit_identical(tmp_path, small_dir, op_determinism_restored):
+def test_vit_killed_mid_epoch_resumes_bit_identical(tmp_path, small_dir):
     """kill -9 right after the step checkpoint of step 3 (of 5 in epoch 1), the same command again: it goes on
     at step 4 and ends with the uninterrupted run's weights fingerprint, metrics and validation numbers.
     The killed run is a real `tfdp` process (what SIGKILL interrupts); the uninterrupted run and the resume run
