@@ -18,6 +18,7 @@ beside the training step.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
@@ -268,7 +269,6 @@ class Drain:
         batch per window (a short window on a loaded host) still reads as its
         rate, not as 0.
         """
-        import bisect
         stamps = self.stamps  # in arrival order, so sorted
         first_in, first_after = bisect.bisect_right(stamps, start), bisect.bisect_left(stamps, end)
         lo = stamps[first_in - 1] if first_in else start

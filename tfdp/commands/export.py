@@ -126,6 +126,14 @@ def pixel_signature(cfg: Config) -> list[tf.TensorSpec]:
 
 # --- writers ------------------------------------------------------------------
 
+def variables_held(model) -> tf.Module:
+    """A `tf.Module` tracking the model's own `tf.Variable`s (Keras 3's variables wrap them, and the model itself
+    is not tracked that way): what TensorFlow's saver and TFLite converter find, save and freeze."""
+    holder = tf.Module()
+    holder.weights = [v.value for v in model.variables]
+    return holder
+
+
 def _write_saved_model(network, served, cfg, path):
     """The SavedModel Keras' `export(format="tf_saved_model")` writes (endpoint `serve`, also `serving_default`,
     input `image_bytes`, output `output_0`), saved straight from the traced function and the network's own
@@ -140,8 +148,7 @@ def _write_saved_model(network, served, cfg, path):
     def serve(image_bytes):
         return served(image_bytes, training=False)
 
-    holder = tf.Module()
-    holder.weights = [v.value for v in served.variables]
+    holder = variables_held(served)
     holder.serve = serve
     concrete = serve.get_concrete_function()
     tf.saved_model.save(holder, path, signatures={"serve": concrete, "serving_default": concrete})
@@ -368,8 +375,7 @@ def _write_litert(network, served, cfg, path):
     def serve(image):
         return network(image, training=False)
 
-    holder = tf.Module()
-    holder.weights = [v.value for v in network.variables]
+    holder = variables_held(network)
     converter = tf.lite.TFLiteConverter.from_concrete_functions([serve.get_concrete_function()], holder)
     # Builtin ops only: the plain LiteRT interpreter (phones, ai_edge_litert) has no TensorFlow (Flex) ops.
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
