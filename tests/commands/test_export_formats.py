@@ -59,6 +59,12 @@ def keras_reference(cfg):
     return model, images, split.files, logits
 
 
+@pytest.fixture(scope="module")
+def reference(trained_run):
+    """`keras_reference` of the trained run, shared by the two tests that compare the exports with it."""
+    return keras_reference(trained_run[1])
+
+
 def run_litert(path, images):
     from ai_edge_litert.interpreter import Interpreter
     interpreter = Interpreter(model_path=path)
@@ -102,7 +108,7 @@ def exported(trained_run, tmp_path_factory):
     return printed, out
 
 
-def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported):
+def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported, reference):
     _, cfg = trained_run
     stdout, out = exported
     printed = {m[1]: m for m in (AGREEMENT_LINE.match(line) for line in stdout.splitlines()) if m}
@@ -113,7 +119,7 @@ def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported
         assert float(m[6]) == pytest.approx(float(m[7]) / float(m[8]), rel=2e-2, abs=1e-30)  # relative to the scale
 
     # The same, measured here, apart from tfdp's own check.
-    model, images, files, logits = keras_reference(cfg)
+    model, images, files, logits = reference
     # The comparison means something only if the network tells the images apart: one epoch leaves it anywhere
     # between 30 % and 90 % right, so ask for twice chance and for at least half of the classes among its answers,
     # not for a given accuracy.
@@ -139,13 +145,13 @@ def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported
     assert b"_XlaMustCompile" not in graph and b"XlaLaunch" not in graph  # no XLA cluster in the served graph
 
 
-def test_exported_graphs_take_raw_uint8_and_normalise_inside(trained_run, exported):
+def test_exported_graphs_take_raw_uint8_and_normalise_inside(trained_run, exported, reference):
     """uint8 pixels into ONNX and LiteRT (the files `tfdp export` wrote) give what the bare backbone gives on
     (x - data.mean) / data.std."""
     _, cfg = trained_run
     _, out = exported
     paths = {"onnx": str(out / "model.onnx"), "litert": str(out / "model.tflite")}
-    model, images, _, _ = keras_reference(cfg)
+    model, images, _, _ = reference
     backbone = next(layer for layer in model.layers if isinstance(layer, keras.Model))
     normalised = (images.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
     expected = backbone(normalised, training=False).numpy()
@@ -160,21 +166,24 @@ def test_exported_graphs_take_raw_uint8_and_normalise_inside(trained_run, export
         np.testing.assert_allclose(got, expected, atol=1e-3)
 
 
-def test_keras_applications_model_trained_in_mixed_precision_exports_in_float32(digits_dir, tmp_path):
-    """mobilenet_v2 (keras.applications, depthwise convolutions, ReLU6) at 32 px, trained under mixed_bfloat16."""
+def test_keras_applications_model_trained_in_mixed_precision_exports_in_float32(small_dir, tmp_path):
+    """mobilenet_v2 (keras.applications, depthwise convolutions, ReLU6) at 32 px, trained under mixed_bfloat16 for
+    12 steps of 64 on the 320 training digits of `small_dir`, checked on its 40 validation digits. Trained eagerly
+    (`run_eagerly`): tracing the bfloat16 training step of mobilenet_v2 costs more CPU than 12 eager steps, and how
+    the steps run does not change what is exported (the float32 copy of the bfloat16-trained weights)."""
     cfg = validate({"model_dir": str(tmp_path), "model": {"name": "mobilenet_v2", "num_classes": 10},
-                    "data": {"format": "image_folder", "dir": digits_dir, "image_size": 32, "eval_crop_fraction": 1.0},
+                    "data": {"format": "image_folder", "dir": small_dir, "image_size": 32, "eval_crop_fraction": 1.0},
                     "train": {"precision": "mixed_bfloat16"}})
     keras.utils.set_random_seed(2)
     model = model_in_precision(cfg)
     assert model.get_layer("standardize").compute_dtype == "bfloat16"
     model.compile(optimizer=keras.optimizers.Adam(2e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=True)
     for layer in model.get_layer("mobilenetv2_1.00_32").layers:
         if isinstance(layer, keras.layers.BatchNormalization):
             layer.momentum = 0.5  # moving statistics that follow 12 steps: at 0.99 they stay at their start
     shuffled = eval_dataset(build_source(cfg.data).split("train"), cfg.data, 64).unbatch().shuffle(2000, seed=0)
-    model.fit(shuffled.batch(64).take(12), verbose=0)
+    model.fit(shuffled.repeat().batch(64).take(12), verbose=0)
     path = str(tmp_path / "w.weights.h5")
     model.save_weights(path)
     paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), path, str(tmp_path / "out"),
@@ -182,7 +191,7 @@ def test_keras_applications_model_trained_in_mixed_precision_exports_in_float32(
     for name in ("onnx", "litert"):
         a = paths["agreement"][name]
         print(f"mobilenet_v2 {name}: {a.percent:.2f}% of {a.images}, max |logit difference| {a.max_difference:.2e}")
-        assert a.images == 360 and a.agreeing >= MIN_AGREEMENT * a.images
+        assert a.images == 40 and a.agreeing >= MIN_AGREEMENT * a.images
     batches = list(eval_dataset(build_source(cfg.data).split("val"), cfg.data, 64))
     real = np.concatenate([w.numpy() for _, _, w in batches]) > 0
     images = np.concatenate([x.numpy() for x, _, _ in batches])[real]

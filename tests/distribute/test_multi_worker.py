@@ -9,40 +9,23 @@ import subprocess
 import sys
 import time
 
-import h5py
 import numpy as np
 import pytest
 
 from conftest import REPO, last_line, read_jsonl, run_tfdp, tf_log_lines
+from support.cluster_runs import FAST, deterministic, layer_weights
 from support.operators import tfjob_tf_configs
 from tfdp.distribute.cluster import free_ports
 from tfdp.errors import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 
-FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16"]
-
-
-def deterministic(data_dir):
-    """No augmentation randomness, no warmup: every replica layout computes the same mean gradient."""
-    return [f"--data_dir={data_dir}", "--data_format=image_folder", "--set=data.min_crop_area=1.0",
-            "--set=data.hflip=false", "--set=data.eval_crop_fraction=1.0", "--set=schedule.name=constant",
-            "--set=schedule.warmup_epochs=0", "--set=train.label_smoothing=0.0", "--set=optimizer.lr=0.4",
-            "--set=optimizer.weight_decay=0.0", "--epochs=4"]
-
-
-def layer_weights(path):
-    out = {}
-    with h5py.File(path) as f:
-        f["layers"].visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
-    return out
-
-
 def assert_matches_two_replica_run(tmp_path, data_dir, rtol: float, atol: float) -> None:
-    """The weights in tmp_path/mw after epoch 4 equal a one-process 2-replica run's (global batch 64) on `data_dir`."""
-    single = run_tfdp("train", *FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
-                      "--batch_size_per_replica=32", *deterministic(data_dir), timeout=600)
-    assert single.returncode == 0, single.stderr[-3000:]
+    """The weights in tmp_path/mw after epoch 4 equal a one-process 2-replica run's (global batch 64) on `data_dir`:
+    `tfdp train`, in this process (the 2 logical CPUs conftest splits) instead of a third `tfdp` process."""
+    from support.inprocess import train_in_process
+    train_in_process(*FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
+                     "--batch_size_per_replica=32", *deterministic(data_dir))
     ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
     reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
     assert ours.keys() == reference.keys() and len(ours) >= 8
@@ -72,20 +55,16 @@ def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
     assert not [p for p in os.listdir("/tmp") if p.startswith("tfdp-worker1-")]
 
 
-def test_killed_worker_then_same_command_resumes(tmp_path, small_dir):
+def test_killed_worker_then_same_command_resumes(tmp_path, small_dir, clean_demo_run):
     """The chief killed with -9 during epoch 2: the launcher stops the other worker and exits 4; the same command
     resumes after the last complete epoch and ends with the uninterrupted run's weights (deterministic, so the
-    resumed run must match it bit for bit: a stronger check than its accuracy)."""
+    resumed run must match it bit for bit: a stronger check than its accuracy). The run is `demo_on_workers`
+    (batch-norm ResNet, random flip, 2 epochs); the uninterrupted one is the module's `clean_demo_run`, which the
+    SIGTERM test below compares against too."""
     epochs = 2   # the resumed run trains the killed epoch 2 again, from epoch 1's checkpoint
-    common = [*FAST, "--batch_size_per_replica=32", f"--data_dir={small_dir}", "--data_format=image_folder",
-              f"--epochs={epochs}", "--set=train.deterministic=true", "--set=train.checkpoint_every_steps=0"]
-    clean = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/l0", "--", "train", *common,
-                     f"--model_dir={tmp_path}/clean", timeout=600)
-    assert clean.returncode == 0, clean.stdout[-3000:]
-
+    clean, clean_dir = clean_demo_run
     model_dir = tmp_path / "killed"
-    args = [sys.executable, "-m", "tfdp", "launch", "--workers=2", f"--launch_logs={tmp_path}/l1", "--", "train",
-            *common, f"--model_dir={model_dir}"]
+    args = [sys.executable, "-m", "tfdp", *demo_on_workers(small_dir, model_dir, tmp_path / "l1")]
     launcher, pids = start_launch(args)
     epoch1 = model_dir / "checkpoints" / "epoch-0001"
     deadline = time.time() + 300
@@ -109,7 +88,7 @@ def test_killed_worker_then_same_command_resumes(tmp_path, small_dir):
     prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", clean.stdout))
     assert set(prints) == {"0", "1"}
     assert dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", again.stdout)) == prints
-    assert rows[-1]["val_top1"] == read_jsonl(tmp_path / "clean" / "metrics.jsonl")[-1]["val_top1"]
+    assert rows[-1]["val_top1"] == read_jsonl(clean_dir / "metrics.jsonl")[-1]["val_top1"]
 
 
 def start_launch(args, env=None):
@@ -185,6 +164,16 @@ def demo_on_workers(data_dir, model_dir, logs):
             "--set=data.hflip=true"]
 
 
+@pytest.fixture(scope="module")
+def clean_demo_run(small_dir, tmp_path_factory):
+    """`demo_on_workers` never interrupted: (its `tfdp launch` result, its model_dir). One run for the module: the
+    killed-worker and the SIGTERM tests each resume an interrupted copy of it and compare with it."""
+    root = tmp_path_factory.mktemp("clean")
+    clean = run_tfdp(*demo_on_workers(small_dir, root / "clean", root / "l0"), timeout=600)
+    assert clean.returncode == 0, clean.stdout[-3000:]
+    return clean, root / "clean"
+
+
 def start_pods(tf_configs: dict, args: list[str], logs) -> dict:
     """One `python -m tfdp ARGS` process per pod (name → TF_CONFIG), as the operator starts the same command on
     every pod of a TFJob; each pod's output in logs/<name>.log."""
@@ -209,22 +198,21 @@ def wait_pods(pods: dict, logs, timeout: float = 600) -> dict:
     return {name: (codes[name], (logs / f"{name}.log").read_text()) for name in pods}
 
 
-def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp_path, small_dir):
+def test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly(tmp_path, small_dir, clean_demo_run):
     """SIGTERM to one pod of a TFJob: both save at one agreed step and exit 143 (128 + SIGTERM, which TFJob's
     `restartPolicy: ExitCode` restarts); the same command on the same pods then resumes with 0 steps lost, to
     the weights of the run never stopped. The pods get TF_CONFIG as Kubeflow's operator writes it, for a job of
     Master, Worker and Evaluator (support/operators.py): the master is the chief (rank 0, TensorFlow's
     /job:chief), and the evaluator's entry is in every training pod's cluster but no member of the training
     (2 workers). Chief + Workers + Evaluator pods: test_a_tfjob_with_an_evaluator_trains_on_three_pods_..."""
-    clean = run_tfdp(*demo_on_workers(small_dir, tmp_path / "clean", tmp_path / "l0"), timeout=600)
-    assert clean.returncode == 0, clean.stdout[-3000:]
+    clean, clean_dir = clean_demo_run   # the module's run of the same command, never stopped
     prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", clean.stdout))
     assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]  # batch-norm statistics included
-    rows = read_jsonl(tmp_path / "clean" / "metrics.jsonl")
+    rows = read_jsonl(clean_dir / "metrics.jsonl")
     from support.inprocess import evaluate_in_process   # `tfdp evaluate`'s function, in this process
     _, evaluated = evaluate_in_process("--config=configs/digits.yaml", BN_MODEL, f"--data_dir={small_dir}",
                                        "--data_format=image_folder", "--set=data.image_size=8",
-                                       checkpoint=f"{tmp_path}/clean/checkpoints/epoch-0002/model.weights.h5")
+                                       checkpoint=f"{clean_dir}/checkpoints/epoch-0002/model.weights.h5")
     assert f"loss {rows[-1]['val_loss']:.4f}, top1 {rows[-1]['val_top1']:.4f}" in evaluated
 
     model_dir = tmp_path / "preempted"
@@ -289,7 +277,8 @@ def test_a_tfjob_with_an_evaluator_trains_on_three_pods_and_evaluates_each_epoch
     writes it (support/operators.py). The three trainers skip their own validation (train.validate: auto) and
     end with one set of weights; the evaluator pod joins no collective, evaluates every epoch's checkpoint
     once, keeps the best one, and ends with the run; its figures are `tfdp evaluate`'s on the same file. The
-    model is the small ViT (`vit_mini_patch4_small`, drop path on): a transformer trains as one on 3 workers."""
+    model is the small ViT (`vit_mini_patch4_small`, drop path on) at 8 px (2 x 2 patches of 4 px): a transformer
+    trains as one on 3 workers."""
     model_dir = tmp_path / "run"
     vit = [*FAST, "--model=vit_mini_patch4_small", "--set=model.drop_path=0.1"]
     command = ["train", *vit, f"--data_dir={tiny_dir}", "--data_format=image_folder", f"--model_dir={model_dir}",

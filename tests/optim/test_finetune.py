@@ -275,17 +275,18 @@ def h5_weights(path):
 
 
 @pytest.mark.slow
-def test_fine_tuning_from_a_checkpoint_freezes_then_trains_everything(tmp_path, small_dir):
+def test_fine_tuning_from_a_checkpoint_freezes_then_trains_everything(tmp_path, tiny_dir):
     """Pretrain 1 epoch; fine-tune 2 more with the backbone frozen for epoch 2: epoch 2 leaves the backbone
     and its batch-norm statistics bit-identical (the head moves); epoch 3 trains everything. Both runs in this
     process, with the flags `tfdp train` would get: the freeze switch is tested here, the process boundary
-    (kill -9, resume, two workers) below."""
+    (kill -9, resume, two workers) below. On the 64 tiny digits: one step of 64 an epoch, which moves every
+    weight and batch-norm statistic it trains as five would."""
     from support.inprocess import train_in_process
     run = tmp_path / "run"
-    train_in_process(*common_args(small_dir, run, 1)[1:], f"--model={MODEL}")
+    train_in_process(*common_args(tiny_dir, run, 1)[1:], f"--model={MODEL}")
     pretrained = h5_weights(run / "checkpoints" / "epoch-0001" / "model.weights.h5")  # pruned later
     keras.backend.clear_session()
-    _, tuned = train_in_process(*common_args(small_dir, run, 3)[1:], f"--model={MODEL}",
+    _, tuned = train_in_process(*common_args(tiny_dir, run, 3)[1:], f"--model={MODEL}",
                                 "--set=train.freeze=[backbone]", "--set=train.freeze_epochs=2",
                                 "--set=optimizer.layer_decay=0.8")
     model = build_model(small_cfg(model={"name": MODEL}).model, small_cfg().data)
@@ -326,31 +327,34 @@ def kill_after(args, model_dir, checkpoint):
 def test_killed_before_and_after_the_switch_resumes_bit_identical(tmp_path, small_dir):
     """Epoch 1 frozen (stem, stage1, stage2), epoch 2 trains everything, 5 steps an epoch, a step checkpoint every
     2: killed (-9) at step 2, in the frozen phase, then, resumed, at step 6, after the switch; the run resumed
-    from there ends with the uninterrupted run's weights, bit for bit."""
+    from there ends with the uninterrupted run's weights, bit for bit. The killed runs are `tfdp` processes; the
+    uninterrupted run and the last resume (the process boundary is not their point) run in this process."""
+    from support.inprocess import train_in_process
     args = lambda d: [*common_args(small_dir, d, 2), f"--model={MODEL}",  # noqa: E731
                       "--set=train.deterministic=true", "--set=train.checkpoint_every_steps=2",
                       "--set=train.freeze=[stem,stage1,stage2]", "--set=train.freeze_epochs=1",
                       "--set=optimizer.head_lr_multiplier=2.0"]
-    clean = run_tfdp(*args(tmp_path / "clean"), timeout=600)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    _, clean = train_in_process(*args(tmp_path / "clean")[1:])
     killed = tmp_path / "killed"
     kill_after(args(killed), killed, "step-000000002")        # in the frozen phase (epoch 1 of 5 steps)
     out = kill_after(args(killed), killed, "step-000000006")  # after the switch (epoch 2, step 1)
     assert "resuming at epoch 1 of 2, step 3 of 5" in out
     assert "every layer trains from epoch 2 on" in out
-    final = run_tfdp(*args(killed), timeout=600)
-    assert final.returncode == 0, final.stderr[-3000:]
-    assert "resuming at epoch 2 of 2" in final.stdout
-    assert "layers frozen" not in final.stdout  # resumed past the switch: everything trains
+    keras.backend.clear_session()
+    _, final = train_in_process(*args(killed)[1:])
+    assert "resuming at epoch 2 of 2" in final
+    assert "layers frozen" not in final  # resumed past the switch: everything trains
     prints = lambda text: re.findall(r"weights fingerprint (\w+)", text)  # noqa: E731
-    assert prints(final.stdout) == prints(clean.stdout) != []
+    assert prints(final) == prints(clean) != []
 
 
 @pytest.mark.slow
 @pytest.mark.multiworker
-def test_two_workers_freeze_switch_and_agree(tmp_path, small_dir):
+def test_two_workers_freeze_switch_and_agree(tmp_path, tiny_dir):
+    """2 workers (the 64 tiny digits: one global step an epoch), the backbone frozen for epoch 1: they switch
+    together and end with the same weights."""
     launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--",
-                        *common_args(small_dir, tmp_path / "mw", 2), "--model=simple_cnn",
+                        *common_args(tiny_dir, tmp_path / "mw", 2), "--model=simple_cnn",
                         "--set=train.jit_compile=true", "--set=train.freeze=[backbone]",
                         "--set=train.freeze_epochs=1", "--set=optimizer.layer_decay=0.5", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]

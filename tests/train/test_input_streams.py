@@ -120,19 +120,45 @@ def kill_after_first_step_checkpoint(args, model_dir):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers alike
-    return proc.communicate()[0]
+    out = proc.communicate()[0]
+    # The workers, orphaned, are gone once init reaps them: until then their pids live, and the lease the chief
+    # held names a live process (a resume that starts at once, in this process, would be refused).
+    while time.time() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    return out
 
 
 @pytest.fixture(scope="module")
 def two_replica_runs(tmp_path_factory, small_dir):
-    """The demo on 2 replicas (global batch 64 = 32 x 2), once uninterrupted and once killed (SIGKILL) after its
-    step checkpoint of step 3 of 10: (the clean run's model_dir, the killed one's)."""
+    """The demo on 2 replicas (global batch 64 = 32 x 2), once uninterrupted (in this process) and once killed
+    (SIGKILL, a `tfdp` process) after its step checkpoint of step 3 of 10: (the clean run's model_dir, the killed
+    one's)."""
     root = tmp_path_factory.mktemp("two_replicas")
-    clean = run_tfdp(*demo(small_dir, root / "clean", 2), timeout=600)
-    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    assert "global batch 64" in clean.stdout
+    _, clean = train_in_process(*demo(small_dir, root / "clean", 2)[1:])  # no kill: the process is not the point
+    assert "global batch 64" in clean
     kill_after_first_step_checkpoint(demo(small_dir, root / "killed", 2), root / "killed")
     return root / "clean", root / "killed"
+
+
+def train_in_process(*args):
+    """`tfdp train *args` in this process (the test process has 2 logical CPUs: 1 or 2 replicas), where the process
+    boundary is not the point: the run's summary and stdout."""
+    from support.inprocess import train_in_process as run
+    return run(*args)
+
+
+def resume(args, replicas):
+    """The resumed run's stdout: in this process on 1 or 2 replicas, a `tfdp` process on more (the test process
+    cannot split its CPU again)."""
+    if replicas <= 2:
+        return train_in_process(*args[1:])[1]
+    resumed = run_tfdp(*args, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return resumed.stdout
 
 
 def resumed_copy(killed, tmp_path):
@@ -168,7 +194,8 @@ def assert_ends_as(model_dir, clean_dir):
 def test_a_requeued_run_on_other_replicas_goes_on_at_the_checkpoints_global_batch(two_replica_runs, tmp_path,
                                                                                   small_dir, replicas, cut):
     """Killed after step 3 of 10 on 2 replicas and restarted by the same command on 1 or 4 (nothing else
-    changed, as a requeued Slurm or Kubernetes job on other hardware): the run keeps the checkpoint's global
+    changed, as a requeued Slurm or Kubernetes job on other hardware; on 1 replica the resumed run is `tfdp train`'s
+    function in this process, on 4 a `tfdp` process): the run keeps the checkpoint's global
     batch 64, continues its input stream where it stopped and ends with the uninterrupted run's weights.
 
     Not bit for bit in general: each replica's gradient is the mean over its own images and the all-reduce
@@ -179,9 +206,7 @@ def test_a_requeued_run_on_other_replicas_goes_on_at_the_checkpoints_global_batc
     them."""
     clean_dir, killed = two_replica_runs
     model_dir = resumed_copy(killed, tmp_path)
-    resumed = run_tfdp(*demo(small_dir, model_dir, replicas), timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    out = resumed.stdout
+    out = resume(demo(small_dir, model_dir, replicas), replicas)
     assert f"tfdp: resuming at the checkpoint's global batch 64: {cut} " \
            f"(the checkpoint's: 2 replicas x 32 x 1 micro-batch)" in out, out
     assert re.search(r"resuming at epoch 1 of 2, step 4 of 5", out), out
@@ -195,15 +220,14 @@ def test_killed_on_two_workers_and_resumed_on_one_ends_as_the_uninterrupted_run(
     """Killed after step 3 of 10 on 2 workers (1 replica each), restarted on 1 worker and 1 replica: the
     checkpoint's 2 input streams are both read by the one worker, at the checkpoint's global batch 64 (32 x 2
     micro-batches), and the run ends with the uninterrupted 2-worker run's weights to float rounding (the
-    all-reduce sums in another order; see the test above)."""
+    all-reduce sums in another order; see the test above). The resumed run is `tfdp train`'s function in this
+    process."""
     launch = lambda args: ["launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", *args]  # noqa: E731
     clean = run_tfdp(*launch(demo(small_dir, tmp_path / "clean", 2, "--strategy=multi_worker")), timeout=600)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     model_dir = tmp_path / "run"
     kill_after_first_step_checkpoint(launch(demo(small_dir, model_dir, 2, "--strategy=multi_worker")), model_dir)
-    resumed = run_tfdp(*demo(small_dir, model_dir, 1), timeout=600)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    out = resumed.stdout
+    out = resume(demo(small_dir, model_dir, 1), 1)
     assert "tfdp: batch: global 64 = 32 per replica x 1 replica(s) x 2 accumulation step(s)" in out
     assert re.search(r"resuming at epoch 1 of 2, step 4 of 5", out), out
     assert "the checkpoint's 2 input streams go on exactly on 1 worker(s), 2 each" in out

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import json
@@ -122,10 +123,11 @@ def fingerprint(stdout):
 @pytest.mark.slow
 def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_path, small_dir):
     """kill -9 twice at random moments (during steps or checkpoint writes), resume each time; with random flips,
-    whose streams every resume continues."""
+    whose streams every resume continues. The killed runs are `tfdp` processes; the uninterrupted run and the
+    last resume, where the process boundary is not the point, are `tfdp train`'s function in this process."""
+    from support.inprocess import train_in_process
     flipped = ["--set=data.hflip=true"]
-    clean = run_tfdp(*demo_args(small_dir, tmp_path / "clean"), *flipped, timeout=600)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    _, clean_stdout = train_in_process(*demo_args(small_dir, tmp_path / "clean")[1:], *flipped)
     model_dir = tmp_path / "killed"
     rng = random.Random(7)
     resumed_steps = []
@@ -142,12 +144,11 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
         out = proc.communicate()[0]
         if m := re.search(r"resuming at epoch (\d+) of 3(?:, step (\d+) of 5)?", out):
             resumed_steps.append((int(m.group(1)) - 1) * 5 + int(m.group(2) or 1) - 1)
-    final = run_tfdp(*demo_args(small_dir, model_dir), *flipped, timeout=600)
-    assert final.returncode == 0, final.stderr[-3000:]
-    assert "tfdp: resuming at epoch" in final.stdout and "random streams" not in final.stdout
+    _, final_stdout = train_in_process(*demo_args(small_dir, model_dir)[1:], *flipped)
+    assert "tfdp: resuming at epoch" in final_stdout and "random streams" not in final_stdout
     assert len(resumed_steps) == 1 and resumed_steps[0] > 0  # the second run went on from the first's checkpoint
-    assert fingerprint(final.stdout) == fingerprint(clean.stdout) != []
-    assert last_line(final.stdout).split(",")[:2] == last_line(clean.stdout).split(",")[:2]  # same epochs, top-1
+    assert fingerprint(final_stdout) == fingerprint(clean_stdout) != []
+    assert last_line(final_stdout).split(",")[:2] == last_line(clean_stdout).split(",")[:2]  # same epochs, top-1
     assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2, 3]
     assert not [p for p in os.listdir(model_dir / "checkpoints") if p.startswith(".tmp")]
     clean_rows, rows = read_jsonl(tmp_path / "clean" / "metrics.jsonl"), read_jsonl(model_dir / "metrics.jsonl")
@@ -192,18 +193,29 @@ def test_resuming_with_a_model_that_does_not_fit_is_one_line_alone(tmp_path, sma
 
 @pytest.mark.slow
 def test_sigterm_on_one_host_saves_where_it_is_and_loses_no_step(tmp_path, small_dir):
-    """SIGTERM once epoch 1 is committed: the run saves at the end of the step it is in (6 to 9: the preemption
+    """SIGTERM once epoch 2 has begun: the run saves at the end of the step it is in (6 to 9: the preemption
     flag is read at each step's end but an epoch's last, whose epoch checkpoint follows), exits 143 and resumes
     there. The small CNN at 96 px: steps as long as the demo ResNet's at 16 px (about 0.2 s; the signal must come
     before step 9 of 10 ends) at half its CPU, which is tracing the ResNet's graph."""
     args = demo_args(small_dir, tmp_path / "run", epochs=2, every=0, size=96, model="simple_cnn")
-    proc = subprocess.Popen([sys.executable, "-m", "tfdp", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not (tmp_path / "run" / "checkpoints" / "epoch-0001").exists() and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)   # at once: a saved step is past 5 whenever it comes after epoch 1's checkpoint
-    out, err = proc.communicate(timeout=300)
+    with open(tmp_path / "stderr.txt", "w+") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "tfdp", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True)
+        watchdog = threading.Timer(300, proc.kill)
+        watchdog.start()
+        # Keras prints "Epoch 2/2" when epoch 2 begins: after epoch 1's checkpoint and the preemption check that
+        # follows it (a signal before that check is, rightly, an epoch-end save), before step 6 of 10 ends.
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.strip() == "Epoch 2/2":
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(seen) + proc.communicate(timeout=300)[0]
+        watchdog.cancel()
+        stderr.seek(0)
+        err = stderr.read()
+    assert "Epoch 2/2" in out, out[-2000:] + err[-2000:]
     assert proc.returncode == 143, err[-2000:]
     line = last_line(err)
     assert line.startswith("tfdp: preempted: saved at step ") and "exit 143" in line and "Traceback" not in err
