@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, assert_one_line_error, last_line, read_jsonl, run_tfdp, stopped
 from tfdp.errors import UserError
-from tfdp.rundir.lease import LEASE_FILE, Lease, store_for
+from tfdp.rundir.lease import LEASE_FILE, Lease, process_alive, process_start, process_stat, store_for
 
 HOST = socket.gethostname()
 
@@ -198,3 +198,21 @@ def test_a_lease_left_by_kill_9_is_taken_over_and_a_preempted_run_releases_it(tm
                                                    f"pid {killed.pid}, since "), out[-3000:]
     assert taken[0].endswith(f": its process (pid {killed.pid}) is gone")
     assert not (model_dir / LEASE_FILE).exists()  # exit 143 released it
+
+
+def test_a_holder_that_exited_but_was_never_reaped_is_not_alive():
+    """A zombie (exited, its parent has not reaped it: here this test is that parent) holds no lease: its pid and
+    start time are still listed, its state is Z."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        start = process_start(proc.pid)
+        assert start is not None and process_alive(proc.pid, start)
+        proc.stdin.close()   # the child reads EOF and exits; nothing waits for it yet
+        deadline = time.time() + 30
+        while (process_stat(proc.pid) or ("?",))[0] != "Z" and time.time() < deadline:
+            time.sleep(0.01)
+        assert process_stat(proc.pid) == ("Z", start)
+        assert not process_alive(proc.pid, start)
+    finally:
+        proc.wait()
+    assert process_stat(proc.pid) is None and not process_alive(proc.pid, start)

@@ -79,20 +79,34 @@ class Holder:
         return f"host {self.host}, pid {self.pid}{job}, since {since}"
 
 
-def process_start(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot), None where /proc cannot say; tells a live holder
-    from a dead one whose pid was reused, and from the same pid in a restarted container."""
+def process_stat(pid: int) -> tuple[str, int] | None:
+    """Process `pid`'s state letter and start time (clock ticks since boot) from /proc/PID/stat, None where
+    /proc cannot say."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 
 
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), None where /proc cannot say; tells a live holder
+    from a dead one whose pid was reused, and from the same pid in a restarted container."""
+    stat = process_stat(pid)
+    return None if stat is None else stat[1]
+
+
+# A process that has exited but is not yet reaped (Z) or is being torn down (X) holds no lease: it writes nothing
+# more, and a parent that never reaps (a container's init that reaps nothing) would keep it listed for ever.
+ENDED_STATES = ("Z", "X")
+
+
 def process_alive(pid: int, start: int | None) -> bool:
-    """Whether process `pid` on this host is the one that started at `start`."""
+    """Whether process `pid` on this host is the one that started at `start`, and still runs."""
     if os.path.isdir("/proc/self"):
-        return start is not None and process_start(pid) == start
+        stat = process_stat(pid)
+        return start is not None and stat is not None and stat[1] == start and stat[0] not in ENDED_STATES
     return process_exists(pid)
 
 
