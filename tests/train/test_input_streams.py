@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from support.inprocess import train_in_process
 from tests.conftest import REPO, assert_one_line_error, run_tfdp
 from tfdp.config import validate
 from tfdp.data import build_source
@@ -121,8 +122,9 @@ def kill_after_first_step_checkpoint(args, model_dir):
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers alike
     out = proc.communicate()[0]
-    # The workers, orphaned, are gone once init reaps them: until then their pids live, and the lease the chief
-    # held names a live process (a resume that starts at once, in this process, would be refused).
+    # The workers, orphaned, may still be dying when the launcher's output ends: until the kernel has ended them
+    # the lease the chief held names a running process (a resume that starts at once, in this process, would be
+    # refused). Waited for until the group is gone (an ended but unreaped worker no longer holds the lease).
     while time.time() < deadline:
         try:
             os.killpg(proc.pid, 0)
@@ -142,13 +144,6 @@ def two_replica_runs(tmp_path_factory, small_dir):
     assert "global batch 64" in clean
     kill_after_first_step_checkpoint(demo(small_dir, root / "killed", 2), root / "killed")
     return root / "clean", root / "killed"
-
-
-def train_in_process(*args):
-    """`tfdp train *args` in this process (the test process has 2 logical CPUs: 1 or 2 replicas), where the process
-    boundary is not the point: the run's summary and stdout."""
-    from support.inprocess import train_in_process as run
-    return run(*args)
 
 
 def resume(args, replicas):
