@@ -168,9 +168,11 @@ def test_exported_graphs_take_raw_uint8_and_normalise_inside(trained_run, export
 
 def test_keras_applications_model_trained_in_mixed_precision_exports_in_float32(small_dir, tmp_path):
     """mobilenet_v2 (keras.applications, depthwise convolutions, ReLU6) at 32 px, trained under mixed_bfloat16 for
-    12 steps of 64 on the 320 training digits of `small_dir`, checked on its 40 validation digits. Trained eagerly
+    12 steps of 32 on the 320 training digits of `small_dir`, checked on its 40 validation digits. Trained eagerly
     (`run_eagerly`): tracing the bfloat16 training step of mobilenet_v2 costs more CPU than 12 eager steps, and how
-    the steps run does not change what is exported (the float32 copy of the bfloat16-trained weights)."""
+    the steps run does not change what is exported (the float32 copy of the bfloat16-trained weights). Steps of 32
+    (not 64: 10 % less CPU) still leave it answering all 10 classes, 87.5 % of its answers agreeing with the export below
+    (the same in 6 runs); fewer steps do not (at 6 it answers one class for everything)."""
     cfg = validate({"model_dir": str(tmp_path), "model": {"name": "mobilenet_v2", "num_classes": 10},
                     "data": {"format": "image_folder", "dir": small_dir, "image_size": 32, "eval_crop_fraction": 1.0},
                     "train": {"precision": "mixed_bfloat16"}})
@@ -183,7 +185,7 @@ def test_keras_applications_model_trained_in_mixed_precision_exports_in_float32(
         if isinstance(layer, keras.layers.BatchNormalization):
             layer.momentum = 0.5  # moving statistics that follow 12 steps: at 0.99 they stay at their start
     shuffled = eval_dataset(build_source(cfg.data).split("train"), cfg.data, 64).unbatch().shuffle(2000, seed=0)
-    model.fit(shuffled.repeat().batch(64).take(12), verbose=0)
+    model.fit(shuffled.repeat().batch(32).take(12), verbose=0)
     path = str(tmp_path / "w.weights.h5")
     model.save_weights(path)
     paths = export_checkpoint(cfg, make_runtime(DistributeConfig(strategy="one_device")), path, str(tmp_path / "out"),

@@ -218,20 +218,20 @@ def test_bad_sizes_on_the_command_line_are_one_line(small_dir, tmp_path):
 @pytest.mark.slow
 def test_progressive_run_trains_each_size_and_evaluates_at_the_test_size(tiny_dir, tmp_path):
     """resnet10_small (the demo's small-image ResNet with one block per stage: any size, batch norm) on 2 replicas,
-    16 -> 24 -> 32 px over 3 epochs (of one step: 64 digits, a ResNet's epoch at 32 px being what costs), evaluated
-    at 40 px; `tfdp evaluate` of the last checkpoint finds what training
+    8 -> 12 -> 16 px over 3 epochs (of one step: 64 digits; from the digits' own 8 px, which resnet10_small takes),
+    evaluated at 20 px; `tfdp evaluate` of the last checkpoint finds what training
     reported for the last epoch. Both commands run in this process, from the same flags (inprocess):
     what is checked is what the run does, not the process around it."""
     from support.inprocess import evaluate_in_process, train_in_process
     args = ["--config=configs/digits.yaml", "--data_format=image_folder", f"--data_dir={tiny_dir}",
-            f"--model_dir={tmp_path}", "--cpu_replicas=2", "--model=resnet10_small", "--set=data.image_size=32",
-            "--set=data.progressive_min_size=16", "--set=data.progressive_end_epoch=2",
-            "--set=data.progressive_step=8", "--set=data.eval_image_size=40", "--set=schedule.warmup_epochs=0"]
+            f"--model_dir={tmp_path}", "--cpu_replicas=2", "--model=resnet10_small", "--set=data.image_size=16",
+            "--set=data.progressive_min_size=8", "--set=data.progressive_end_epoch=2",
+            "--set=data.progressive_step=4", "--set=data.eval_image_size=20", "--set=schedule.warmup_epochs=0"]
     _, stdout = train_in_process(*args, "--epochs=3")
     lines = [line for line in stdout.splitlines() if " px" in line and line.startswith("tfdp: data: ")]
-    assert lines == ["tfdp: data: epoch 1 trains at 16 px", "tfdp: data: epoch 2 trains at 24 px",
-                     "tfdp: data: epoch 3 trains at 32 px"], stdout[-3000:]
+    assert lines == ["tfdp: data: epoch 1 trains at 8 px", "tfdp: data: epoch 2 trains at 12 px",
+                     "tfdp: data: epoch 3 trains at 16 px"], stdout[-3000:]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["image_size"] for r in rows] == [16, 24, 32]  # each fit's dataset's size
+    assert [r["image_size"] for r in rows] == [8, 12, 16]  # each fit's dataset's size
     _, evaluated = evaluate_in_process(*args, checkpoint=f"{tmp_path}/checkpoints/epoch-0003/model.weights.h5")
     assert f"loss {rows[-1]['val_loss']:.4f}, top1 {rows[-1]['val_top1']:.4f}" in evaluated

@@ -37,8 +37,12 @@ def imagenet_cfg(name, image_size=64, data=None, **model):
 
 
 def _in_model_preprocessing(constructor):
-    """The Rescaling/Normalization layers keras.applications builds in front of MobileNetV3 and EfficientNetV2."""
-    model = constructor(weights=None, include_top=False, input_shape=(32, 32, 3), include_preprocessing=True)
+    """The Rescaling/Normalization layers keras.applications builds in front of MobileNetV3 and EfficientNetV2.
+
+    Built in a StatelessScope: the variables are declared, not initialised (the backbone's random weights, 117M
+    for EfficientNetV2-L, are never read here); the preprocessing layers hold none."""
+    with keras.StatelessScope():
+        model = constructor(weights=None, include_top=False, input_shape=(32, 32, 3), include_preprocessing=True)
     layers = [layer for layer in model.layers
               if isinstance(layer, (keras.layers.Rescaling, keras.layers.Normalization))]
     assert layers, constructor

@@ -55,42 +55,6 @@ def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
     assert not [p for p in os.listdir("/tmp") if p.startswith("tfdp-worker1-")]
 
 
-def test_killed_worker_then_same_command_resumes(tmp_path, small_dir, clean_demo_run):
-    """The chief killed with -9 during epoch 2: the launcher stops the other worker and exits 4; the same command
-    resumes after the last complete epoch and ends with the uninterrupted run's weights (deterministic, so the
-    resumed run must match it bit for bit: a stronger check than its accuracy). The run is `demo_on_workers`
-    (batch-norm ResNet, random flip, 2 epochs); the uninterrupted one is the module's `clean_demo_run`, which the
-    SIGTERM test below compares against too."""
-    epochs = 2   # the resumed run trains the killed epoch 2 again, from epoch 1's checkpoint
-    clean, clean_dir = clean_demo_run
-    model_dir = tmp_path / "killed"
-    args = [sys.executable, "-m", "tfdp", *demo_on_workers(small_dir, model_dir, tmp_path / "l1")]
-    launcher, pids = start_launch(args)
-    epoch1 = model_dir / "checkpoints" / "epoch-0001"
-    deadline = time.time() + 300
-    while not epoch1.exists() and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(pids[0], signal.SIGKILL)  # the chief, during epoch 2
-    out, err = launcher.communicate(timeout=120)
-    assert launcher.returncode == 4  # EXIT_WORKER_KILLED
-    assert ("tfdp: error: worker 0 was killed by SIGKILL (signal 9), which the launcher did not send; "
-            "stopped the other workers") in err
-    for pid in pids.values():  # nothing left running
-        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
-    done = {int(p[-4:]) for p in os.listdir(model_dir / "checkpoints") if p.startswith("epoch-")}
-    assert max(done) < epochs
-
-    again = run_tfdp(*args[3:], timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:]
-    assert f"tfdp: resuming at epoch {max(done) + 1} of {epochs}" in again.stdout
-    rows = read_jsonl(model_dir / "metrics.jsonl")
-    assert [r["epoch"] for r in rows] == list(range(1, epochs + 1))
-    prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", clean.stdout))
-    assert set(prints) == {"0", "1"}
-    assert dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", again.stdout)) == prints
-    assert rows[-1]["val_top1"] == read_jsonl(clean_dir / "metrics.jsonl")[-1]["val_top1"]
-
-
 def start_launch(args, env=None):
     """A running `tfdp launch` and its workers' pids, read from its first lines."""
     launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -154,20 +118,21 @@ def test_worker_that_never_comes_up_is_named_within_the_timeout():
 BN_MODEL = "--model=resnet10_small"
 
 
-def demo_on_workers(data_dir, model_dir, logs):
+def demo_on_workers(data_dir, model_dir, logs, checkpoint_every_steps=0, *extra):
     """The demo's recipe with a batch-norm ResNet (resnet10_small) on 2 workers, deterministic, epoch checkpoints
-    only, with the random flip on (a random layer whose stream a resume must continue on every replica of every
-    worker); at 8 px, its smallest input."""
+    only unless told, with the random flip on (a random layer whose stream a resume must continue on every replica
+    of every worker); at 8 px, its smallest input. Where the images are read from, where the run is kept and how
+    often it saves change nothing it computes: every variant ends with `clean_demo_run`'s weights."""
     return ["launch", "--workers=2", f"--launch_logs={logs}", "--", "train", "--config=configs/digits.yaml",
             BN_MODEL, f"--data_dir={data_dir}", "--data_format=image_folder", f"--model_dir={model_dir}", "--epochs=2",
-            "--set=data.image_size=8", "--set=train.checkpoint_every_steps=0", "--set=train.deterministic=true",
-            "--set=data.hflip=true"]
+            "--set=data.image_size=8", f"--set=train.checkpoint_every_steps={checkpoint_every_steps}",
+            "--set=train.deterministic=true", "--set=data.hflip=true", *extra]
 
 
 @pytest.fixture(scope="module")
 def clean_demo_run(small_dir, tmp_path_factory):
     """`demo_on_workers` never interrupted: (its `tfdp launch` result, its model_dir). One run for the module: the
-    killed-worker and the SIGTERM tests each resume an interrupted copy of it and compare with it."""
+    SIGTERM test and the killed-worker test (on a bucket) each resume an interrupted copy of it and compare with it."""
     root = tmp_path_factory.mktemp("clean")
     clean = run_tfdp(*demo_on_workers(small_dir, root / "clean", root / "l0"), timeout=600)
     assert clean.returncode == 0, clean.stdout[-3000:]
@@ -316,3 +281,53 @@ def test_a_tfjob_with_an_evaluator_trains_on_three_pods_and_evaluates_each_epoch
                                        "--batch_size_per_replica=16",
                                        checkpoint=f"{model_dir}/checkpoints/epoch-0002/model.weights.h5")
     assert f"tfdp: evaluate: {lines[1][1]}" in evaluated
+
+
+def test_two_workers_killed_between_a_checkpoints_objects_and_its_marker_resume_exactly(small_dir, tmp_path,
+                                                                                        clean_demo_run):
+    """`demo_on_workers` reading its images from a bucket and keeping the run there (a real S3 server on loopback,
+    tests/rundir/test_bucket_run.py has the rest of a bucket run). The chief is killed with -9 mid-epoch (the
+    launcher names the signal, stops the other worker and exits 4; the same command resumes), at the worst moment: a step checkpoint's objects are in the bucket and its marker's PUT is on the wire (a proxy in
+    front of the server holds it back). The same command resumes from the previous committed checkpoint to the
+    weights of the module's `clean_demo_run` (local images, local model_dir, epoch checkpoints only: none of that
+    changes what is computed), and the uncommitted objects never count. A step checkpoint every 3 steps (3, 6, 9
+    and the epochs'): each is 38 MB of weights through the server."""
+    import fsspec
+    from support.holding_proxy import holding_proxy
+    from support.s3_server import s3_server
+    from test_bucket_run import committed, objects
+    clean, _ = clean_demo_run
+    prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", clean.stdout))
+    with s3_server("tfdp-workers") as s3:
+        fs, _ = fsspec.core.url_to_fs(s3.bucket)
+        fs.put(small_dir, f"{s3.bucket}/data", recursive=True)
+        run = f"{s3.bucket}/killed"
+        launch = demo_on_workers(f"{s3.bucket}/data", run, tmp_path / "logs", 3, f"--set=data.cache_dir={tmp_path}/cache",
+                                 f"--set=scratch_dir={tmp_path}/scratch")
+        marker = "/killed/checkpoints/step-000000009/commit.json"   # epoch 2, step 4 of 5
+        with holding_proxy(s3.endpoint, lambda method, path: method == "PUT" and path.endswith(marker)) as proxy:
+            env = {**os.environ, **s3.env, "AWS_ENDPOINT_URL": proxy.url}
+            launcher, pids = start_launch([sys.executable, "-m", "tfdp", *launch], env=env)
+            if not proxy.held.wait(300):
+                launcher.kill()
+                pytest.fail("the marker was never sent: " + launcher.communicate()[1][-3000:])
+            os.kill(pids[0], signal.SIGKILL)   # the chief, its marker on the wire
+            _, err = launcher.communicate(timeout=120)
+        assert launcher.returncode == 4   # EXIT_WORKER_KILLED
+        assert ("tfdp: error: worker 0 was killed by SIGKILL (signal 9), which the launcher did not send; "
+                "stopped the other workers") in err
+        for pid in pids.values():  # nothing left running
+            assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+        listing = objects(fs, run)
+        assert {"checkpoints/step-000000009/model.weights.h5", "checkpoints/step-000000009/state.json"} <= set(listing)
+        assert "step-000000006" in committed(listing) and "step-000000009" not in committed(listing)
+
+        again = run_tfdp(*launch, env_extra=s3.env, timeout=600)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+        assert "resuming at epoch 2 of 2, step 2 of 5 from checkpoints/step-000000006" in again.stdout
+        assert dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", again.stdout)) == prints
+        listing = objects(fs, run)
+    assert sorted(p for p in listing if p.startswith("metrics/")) == [
+        "metrics/epoch-000001.jsonl", "metrics/epoch-000002.jsonl"]
+    assert {p.split("/")[1] for p in listing if p.startswith("checkpoints/") and p.count("/") > 1} == set(
+        committed(listing))

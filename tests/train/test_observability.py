@@ -144,9 +144,12 @@ def test_input_rate_beside_training_counts_whole_batch_intervals():
 
 @pytest.mark.slow
 def test_benchmark_measures_one_and_two_replicas(tmp_path, digits_dir):
+    """The real command, its probe processes included, with windows of one step after one warm-up step: a fit stops
+    after 13 steps at most (62 with windows of 5 after 2). What is checked is the wiring and the report, not the
+    rates' steadiness (test_probes_wait_for_two_windows_that_agree checks that rule)."""
     out = tmp_path / "bench"
-    result = run_tfdp("benchmark", *FAST, f"--data_dir={digits_dir}", "--max_replicas=2", "--steps=5",
-                      "--warmup_steps=2", f"--benchmark_dir={out}", timeout=600)
+    result = run_tfdp("benchmark", *FAST, f"--data_dir={digits_dir}", "--max_replicas=2",
+                      "--steps=1", "--warmup_steps=1", f"--benchmark_dir={out}", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((out / "benchmark.json").read_text())
     assert set(data) >= {"model", "image_size", "batch_size_per_replica", "rows", "input_pipeline_images_per_sec",

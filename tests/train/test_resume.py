@@ -179,10 +179,14 @@ def tensorboard_steps(run_dir, tag):
 
 
 def test_resuming_with_a_model_that_does_not_fit_is_one_line_alone(tmp_path, small_dir):
+    """The run that leaves the checkpoint is `tfdp train`'s function in this process (its checkpoint is the
+    point, not its process); the one that cannot resume from it is a `tfdp` process: its exit code and its one
+    line are."""
+    from support.inprocess import train_in_process
     common = ["train", "--config=configs/digits.yaml", f"--data_dir={small_dir}", "--data_format=image_folder",
               f"--model_dir={tmp_path}/run", "--set=data.image_size=16", "--epochs=2"]
-    first = run_tfdp(*common, "--model=simple_cnn", "--epochs=1", "--set=schedule.warmup_epochs=0", timeout=300)
-    assert first.returncode == 0, first.stderr[-2000:]
+    first, _ = train_in_process(*common[1:], "--model=simple_cnn", "--epochs=1", "--set=schedule.warmup_epochs=0")
+    assert first["epochs"] == 1, first
     other = run_tfdp(*common, "--model=resnet18_small", timeout=300)
     assert other.returncode == 2 and "Traceback" not in other.stdout + other.stderr
     err = [line for line in other.stderr.splitlines() if line.strip()]
@@ -196,7 +200,9 @@ def test_sigterm_on_one_host_saves_where_it_is_and_loses_no_step(tmp_path, small
     """SIGTERM once epoch 2 has begun: the run saves at the end of the step it is in (6 to 9: the preemption
     flag is read at each step's end but an epoch's last, whose epoch checkpoint follows), exits 143 and resumes
     there. The small CNN at 96 px: steps as long as the demo ResNet's at 16 px (about 0.2 s; the signal must come
-    before step 9 of 10 ends) at half its CPU, which is tracing the ResNet's graph."""
+    before step 9 of 10 ends) at half its CPU, which is tracing the ResNet's graph. The run after it, which resumes
+    from the step saved, is `tfdp train`'s function in this process."""
+    from support.inprocess import train_in_process
     args = demo_args(small_dir, tmp_path / "run", epochs=2, every=0, size=96, model="simple_cnn")
     with open(tmp_path / "stderr.txt", "w+") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "tfdp", *args], cwd=REPO, stdout=subprocess.PIPE,
@@ -221,7 +227,6 @@ def test_sigterm_on_one_host_saves_where_it_is_and_loses_no_step(tmp_path, small
     assert line.startswith("tfdp: preempted: saved at step ") and "exit 143" in line and "Traceback" not in err
     step = int(re.search(r"saved at step (\d+)", line).group(1))
     assert 5 < step < 10 and (tmp_path / "run" / "checkpoints" / f"step-{step:09d}").exists()
-    again = run_tfdp(*args, timeout=600)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert f"resuming at epoch 2 of 2, step {step - 5 + 1} of 5" in again.stdout
+    _, again = train_in_process(*args[1:])
+    assert f"resuming at epoch 2 of 2, step {step - 5 + 1} of 5" in again
     assert [r["epoch"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
