@@ -171,8 +171,8 @@ def test_keras_applications_model_trained_in_mixed_precision_exports_in_float32(
     12 steps of 32 on the 320 training digits of `small_dir`, checked on its 40 validation digits. Trained eagerly
     (`run_eagerly`): tracing the bfloat16 training step of mobilenet_v2 costs more CPU than 12 eager steps, and how
     the steps run does not change what is exported (the float32 copy of the bfloat16-trained weights). Steps of 32
-    (not 64: 10 % less CPU) still leave it answering all 10 classes, 87.5 % of its answers agreeing with the export below
-    (the same in 6 runs); fewer steps do not (at 6 it answers one class for everything)."""
+    (not 64: 10 % less CPU) still leave it answering all 10 classes, 87.5 % of its answers agreeing with the export
+    below (the same in 6 runs); fewer steps do not (at 6 it answers one class for everything)."""
     cfg = validate({"model_dir": str(tmp_path), "model": {"name": "mobilenet_v2", "num_classes": 10},
                     "data": {"format": "image_folder", "dir": small_dir, "image_size": 32, "eval_crop_fraction": 1.0},
                     "train": {"precision": "mixed_bfloat16"}})

@@ -287,11 +287,12 @@ def test_two_workers_killed_between_a_checkpoints_objects_and_its_marker_resume_
                                                                                         clean_demo_run):
     """`demo_on_workers` reading its images from a bucket and keeping the run there (a real S3 server on loopback,
     tests/rundir/test_bucket_run.py has the rest of a bucket run). The chief is killed with -9 mid-epoch (the
-    launcher names the signal, stops the other worker and exits 4; the same command resumes), at the worst moment: a step checkpoint's objects are in the bucket and its marker's PUT is on the wire (a proxy in
-    front of the server holds it back). The same command resumes from the previous committed checkpoint to the
-    weights of the module's `clean_demo_run` (local images, local model_dir, epoch checkpoints only: none of that
-    changes what is computed), and the uncommitted objects never count. A step checkpoint every 3 steps (3, 6, 9
-    and the epochs'): each is 38 MB of weights through the server."""
+    launcher names the signal, stops the other worker and exits 4) at the worst moment: a step checkpoint's objects
+    are in the bucket and its marker's PUT is on the wire (a proxy in front of the server holds it back). The same
+    command resumes from the previous committed checkpoint to the weights of the module's `clean_demo_run` (local
+    images, local model_dir, epoch checkpoints only: none of that changes what is computed), and the uncommitted
+    objects never count. A step checkpoint every 3 steps (3, 6, 9 and the epochs'): each is 38 MB of weights
+    through the server."""
     import fsspec
     from support.holding_proxy import holding_proxy
     from support.s3_server import s3_server
@@ -302,8 +303,8 @@ def test_two_workers_killed_between_a_checkpoints_objects_and_its_marker_resume_
         fs, _ = fsspec.core.url_to_fs(s3.bucket)
         fs.put(small_dir, f"{s3.bucket}/data", recursive=True)
         run = f"{s3.bucket}/killed"
-        launch = demo_on_workers(f"{s3.bucket}/data", run, tmp_path / "logs", 3, f"--set=data.cache_dir={tmp_path}/cache",
-                                 f"--set=scratch_dir={tmp_path}/scratch")
+        launch = demo_on_workers(f"{s3.bucket}/data", run, tmp_path / "logs", 3,
+                                 f"--set=data.cache_dir={tmp_path}/cache", f"--set=scratch_dir={tmp_path}/scratch")
         marker = "/killed/checkpoints/step-000000009/commit.json"   # epoch 2, step 4 of 5
         with holding_proxy(s3.endpoint, lambda method, path: method == "PUT" and path.endswith(marker)) as proxy:
             env = {**os.environ, **s3.env, "AWS_ENDPOINT_URL": proxy.url}
