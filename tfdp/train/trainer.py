@@ -295,7 +295,8 @@ def service_errors(address: str):
         if not address:
             raise
         raise ServiceLost(f"the tf.data service at {address} no longer knows this run's input job ({first_line(e)}); a "
-                          f"dispatcher restarted without its --work_dir forgets its jobs; restart its workers too") from None
+                          f"dispatcher restarted without its --work_dir forgets its jobs; restart its workers too"
+                          ) from None
 
 
 @contextlib.contextmanager
