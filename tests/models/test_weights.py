@@ -1,7 +1,10 @@
-"""`model.init_from`: torchvision weights give torchvision's logits; every kind of source loads; bad input is one line.
+"""`model.init_from`: torchvision weights and keras-hub presets give torchvision's logits; every kind of source loads;
+bad input is one line.
 
 The torchvision fixture (tests/fixtures, made by make_torchvision_fixture.py with real torch and torchvision) holds
-seeded SqueezeNet 1.1 and ResNet-18 state dicts and the logits torchvision computed for 4 real photos.
+seeded SqueezeNet 1.1 and ResNet-18 state dicts and the logits torchvision computed for 4 real photos; the keras-hub
+fixture (make_kerashub_resnet_fixture.py, real keras-hub) that ResNet-18 converted by keras-hub's own timm loader
+and written by its `save_to_preset`.
 """
 
 import json
@@ -17,9 +20,11 @@ import yaml
 
 from conftest import CPU_DEVICES, REPO, assert_one_line_error, run_tfdp
 from support.inprocess import export_in_process, train_in_process
-from tfdp.config import validate
+from support.shapes import shapes_only
+from tfdp.config import IMAGENET_MEAN, IMAGENET_STD, validate
 from tfdp.errors import UserError
-from tfdp.models import build_model
+from tfdp.models import MODELS, build_model
+from tfdp.models.resnet import check_keras_hub_resnet, keras_hub_resnet_layer
 from tfdp.models.weights import (MIRROR_ENV, SOURCES, init_from, keras_cache_dir, layers_with_weights, load_into,
                                  read_source)
 from tfdp.distribute.strategy import make_runtime
@@ -286,3 +291,80 @@ def test_every_torchvision_state_dict_maps_onto_its_model(torch_name, name):
     loaded, new = load_into(model, torch_weights(tensors, cfg.model, torch_name), cfg.model)
     assert new == [] and len(loaded) == len(layers_with_weights(model))
     assert not np.any(keras.ops.convert_to_numpy(model.weights[0]))
+
+
+@pytest.fixture(scope="module")
+def kerashub_resnet18(tmp_path_factory) -> str:
+    """The committed keras-hub preset, its two weights files xz-compressed (their weights sit on 5 levels)."""
+    preset = str(tmp_path_factory.mktemp("kerashub") / "resnet18_kerashub")
+    shutil.copytree(os.path.join(FIXTURES, "resnet18_kerashub"), preset)
+    for name in ("model.weights.h5", "task.weights.h5"):
+        with lzma.open(os.path.join(preset, name + ".xz")) as f, open(os.path.join(preset, name), "wb") as out:
+            shutil.copyfileobj(f, out)
+        os.remove(os.path.join(preset, name + ".xz"))
+    return preset
+
+
+def test_a_keras_hub_resnet_preset_gives_torchvisions_logits(kerashub_resnet18):
+    """Through the config as a run builds it: the preset's image converter read as ImageNet's mean and std at
+    224 px, the backbone and the `predictions` head loaded. keras-hub's own logits for the preset matched
+    torchvision's to 1e-6 when it was made (kerashub_resnet_fixture.json)."""
+    cfg = validate({"model": {"name": "resnet18", "num_classes": 1000, "init_from": kerashub_resnet18},
+                    "data": {"hflip": False}})
+    assert cfg.data.image_size == 224 and cfg.data.eval_crop_fraction == 1.0
+    np.testing.assert_allclose(cfg.data.mean, IMAGENET_MEAN, rtol=1e-6)
+    np.testing.assert_allclose(cfg.data.std, IMAGENET_STD, rtol=1e-6)
+    model = build_model(cfg.model, cfg.data)
+    loaded, new = load_into(model, read_source(kerashub_resnet18, cfg.model, cfg.data), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    photos = np.load(os.path.join(FIXTURES, "photos.npy"))
+    expected = np.load(os.path.join(FIXTURES, "torchvision_logits.npz"))["resnet18"]
+    logits = model.predict(photos, verbose=0)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ATOL)
+    assert list(logits.argmax(1)) == list(expected.argmax(1))
+
+
+@pytest.mark.parametrize("architecture,name", [("resnet34", "resnet34"), ("resnet50", "resnet50_v1_5")])
+def test_keras_hub_resnet_backbones_map_onto_their_models(architecture, name):
+    """The backbones keras-hub builds for timm's ResNet-34 and ResNet-50 (their config, layer names and shapes in
+    kerashub_resnet_fixture.json; no weights): the config fits the model, every layer finds tfdp's with the
+    same shapes, and every tfdp layer but the classifier is found."""
+    with open(os.path.join(FIXTURES, "kerashub_resnet_fixture.json"), encoding="utf-8") as f:
+        backbone = json.load(f)["backbones"][architecture]
+    check_keras_hub_resnet(backbone["config"], validate({"model": {"name": name}}).model, architecture)
+    with shapes_only():
+        model = MODELS[name]((224, 224, 3), 1000)
+    ours = {layer.name: [list(w.shape) for w in layer.weights] for layer in layers_with_weights(model)}
+    theirs = {keras_hub_resnet_layer(layer): shapes for layer, shapes in backbone["layers"].items()}
+    assert theirs == {layer: shapes for layer, shapes in ours.items() if layer != "logits"}
+    keras.backend.clear_session()
+
+
+@pytest.mark.parametrize("name,change,fragments", [
+    ("resnet50_v1_5", {}, ["does not fit model 'resnet50_v1_5': its ResNetBackbone has block_type=basic_block, "
+                           "tfdp's resnet50_v1_5 bottleneck_block (set model.name: resnet18)"]),
+    ("resnet18", {"block_type": "bottleneck_block_vd", "input_conv_filters": [32, 32, 64],
+                  "input_conv_kernel_sizes": [3, 3, 3]},      # keras-hub's resnet_vd_* presets
+     ["does not fit model 'resnet18': its ResNetBackbone has input_conv_filters=[32, 32, 64], tfdp's resnet18 [64]"]),
+    ("resnet18", {"use_pre_activation": True}, ["has use_pre_activation=True"]),      # resnet_v2_*
+    ("resnet18_small", {}, ["is a keras-hub ResNet; it fits resnet18, resnet34, resnet50_v1_5 (torchvision's "
+                            "layout), not model 'resnet18_small'"]),
+])
+def test_a_keras_hub_resnet_preset_of_another_architecture_is_one_line(name, change, fragments, kerashub_resnet18,
+                                                                      tmp_path):
+    """Read in this process (`read_source`'s UserError is what `tfdp train` prints as its one line, exit 2:
+    test_bad_weights_are_one_line_each); the settings that tell keras-hub's ResNets apart are named."""
+    preset = str(tmp_path / "preset")
+    shutil.copytree(kerashub_resnet18, preset)
+    with open(os.path.join(preset, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["config"].update(change)
+    with open(os.path.join(preset, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    cfg = validate({"model": {"name": name, "num_classes": 1000}})
+    with pytest.raises(UserError) as raised:
+        read_source(preset, cfg.model, cfg.data)
+    assert "\n" not in str(raised.value)
+    for fragment in fragments:
+        assert fragment in str(raised.value)
+

@@ -23,12 +23,17 @@ the first block; this keeps full resolution in stage 1, as in He et al. 2016
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Any, Callable
 
 import keras
 from keras import layers
 
+from tfdp.config import ModelConfig
+from tfdp.errors import UserError
 from tfdp.models.registry import register
+from tfdp.models.weights import Weights, h5_groups, keras_hub_head, register_keras_hub_layout
 
 BN = dict(momentum=0.9, epsilon=1e-5)
 # timm's ResNet group_matcher (coarse=False) on tfdp's layer names: the stem, then one group per block.
@@ -171,3 +176,69 @@ def resnet10_small(input_shape, num_classes: int, dropout: float, drop_path: flo
     spec = ResNetSpec(basic_block, (1, 1, 1, 1), "resnet10_small_backbone", small_images=True,
                       block_kwargs=(("pytorch_padding", False),))
     return resnet(input_shape, num_classes, dropout, spec, drop_path)
+
+
+# ---------------------------------------------------------------- weights: keras-hub presets
+
+# The models a keras-hub ResNetBackbone preset fits, by the two settings that tell keras-hub's ResNets apart (its
+# presets are timm's ResNets, converted by keras_hub/src/utils/timm/convert_resnet.py: v1.5, torchvision's layout).
+KERAS_HUB_RESNETS = {"resnet18": ("basic_block", [2, 2, 2, 2]), "resnet34": ("basic_block", [3, 4, 6, 3]),
+                     "resnet50_v1_5": ("bottleneck_block", [3, 4, 6, 3])}
+# ... and the ResNetBackbone settings all of them share (resnet_vd_* presets have a 3-convolution stem and
+# bottleneck_block_vd, resnet_v2_* pre-activation).
+KERAS_HUB_RESNET_FIXED = {"use_pre_activation": False, "input_conv_filters": [64], "input_conv_kernel_sizes": [7],
+                          "stackwise_num_filters": [64, 128, 256, 512], "stackwise_num_strides": [1, 2, 2, 2]}
+
+
+def keras_hub_resnet_settings(name: str) -> dict:
+    block_type, blocks = KERAS_HUB_RESNETS[name]
+    return {**KERAS_HUB_RESNET_FIXED, "block_type": block_type, "stackwise_num_blocks": blocks}
+
+
+def check_keras_hub_resnet(config: dict, model_cfg: ModelConfig, what: str) -> None:
+    """The preset's backbone is the registry model's architecture, or one line naming the setting that is not
+    (and the model it is, where tfdp has it)."""
+    if model_cfg.name not in KERAS_HUB_RESNETS:
+        raise UserError(f"model.init_from: {what} is a keras-hub ResNet; it fits {', '.join(KERAS_HUB_RESNETS)} "
+                        f"(torchvision's layout), not model '{model_cfg.name}'")
+    for key, want in keras_hub_resnet_settings(model_cfg.name).items():
+        if config.get(key) != want:
+            fits = [name for name in KERAS_HUB_RESNETS if all(config.get(k) == v for k, v in
+                                                              keras_hub_resnet_settings(name).items())]
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': its ResNetBackbone has "
+                            f"{key}={config.get(key)}, tfdp's {model_cfg.name} {want}"
+                            + (f" (set model.name: {fits[0]})" if fits else ""))
+
+
+def keras_hub_resnet_layer(name: str) -> str | None:
+    """keras-hub ResNetBackbone's layer → tfdp's: conv1_conv → stem_conv, stack0_block1_2_bn → stage1_block2_b_bn,
+    stack1_block0_0_conv (the projection shortcut) → stage2_block1_down_conv."""
+    if name in ("conv1_conv", "conv1_bn"):
+        return "stem_" + name[len("conv1_"):]
+    m = re.fullmatch(r"stack(\d)_block(\d+)_([0-3])_(conv|bn)", name)
+    if m is None:
+        return None
+    part = "down" if m[3] == "0" else "abc"[int(m[3]) - 1]
+    return f"stage{int(m[1]) + 1}_block{int(m[2]) + 1}_{part}_{m[4]}"
+
+
+@register_keras_hub_layout("ResNetBackbone")
+def keras_hub_resnet(preset: str, backbone: dict, task: dict | None, model_cfg: ModelConfig, what: str) -> Weights:
+    """A keras-hub ResNet preset (ResNetBackbone, with ResNetImageClassifier's head when it holds the task) as
+    `Weights`: its values are in Keras' layouts already, so only the layer names change."""
+    check_keras_hub_resnet(backbone.get("config", {}), model_cfg, what)
+    if task is not None and (pooling := task.get("config", {}).get("pooling", "avg")) != "avg":
+        raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': its classifier pools with "
+                        f"pooling={pooling!r}; tfdp's ResNets average")
+    values, names = {}, {}
+    for group, (layer, arrays) in h5_groups(os.path.join(preset, "model.weights.h5")).items():
+        if not arrays:   # layers without variables (padding, activations) and the model itself
+            continue
+        ours = keras_hub_resnet_layer(layer)
+        if ours is None:
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': its layer {layer} "
+                            f"has no place in it")
+        values[ours], names[ours] = arrays, [f"{group}/vars/{i} ({layer})" for i in range(len(arrays))]
+    if task is not None and (head := keras_hub_head(preset)):
+        values["logits"], names["logits"] = head
+    return Weights(f"{what} (keras-hub ResNet preset)", values, names)

@@ -42,7 +42,6 @@ import math
 import os
 import re
 
-import h5py
 import keras
 import numpy as np
 from keras import layers
@@ -51,7 +50,8 @@ from tfdp.config import ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import register
 from tfdp.models.resnet import DropPath
-from tfdp.models.weights import Weights, register_keras_hub_layout, register_torch_layout
+from tfdp.models.weights import (Weights, h5_groups, keras_hub_head, register_keras_hub_layout,
+                                 register_torch_layout)
 
 LAYER_NORM = dict(epsilon=1e-6)
 # timm's VisionTransformer.group_matcher(coarse=False) on tfdp's layer names: the embeddings, one group per block,
@@ -414,19 +414,6 @@ def vit_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what:
 # ---------------------------------------------------------------- weights: keras-hub presets
 
 
-def h5_groups(path: str) -> dict[str, tuple[str, list[np.ndarray]]]:
-    """A Keras 3 weights file's layers: the path of each `.../vars` group (without it) → (the layer's name, its
-    variables in order)."""
-    found = {}
-    with h5py.File(path, "r") as f:
-        def visit(name, obj):
-            if isinstance(obj, h5py.Group) and (name == "vars" or name.endswith("/vars")):
-                found[name[:-len("/vars")] if "/" in name else ""] = (
-                    str(obj.attrs.get("name", "")), [np.asarray(obj[str(i)]) for i in range(len(obj))])
-        f.visititems(visit)
-    return found
-
-
 def by_block(groups: dict[str, tuple[str, list[np.ndarray]]]) -> dict[str, list[np.ndarray]]:
     """The groups' variables by path, a transformer block's path prefix replaced by `blockN/` (0-based N, from the
     block's own name transformer_block_{N+1}: the paths Keras gives the blocks do not sort as numbers)."""
@@ -494,9 +481,7 @@ def keras_hub_vit(preset: str, backbone: dict, task: dict | None, model_cfg: Mod
         put(f"blocks_{i}_attn_qkv", [np.concatenate([t[0].reshape(t[0].shape[0], -1) for t in (q, k, v)], axis=1),
                                      np.concatenate([t[1].reshape(-1) for t in (q, k, v)])],
             [f"transformer_block_{i + 1}/mha/query|key|value_dense/vars/{n}" for n in range(2)])
-    if task is not None and os.path.isfile(os.path.join(preset, "task.weights.h5")):
-        for path, (name, arrays) in h5_groups(os.path.join(preset, "task.weights.h5")).items():
-            if name == "predictions" and path.startswith("layers/"):
-                put("head", arrays, [f"task.weights.h5 {path}/vars/{i}" for i in range(len(arrays))])
+    if task is not None and (head := keras_hub_head(preset)):
+        put("head", *head)
     return Weights(f"{what} (keras-hub ViT preset)", values, names)
 

@@ -435,6 +435,31 @@ def register_keras_hub_layout(*class_names: str):
     return add
 
 
+def h5_groups(path: str) -> dict[str, tuple[str, list[np.ndarray]]]:
+    """A Keras 3 weights file's layers: the path of each `.../vars` group (without it) → (the layer's name, its
+    variables in order)."""
+    found = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Group) and (name == "vars" or name.endswith("/vars")):
+                found[name[:-len("/vars")] if "/" in name else ""] = (
+                    str(obj.attrs.get("name", "")), [np.asarray(obj[str(i)]) for i in range(len(obj))])
+        f.visititems(visit)
+    return found
+
+
+def keras_hub_head(preset: str) -> tuple[list[np.ndarray], list[str]] | None:
+    """The classifier of a keras-hub ImageClassifier preset (its `predictions` Dense in task.weights.h5: kernel and
+    bias, in Keras' layout) and where each came from; None for a backbone-only preset."""
+    path = os.path.join(preset, "task.weights.h5")
+    if not os.path.isfile(path):
+        return None
+    for group, (name, arrays) in h5_groups(path).items():
+        if name == "predictions" and group.startswith("layers/"):
+            return arrays, [f"task.weights.h5 {group}/vars/{i}" for i in range(len(arrays))]
+    return None
+
+
 def is_keras_hub_preset(path: str) -> bool:
     """A folder whose config.json names a keras-hub class (`"module": "keras_hub..."`)."""
     try:
