@@ -30,7 +30,8 @@ flags.DEFINE_string("strategy", None, "Override distribute.strategy: one_device 
 flags.DEFINE_integer("cpu_replicas", None, "Override distribute.cpu_replicas: logical CPU devices to split a GPU-less host into.")
 flags.DEFINE_string("model", None, "Override model.name (a registry name, see tfdp/models).")
 flags.DEFINE_string("init_from", None, "Override model.init_from: imagenet, a run directory, a checkpoint folder, a "
-                    ".keras, .weights.h5 or .safetensors file to start a fresh run from.")
+                    ".keras, .weights.h5 or .safetensors file or a keras-hub preset folder to start a fresh run from "
+                    "(local, or gs://... / s3://..., copied into data.cache_dir first).")
 flags.DEFINE_string("data_dir", None, "Override data.dir.")
 flags.DEFINE_string("data_format", None, "Override data.format (a registry name, see tfdp/data).")
 flags.DEFINE_integer("workers", 2, "launch: number of worker processes to start on this host.")
@@ -96,10 +97,24 @@ def config_and_runtime(args: list[str], training: bool = False):
     cfg = resolved_config()
     from tfdp.data import check_reachable
     check_reachable(cfg.data)
+    if training:
+        cfg = with_local_init_from(cfg)
     if training and cfg.data.service_address:
         from tfdp.data.service.servers import check_service
         check_service(cfg.data.service_address, cfg.data.service_timeout)
     return cfg, started_runtime(cfg)
+
+
+def with_local_init_from(cfg: config_lib.Config) -> config_lib.Config:
+    """`model.init_from` in a bucket: what it holds copied into data.cache_dir (`tfdp.rundir.init_from`), and the
+    config resolved again from the copy, so the weights' own preprocessing applies as from a local path."""
+    from tfdp.data.storage import is_remote_url
+    if not is_remote_url(cfg.model.init_from):
+        return cfg
+    from tfdp.rundir.init_from import local_copy
+    local = local_copy(cfg.model.init_from, cfg.data.cache_dir)
+    say(f"tfdp: init_from: {cfg.model.init_from} copied to {local}")
+    return config_lib.load_config(FLAGS.config, {**overrides_from_flags(), "model.init_from": local})
 
 
 def started_runtime(cfg: config_lib.Config):

@@ -252,7 +252,8 @@ def bad_input_cases(trained_run, tmp_path):
         "no torchvision layout": (["--model=resnet18_small", f"--init_from={SQUEEZENET}"],
                                   ["model 'resnet18_small' has no torchvision or timm layout"]),
         "pickled torch file": ([f"--init_from={pth}"], ["is a pickled PyTorch file", ".safetensors"]),
-        "a bucket": (["--init_from=gs://bucket/run"], ["gs://bucket/run: weights are read from a local path only"]),
+        "a bucket, to the reader": (["--init_from=gs://bucket/run"],   # `tfdp train` copies it first
+                                    ["gs://bucket/run: the weights' readers take a local path"]),
         "exclude without init_from": (["--set=model.init_exclude=[logits]"], ["model.init_exclude needs"]),
     }
 

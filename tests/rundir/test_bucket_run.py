@@ -296,3 +296,59 @@ def test_a_run_in_a_gcs_bucket_commits_and_resumes(gcs_bucket, small_dir, tmp_pa
     assert committed(listing) == ["epoch-0001", "epoch-0002"]
     assert [json.loads(gcs.cat_file(f"{run}/metrics/epoch-00000{e}.jsonl"))["epoch"] for e in (1, 2)] == [1, 2]
     assert ".tfdp-lease" not in listing
+
+
+def cached_files(root) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(base, f), root) for base, _, files in os.walk(root) for f in files)
+
+
+def test_a_fresh_run_starts_from_a_run_in_the_bucket(s3, fs, small_dir, tmp_path, two_epochs):
+    """`--init_from=s3://…/run` on a local model_dir: `tfdp train` copies what init_from reads of a run (its best
+    checkpoint and config.yaml, not its other checkpoints or logs) into data.cache_dir, byte for byte, and starts
+    from it: every layer loaded."""
+    base = two_epochs[0]
+    cache = tmp_path / "cache"
+    result = train(s3, small_dir, tmp_path / "fine", tmp_path, f"--init_from={base}", f"--set=data.cache_dir={cache}",
+                   "--set=schedule.warmup_epochs=0", epochs=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    local = cache / "s3" / base.split("://")[1]
+    assert f"tfdp: init_from: {base} copied to {local}\n" in result.stdout
+    assert re.search(rf"tfdp: init_from: loaded (\d+) of \1 layers from .*{re.escape(str(local))}", result.stdout), \
+        result.stdout
+    from tfdp.rundir.init_from import RUN_FILES
+    assert cached_files(local) == sorted(RUN_FILES)
+    assert (local / "checkpoints" / "best.weights.h5").read_bytes() == fs.cat_file(
+        f"{base}/checkpoints/best.weights.h5")
+
+
+def test_bucket_weights_are_copied_as_their_readers_need_them(s3, fs, tmp_path, two_epochs):
+    """A timm file in the bucket configures the run as the same file on disk does (its preprocessing reaches the
+    config); a checkpoint folder of a bucket run comes with the run's config.yaml; nothing there, or a run with no
+    best checkpoint, is one line."""
+    from tfdp.config import validate
+    from tfdp.errors import UserError
+    from tfdp.rundir.init_from import local_copy
+    base, cache = two_epochs[0], str(tmp_path / "cache")
+    timm_file = os.path.join(REPO, "tests", "fixtures", "vit_timm_mini.safetensors")
+    fs.put_file(timm_file, f"{s3.bucket}/weights/vit.safetensors")
+    local = local_copy(f"{s3.bucket}/weights/vit.safetensors", cache)
+    assert open(local, "rb").read() == open(timm_file, "rb").read()
+    model = {"name": "vit_mini_patch4_small", "num_classes": 10}
+    from_bucket, from_disk = (validate({"model": {**model, "init_from": path}}).data for path in (local, timm_file))
+    assert from_bucket == from_disk and from_disk != validate({"model": model}).data
+
+    folder = local_copy(f"{base}/checkpoints/epoch-0002", cache)
+    assert cached_files(folder) == ["commit.json", "model.weights.h5", "state.json"]
+    run = os.path.dirname(os.path.dirname(folder))
+    assert cached_files(run) == ["checkpoints/epoch-0002/commit.json", "checkpoints/epoch-0002/model.weights.h5",
+                                 "checkpoints/epoch-0002/state.json", "config.yaml"]
+
+    with pytest.raises(UserError, match=rf"^model.init_from: nothing at {s3.bucket}/no-such-weights \(no object, "
+                                        r"no folder\)$"):
+        local_copy(f"{s3.bucket}/no-such-weights", cache)
+    unfinished = f"{s3.bucket}/unfinished"
+    for rel in ("config.yaml", "checkpoints/epoch-0001/model.weights.h5"):
+        fs.copy(f"{base}/{rel}", f"{unfinished}/{rel}")
+    fs.invalidate_cache()
+    with pytest.raises(UserError, match=rf"^model.init_from: the run {unfinished} has no best checkpoint yet "):
+        local_copy(unfinished, cache)

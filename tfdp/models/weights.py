@@ -541,8 +541,8 @@ def read_source(spec: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> Weig
                         f"download it to a folder first (on a machine with network: keras_hub.models."
                         f"ImageClassifier.from_preset('{spec}').save_to_preset(DIR)) and give that folder")
     if "://" in spec:
-        raise UserError(f"model.init_from: {spec}: weights are read from a local path only; copy the file (or run "
-                        f"directory) to this machine first")
+        raise UserError(f"model.init_from: {spec}: the weights' readers take a local path (`tfdp train` copies a "
+                        f"bucket's weights into data.cache_dir first: tfdp.rundir.init_from)")
     path = os.path.expanduser(spec)
     for source in SOURCES.values():
         if source.matches(path):

@@ -1,0 +1,71 @@
+"""`model.init_from` in a bucket: the local copy every reader of weights takes.
+
+The weights' readers (tfdp/models/weights.py) and the preprocessing they bring
+(tfdp/config/pretrained.py) read local files: h5py, safetensors and Keras take
+no bucket path. So `tfdp train` copies what they need into `data.cache_dir`
+first, laid out as the bucket is (`data.cache_dir/s3/bucket/path`, as
+`tfdp.data.storage.localize` lays out a dataset), and the run is configured
+from the copy, before TensorFlow starts:
+
+- an object (a `.safetensors`, `.weights.h5` or `.keras` file): itself;
+- a tfdp run in a bucket: what `init_from` reads of a run, its best checkpoint
+  (`checkpoints/best.weights.h5`) and its `config.yaml`; a run with no best
+  checkpoint yet is one line naming a checkpoint folder to give instead;
+- any other prefix (a keras-hub preset folder, a checkpoint folder): every
+  object under it.
+
+With an object or a checkpoint folder of a tfdp run, the run's `config.yaml`
+comes too, so the weights' preprocessing reaches the config as it does from a
+local run. A copy already there at its object's size is kept, so every worker
+of a host, and every later run, copies once.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from tfdp.data import storage
+from tfdp.errors import UserError
+
+BEST = "checkpoints/best.weights.h5"
+# What init_from reads of a tfdp run: its best weights, their record, its resolved config.
+RUN_FILES = (BEST, "checkpoints/best.json", "config.yaml")
+# How far above the weights a run's config.yaml is looked for (as tfdp.config.pretrained.run_dir_of looks).
+RUN_LEVELS = 4
+
+
+def local_copy(url: str, cache_dir: str) -> str:
+    """The local path that stands for the bucket `url` once what it holds is copied into `cache_dir`."""
+    fs, path = storage.filesystem(url)
+    path = path.rstrip("/")
+    if fs.isfile(path):
+        wanted = [path]
+    elif is_run(fs, path):
+        if not fs.isfile(f"{path}/{BEST}"):
+            raise UserError(f"model.init_from: the run {url} has no best checkpoint yet ({BEST}); give one of its "
+                            f"checkpoint folders instead (init_from: {url.rstrip('/')}/checkpoints/NAME)")
+        wanted = [f"{path}/{rel}" for rel in RUN_FILES if fs.isfile(f"{path}/{rel}")]
+    else:
+        wanted = fs.find(path)
+        if not wanted:
+            raise UserError(f"model.init_from: nothing at {url} (no object, no folder)")
+    wanted += run_config_above(fs, path)
+    storage.localize([fs.unstrip_protocol(p) for p in wanted], cache_dir)
+    return storage.cache_paths([fs.unstrip_protocol(path)], cache_dir)[0]
+
+
+def is_run(fs, path: str) -> bool:
+    """A tfdp run directory: config.yaml beside a checkpoints/ folder."""
+    return fs.isfile(f"{path}/config.yaml") and fs.isdir(f"{path}/checkpoints")
+
+
+def run_config_above(fs, path: str) -> list[str]:
+    """The config.yaml of the tfdp run `path` lies in (a checkpoint folder, a weights file), if any."""
+    for _ in range(RUN_LEVELS - 1):
+        parent = posixpath.dirname(path)
+        if parent == path or "/" not in parent:   # the bucket itself
+            return []
+        if is_run(fs, parent):
+            return [f"{parent}/config.yaml"]
+        path = parent
+    return []
