@@ -323,7 +323,7 @@ def test_a_fresh_run_starts_from_a_run_in_the_bucket(s3, fs, small_dir, tmp_path
 
 def test_bucket_weights_are_copied_as_their_readers_need_them(s3, fs, tmp_path, two_epochs):
     """A timm file in the bucket configures the run as the same file on disk does (its preprocessing reaches the
-    config); a checkpoint folder of a bucket run comes with the run's config.yaml; nothing there, or a run with no
+    config), and is copied afresh when it changed at the same size; a checkpoint folder of a bucket run comes with the run's config.yaml; nothing there, or a run with no
     best checkpoint, is one line."""
     from tfdp.config import validate
     from tfdp.errors import UserError
@@ -336,6 +336,10 @@ def test_bucket_weights_are_copied_as_their_readers_need_them(s3, fs, tmp_path, 
     model = {"name": "vit_mini_patch4_small", "num_classes": 10}
     from_bucket, from_disk = (validate({"model": {**model, "init_from": path}}).data for path in (local, timm_file))
     assert from_bucket == from_disk and from_disk != validate({"model": model}).data
+    changed = bytearray(open(timm_file, "rb").read())
+    changed[-1] ^= 1   # the same size, another byte: copied afresh all the same
+    fs.pipe_file(f"{s3.bucket}/weights/vit.safetensors", bytes(changed))
+    assert open(local_copy(f"{s3.bucket}/weights/vit.safetensors", cache), "rb").read() == changed
 
     folder = local_copy(f"{base}/checkpoints/epoch-0002", cache)
     assert cached_files(folder) == ["commit.json", "model.weights.h5", "state.json"]

@@ -245,19 +245,21 @@ def url(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return fs.unstrip_protocol(path) if is_remote(fs) else path
 
 
-def localize(urls: list[str] | tuple[str, ...], cache_dir: str) -> list[str]:
+def localize(urls: list[str] | tuple[str, ...], cache_dir: str, fresh: bool = False) -> list[str]:
     """Local paths for `urls`: local files as they are, remote files copied into `cache_dir` once.
 
     A cached copy is reused when its size matches the remote object, so an
     interrupted copy (which never reaches its final name anyway) or a changed
-    object is fetched again.
+    object is fetched again. `fresh`: every file is fetched again (objects that
+    may change at the same size, a run's best checkpoint), replacing its copy
+    in one rename, so a reader never meets half a file.
     """
     remote = [u for u in urls if is_remote_url(u)]
     if not remote:
         return list(urls)
     local = dict(zip(remote, cache_paths(remote, cache_dir)))
     with concurrent.futures.ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
-        list(pool.map(lambda u: fetch(u, local[u]), remote))
+        list(pool.map(lambda u: fetch(u, local[u], fresh), remote))
     return [local.get(u, u) for u in urls]
 
 
@@ -292,17 +294,17 @@ def _cache_path(cache_dir: str, remote_url: str) -> str:
     return os.path.join(cache_dir, scheme, rest)
 
 
-def fetch(remote_url: str, local_path: str) -> None:
+def fetch(remote_url: str, local_path: str, fresh: bool = False) -> None:
     """Copies one bucket object to `local_path` under a temporary name, renamed when complete (so no reader
-    ever meets half a file); a copy already there at the object's size is kept. The size is the listing's
-    when the data was listed in this process (no request per object), else the store's."""
+    ever meets half a file); a copy already there at the object's size is kept unless `fresh`. The size is the
+    listing's when the data was listed in this process (no request per object), else the store's."""
     fs, path = filesystem(remote_url)
     size = known_size(remote_url)
     try:
         size = fs.size(path) if size is None else size
     except FileNotFoundError:
         raise UserError(f"{remote_url} is no longer in the bucket (deleted after the data was listed)") from None
-    if os.path.exists(local_path) and os.path.getsize(local_path) == size:
+    if not fresh and os.path.exists(local_path) and os.path.getsize(local_path) == size:
         return
     os.makedirs(os.path.dirname(local_path), exist_ok=True)
     tmp = f"{local_path}.tmp-{os.getpid()}-{hashlib.sha1(remote_url.encode()).hexdigest()[:8]}"

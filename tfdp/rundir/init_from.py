@@ -16,8 +16,10 @@ from the copy, before TensorFlow starts:
 
 With an object or a checkpoint folder of a tfdp run, the run's `config.yaml`
 comes too, so the weights' preprocessing reaches the config as it does from a
-local run. A copy already there at its object's size is kept, so every worker
-of a host, and every later run, copies once.
+local run. Every start copies afresh (a run's best checkpoint changes at the
+same size as the run goes on), each file replacing its old copy in one
+rename: a reader, another worker of the host included, never meets half a
+file.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def local_copy(url: str, cache_dir: str) -> str:
         if not wanted:
             raise UserError(f"model.init_from: nothing at {url} (no object, no folder)")
     wanted += run_config_above(fs, path)
-    storage.localize([fs.unstrip_protocol(p) for p in wanted], cache_dir)
+    storage.localize([fs.unstrip_protocol(p) for p in wanted], cache_dir, fresh=True)
     return storage.cache_paths([fs.unstrip_protocol(path)], cache_dir)[0]
 
 
