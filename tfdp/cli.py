@@ -41,7 +41,7 @@ flags.DEFINE_integer("steps", 20, "benchmark: timed training steps per measureme
 flags.DEFINE_integer("warmup_steps", 5, "benchmark: untimed steps first (tracing, autotuning).")
 flags.DEFINE_string("benchmark_dir", None, "benchmark: output directory (default: model_dir/benchmark).")
 flags.DEFINE_string("checkpoint", None, "evaluate/export/predict: weights file to load (default: the best checkpoint "
-                    "in model_dir).")
+                    "in model_dir); local, or gs://... / s3://..., copied into data.cache_dir first.")
 flags.DEFINE_boolean("continuous", False, "evaluate: the evaluator beside a run: evaluate each checkpoint the run in "
                      "model_dir commits, once, as it comes, until its last epoch's (docs/runs.md).")
 flags.DEFINE_float("poll_seconds", 10.0, "evaluate --continuous: seconds between looks for a new committed checkpoint.")
@@ -99,6 +99,8 @@ def config_and_runtime(args: list[str], training: bool = False):
     check_reachable(cfg.data)
     if training:
         cfg = with_local_init_from(cfg)
+    else:
+        local_checkpoint_flag(cfg)
     if training and cfg.data.service_address:
         from tfdp.data.service.servers import check_service
         check_service(cfg.data.service_address, cfg.data.service_timeout)
@@ -112,9 +114,21 @@ def with_local_init_from(cfg: config_lib.Config) -> config_lib.Config:
     if not is_remote_url(cfg.model.init_from):
         return cfg
     from tfdp.rundir.init_from import local_copy
-    local = local_copy(cfg.model.init_from, cfg.data.cache_dir)
+    local = local_copy(cfg.model.init_from, cfg.data.cache_dir, "model.init_from")
     say(f"tfdp: init_from: {cfg.model.init_from} copied to {local}")
     return config_lib.load_config(FLAGS.config, {**overrides_from_flags(), "model.init_from": local})
+
+
+def local_checkpoint_flag(cfg: config_lib.Config) -> None:
+    """`--checkpoint` in a bucket (evaluate, export, predict): the weights copied into data.cache_dir, and the flag
+    pointed at the copy, before TensorFlow starts (`tfdp.rundir.init_from`)."""
+    from tfdp.data.storage import is_remote_url
+    if not FLAGS.checkpoint or not is_remote_url(FLAGS.checkpoint):
+        return
+    from tfdp.rundir.init_from import local_copy
+    local = local_copy(FLAGS.checkpoint, cfg.data.cache_dir, "--checkpoint")
+    say(f"tfdp: checkpoint: {FLAGS.checkpoint} copied to {local}")
+    FLAGS.checkpoint = local
 
 
 def started_runtime(cfg: config_lib.Config):
@@ -241,6 +255,7 @@ def cmd_predict(args: list[str]) -> None:
     cfg = resolved_config()  # the training data need not be here: it only names the classes
     from tfdp.commands.predict import predict, request
     job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
+    local_checkpoint_flag(cfg)
     runtime = started_runtime(cfg)
     with run_copy(cfg) as (cfg, _):
         predict(cfg, runtime, FLAGS.checkpoint, job)

@@ -305,7 +305,7 @@ def cached_files(root) -> list[str]:
 def test_a_fresh_run_starts_from_a_run_in_the_bucket(s3, fs, small_dir, tmp_path, two_epochs):
     """`--init_from=s3://…/run` on a local model_dir: `tfdp train` copies what init_from reads of a run (its best
     checkpoint and config.yaml, not its other checkpoints or logs) into data.cache_dir, byte for byte, and starts
-    from it: every layer loaded."""
+    from it: every layer loaded. `tfdp evaluate --checkpoint=s3://…` likewise."""
     base = two_epochs[0]
     cache = tmp_path / "cache"
     result = train(s3, small_dir, tmp_path / "fine", tmp_path, f"--init_from={base}", f"--set=data.cache_dir={cache}",
@@ -319,6 +319,15 @@ def test_a_fresh_run_starts_from_a_run_in_the_bucket(s3, fs, small_dir, tmp_path
     assert cached_files(local) == sorted(RUN_FILES)
     assert (local / "checkpoints" / "best.weights.h5").read_bytes() == fs.cat_file(
         f"{base}/checkpoints/best.weights.h5")
+
+    # `--checkpoint` in the bucket: `tfdp evaluate` copies it too, and finds what the run logged for that epoch.
+    weights = f"{base}/checkpoints/epoch-0002/model.weights.h5"
+    evaluated = run_tfdp("evaluate", *SMALL, f"--data_dir={small_dir}", f"--model_dir={tmp_path / 'fine'}",
+                         f"--checkpoint={weights}", f"--set=data.cache_dir={cache}", env_extra=s3.env, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert f"tfdp: checkpoint: {weights} copied to {cache / 's3' / weights.split('://')[1]}\n" in evaluated.stdout
+    row = json.loads(fs.cat_file(f"{base}/metrics/epoch-000002.jsonl"))
+    assert f"loss {row['val_loss']:.4f}, top1 {row['val_top1']:.4f}" in evaluated.stdout, evaluated.stdout
 
 
 def test_bucket_weights_are_copied_as_their_readers_need_them(s3, fs, tmp_path, two_epochs):

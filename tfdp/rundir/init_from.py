@@ -1,14 +1,15 @@
-"""`model.init_from` in a bucket: the local copy every reader of weights takes.
+"""Weights in a bucket (`model.init_from`, `--checkpoint`): the local copy every reader of weights takes.
 
 The weights' readers (tfdp/models/weights.py) and the preprocessing they bring
 (tfdp/config/pretrained.py) read local files: h5py, safetensors and Keras take
-no bucket path. So `tfdp train` copies what they need into `data.cache_dir`
-first, laid out as the bucket is (`data.cache_dir/s3/bucket/path`, as
-`tfdp.data.storage.localize` lays out a dataset), and the run is configured
-from the copy, before TensorFlow starts:
+no bucket path. So `tfdp train` (for `model.init_from`) and `tfdp
+evaluate|export|predict` (for `--checkpoint`) copy what those need into
+`data.cache_dir` first, laid out as the bucket is (`data.cache_dir/s3/bucket/
+path`, as `tfdp.data.storage.localize` lays out a dataset), and go on with the
+copy, before TensorFlow starts:
 
 - an object (a `.safetensors`, `.weights.h5` or `.keras` file): itself;
-- a tfdp run in a bucket: what `init_from` reads of a run, its best checkpoint
+- a tfdp run in a bucket: what is read of a run, its best checkpoint
   (`checkpoints/best.weights.h5`) and its `config.yaml`; a run with no best
   checkpoint yet is one line naming a checkpoint folder to give instead;
 - any other prefix (a keras-hub preset folder, a checkpoint folder): every
@@ -36,21 +37,22 @@ RUN_FILES = (BEST, "checkpoints/best.json", "config.yaml")
 RUN_LEVELS = 4
 
 
-def local_copy(url: str, cache_dir: str) -> str:
-    """The local path that stands for the bucket `url` once what it holds is copied into `cache_dir`."""
+def local_copy(url: str, cache_dir: str, what: str = "model.init_from") -> str:
+    """The local path that stands for the bucket `url` once what it holds is copied into `cache_dir`; `what` names
+    the setting in the one-line errors."""
     fs, path = storage.filesystem(url)
     path = path.rstrip("/")
     if fs.isfile(path):
         wanted = [path]
     elif is_run(fs, path):
         if not fs.isfile(f"{path}/{BEST}"):
-            raise UserError(f"model.init_from: the run {url} has no best checkpoint yet ({BEST}); give one of its "
-                            f"checkpoint folders instead (init_from: {url.rstrip('/')}/checkpoints/NAME)")
+            raise UserError(f"{what}: the run {url} has no best checkpoint yet ({BEST}); give one of its "
+                            f"checkpoint folders instead ({url.rstrip('/')}/checkpoints/NAME)")
         wanted = [f"{path}/{rel}" for rel in RUN_FILES if fs.isfile(f"{path}/{rel}")]
     else:
         wanted = fs.find(path)
         if not wanted:
-            raise UserError(f"model.init_from: nothing at {url} (no object, no folder)")
+            raise UserError(f"{what}: nothing at {url} (no object, no folder)")
     wanted += run_config_above(fs, path)
     storage.localize([fs.unstrip_protocol(p) for p in wanted], cache_dir, fresh=True)
     return storage.cache_paths([fs.unstrip_protocol(path)], cache_dir)[0]
