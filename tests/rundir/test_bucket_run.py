@@ -365,3 +365,22 @@ def test_bucket_weights_are_copied_as_their_readers_need_them(s3, fs, tmp_path, 
     fs.invalidate_cache()
     with pytest.raises(UserError, match=rf"^model.init_from: the run {unfinished} has no best checkpoint yet "):
         local_copy(unfinished, cache)
+
+
+def test_a_keras_hub_preset_in_a_gcs_bucket_is_copied_whole(gcs_bucket, tmp_path):
+    """gs:// through gcsfs (the GCS emulator on loopback): a keras-hub preset folder, every file byte for byte, and
+    the copy reads as the preset on disk does."""
+    import fsspec
+    from tfdp.config import validate
+    from tfdp.rundir.init_from import local_copy
+    preset = os.path.join(REPO, "tests", "fixtures", "vit_kerashub_mini")
+    gcs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    url = f"{gcs_bucket}/presets-{tmp_path.name}/vit_kerashub_mini"
+    gcs.put(preset, url, recursive=True)
+    local = local_copy(url, str(tmp_path / "cache"))
+    assert cached_files(local) == sorted(os.listdir(preset))
+    for name in os.listdir(preset):
+        assert open(os.path.join(local, name), "rb").read() == open(os.path.join(preset, name), "rb").read(), name
+    model = {"name": "vit_mini_patch4_small", "num_classes": 10}
+    assert validate({"model": {**model, "init_from": local}}).data == validate(
+        {"model": {**model, "init_from": preset}}).data
