@@ -332,8 +332,8 @@ def test_a_fresh_run_starts_from_a_run_in_the_bucket(s3, fs, small_dir, tmp_path
 
 def test_bucket_weights_are_copied_as_their_readers_need_them(s3, fs, tmp_path, two_epochs):
     """A timm file in the bucket configures the run as the same file on disk does (its preprocessing reaches the
-    config), and is copied afresh when it changed at the same size; a checkpoint folder of a bucket run comes with the run's config.yaml; nothing there, or a run with no
-    best checkpoint, is one line."""
+    config), and is copied afresh when it changed at the same size; a checkpoint folder of a bucket run comes with
+    the run's config.yaml; nothing there, or a run with no best checkpoint, is one line."""
     from tfdp.config import validate
     from tfdp.errors import UserError
     from tfdp.rundir.init_from import local_copy
