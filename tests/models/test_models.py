@@ -40,6 +40,7 @@ COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small",
 # (and vit_mini_patch4_small, for 16-32 px inputs)
 VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (16, 32)), "vit_tiny_patch16_224",
        *(f"deit_{s}_{d}patch16_224" for s in ("tiny", "small", "base") for d in ("", "distilled_")),
+       *(f"vit_{s}_patch14_{r}dinov2" for s in ("small", "base", "large") for r in ("", "reg4_")),
        "vit_mini_patch4_small"}
 
 

@@ -112,6 +112,52 @@ def test_full_size_state_dicts_map_onto_their_models(name, source):
     assert new == [] and len(loaded) == len(layers_with_weights(model))
 
 
+def dinov2_facts() -> dict:
+    with open(os.path.join(FIXTURES, "dinov2_fixture.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_dinov2_parameter_counts_equal_timms_at_their_published_size():
+    """At 1,000 classes and 518 px (their position grid is 37x37): layer scale, and the register tokens."""
+    counts = dinov2_facts()["parameter_counts_518px"]
+    assert sorted(counts) == sorted(n for n in MODELS if n.endswith("_dinov2")) and len(counts) == 6
+    for name, count in counts.items():
+        with shapes_only():
+            model = MODELS[name]((518, 518, 3), 1000)
+            assert sum(int(np.prod(w.shape)) for w in model.weights) == count, name
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_dinov2_weights_without_a_classifier_give_timms_features(size, photos):
+    """A timm DINOv2 with registers (small, random), saved without a classifier as the Hub's DINOv2 files are:
+    every layer but the head loads, the head starts new and says so, and the class token after the final norm
+    is timm's; at 32 px the patch-only position embeddings are resampled as timm's checkpoint_filter_fn does."""
+    spec = ViTSpec(patch=4, dim=32, depth=2, heads=2, init_values=1e-5, reg_tokens=4, no_embed_class=True)
+    model = vision_transformer((size, size, 3), 10, 0.0, spec, "dinov2_fixture")
+    cfg = ModelConfig(name="vit_small_patch14_reg4_dinov2", num_classes=10)
+    path = os.path.join(FIXTURES, "dinov2_timm_mini.safetensors")
+    loaded, new = load_into(model, vit_state_dict(load_file(path), cfg, path), cfg)
+    assert new == ["head (the source has no classifier)"]
+    assert len(loaded) == len(layers_with_weights(model)) - 1 and {"cls_token", "blocks_1_2_ls"} <= set(loaded)
+    assert model.get_layer("cls_token").reg_token.shape == (1, 4, 32)
+    mean, std = np.array([123.675, 116.28, 103.53]), np.array([58.395, 57.12, 57.375])
+    features = keras.Model(model.input, model.get_layer("head_token").output)
+    ours = features.predict(((photos[str(size)] - mean) / std).astype("float32"), verbose=0)
+    assert relative(ours, np.load(os.path.join(FIXTURES, "dinov2_features.npz"))[str(size)]) <= MAX_RELATIVE
+
+
+@pytest.mark.parametrize("name,size", [("vit_base_patch14_dinov2", 518), ("vit_small_patch14_reg4_dinov2", 224)])
+def test_published_dinov2_state_dicts_map_onto_their_models(name, size):
+    """timm's real DINOv2 keys and shapes (no classifier; 518 px), onto the full-size model in a `shapes_only`,
+    at 518 px and, as fine-tuning usually runs, at 224 px (the 37x37 grid resampled to 16x16)."""
+    tensors = {k: np.broadcast_to(np.float32(0), s) for k, s in dinov2_facts()["state_dicts"][name].items()}
+    cfg = ModelConfig(name=name, num_classes=1000)
+    with shapes_only():
+        model = MODELS[name]((size, size, 3), 1000)
+        loaded, new = load_into(model, torch_weights(tensors, cfg, name), cfg)
+    assert new == ["head (the source has no classifier)"] and len(loaded) == len(layers_with_weights(model)) - 1
+
+
 def test_position_embeddings_resample_as_timms(expected):
     """The fixture's 4x4 grid to 8x8: timm's resample_abs_pos_embed (bicubic, antialias) against the numpy one,
     and the layer's load hook, which keeps the class token's embedding."""
@@ -174,6 +220,12 @@ def test_layer_groups_freezing_and_weight_decay_follow_timm():
     decayed = {w.path for w in model.trainable_weights if optimizer._use_weight_decay(w)}
     assert decayed == {w.path for w in model.trainable_weights if w.name == "kernel"}
     assert {"pos_embed/pos_embed", "cls_token/cls_token"} <= {w.path for w in model.trainable_weights} - decayed
+    # DINOv2's register tokens: with the class token in the first group, and undecayed (timm's no_weight_decay)
+    spec = ViTSpec(patch=4, dim=32, depth=2, heads=2, init_values=1e-5, reg_tokens=4, no_embed_class=True)
+    dinov2 = vision_transformer((16, 16, 3), 10, 0.0, spec, "dinov2_fixture")
+    ids, count = layer_ids(dinov2, "vit_small_patch14_reg4_dinov2")
+    reg_token = dinov2.get_layer("cls_token").reg_token
+    assert ids[id(reg_token)] == 0 and count == 5 and not optimizer._use_weight_decay(reg_token)
 
 
 def wrapped(spec: ViTSpec) -> keras.Model:
@@ -185,14 +237,17 @@ def wrapped(spec: ViTSpec) -> keras.Model:
     return keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(logits))
 
 
-def test_builds_in_a_strategy_scope_saves_and_runs_under_xla_and_bfloat16(tmp_path):
+@pytest.mark.parametrize("spec", [ViTSpec(patch=16, dim=192, depth=2, heads=3, distilled=True),
+                                  ViTSpec(patch=16, dim=192, depth=2, heads=3, init_values=0.1, reg_tokens=4,
+                                          no_embed_class=True)], ids=["distilled", "dinov2_registers"])
+def test_builds_in_a_strategy_scope_saves_and_runs_under_xla_and_bfloat16(spec, tmp_path):
     """Two replicas' mirrored variables, a .keras round trip with the same outputs, XLA-compiled inference on
-    the CPU equal to eager, and mixed_bfloat16 close to float32 (attention in bfloat16). The distilled
-    architecture (two heads, two prefix tokens) at DeiT-Tiny's width, 2 blocks deep."""
+    the CPU equal to eager, and mixed_bfloat16 close to float32 (attention in bfloat16). At DeiT-Tiny's width,
+    2 blocks deep: the distilled architecture (two heads, two prefix tokens), and DINOv2's (layer scale, four
+    register tokens, position embeddings for the patches only)."""
     import tensorflow as tf
     from tfdp.distribute.strategy import make_runtime
     strategy = make_runtime(validate({"distribute": {"strategy": "mirrored", "cpu_replicas": 2}}).distribute).strategy
-    spec = ViTSpec(patch=16, dim=192, depth=2, heads=3, distilled=True)
     with strategy.scope():
         model = wrapped(spec)
     assert len(strategy.experimental_local_results(model.weights[0].value)) == 2
@@ -261,10 +316,10 @@ def test_keras_hub_presets_without_weights_or_task_or_local_copy_are_one_line(tm
     with pytest.raises(UserError) as error:
         read_source(str(bare), cfg.model, cfg.data)
     one_line(error, f"keras-hub preset {bare} has no weights (no model.weights.h5")
+    # A backbone alone loads, the classifier starting new (and says why), with or without init_exclude
     shutil.copy(os.path.join(FILES["keras-hub"], "model.weights.h5"), bare)
-    with pytest.raises(UserError) as error:
-        read_source(str(bare), cfg.model, cfg.data)
-    one_line(error, "holds a backbone only", "set model.init_exclude: [head]")
+    loaded, new = load_into(build_model(cfg.model, cfg.data), read_source(str(bare), cfg.model, cfg.data), cfg.model)
+    assert new == ["head (the source has no classifier)"] and len(loaded) == 4 * 6 + 4
     cfg = validate({"model": {"name": "vit_mini_patch4_small", "init_from": str(bare), "init_exclude": ["head"]},
                     "data": {"image_size": 16}})
     loaded, new = load_into(build_model(cfg.model, cfg.data), read_source(str(bare), cfg.model, cfg.data), cfg.model)

@@ -65,11 +65,13 @@ HEAD = ("head", "head_dist")
 
 @keras.saving.register_keras_serializable(package="tfdp")
 class PrefixTokens(layers.Layer):
-    """Puts the learned class token (and DeiT's distillation token after it) in front of the patch tokens."""
+    """Puts the learned class token in front of the patch tokens, then DeiT's distillation token or DINOv2's
+    register tokens (timm's order: class, distillation or registers, patches)."""
 
-    def __init__(self, distilled: bool = False, **kwargs):
+    def __init__(self, distilled: bool = False, reg_tokens: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.distilled = bool(distilled)
+        self.reg_tokens = int(reg_tokens)
 
     def build(self, input_shape):
         dim = input_shape[-1]
@@ -78,18 +80,23 @@ class PrefixTokens(layers.Layer):
         self.cls_token = self.add_weight(shape=(1, 1, dim), initializer=init, name="cls_token")
         if self.distilled:
             self.dist_token = self.add_weight(shape=(1, 1, dim), initializer=init, name="dist_token")
+        if self.reg_tokens:   # timm draws them with normal(std=1e-6)
+            self.reg_token = self.add_weight(shape=(1, self.reg_tokens, dim), name="reg_token",
+                                             initializer=keras.initializers.RandomNormal(stddev=1e-6))
 
     def call(self, x):
         batch = keras.ops.shape(x)[0]
-        tokens = [self.cls_token] + ([self.dist_token] if self.distilled else [])
-        tokens = [keras.ops.broadcast_to(keras.ops.cast(t, x.dtype), (batch, 1, x.shape[-1])) for t in tokens]
+        tokens = [self.cls_token] + ([self.dist_token] if self.distilled else []) + (
+            [self.reg_token] if self.reg_tokens else [])
+        tokens = [keras.ops.broadcast_to(keras.ops.cast(t, x.dtype), (batch, t.shape[1], x.shape[-1]))
+                  for t in tokens]
         return keras.ops.concatenate([*tokens, x], axis=1)
 
     def compute_output_shape(self, input_shape):
-        return (input_shape[0], input_shape[1] + 1 + self.distilled, input_shape[2])
+        return (input_shape[0], input_shape[1] + 1 + self.distilled + self.reg_tokens, input_shape[2])
 
     def get_config(self):
-        return {**super().get_config(), "distilled": self.distilled}
+        return {**super().get_config(), "distilled": self.distilled, "reg_tokens": self.reg_tokens}
 
 
 def bicubic_antialias_matrix(in_size: int, out_size: int) -> np.ndarray:
@@ -236,6 +243,8 @@ class ViTSpec:
     mlp_ratio: float = 4.0
     distilled: bool = False
     init_values: float | None = None   # layer scale's start; None: no layer scale
+    reg_tokens: int = 0                # DINOv2's register tokens (Darcet et al. 2024), after the class token
+    no_embed_class: bool = False       # position embeddings for the patches only, added before the tokens go in
 
 
 def dense(units: int, name: str, activation=None):
@@ -279,8 +288,12 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
     inputs = keras.Input(input_shape)
     x = layers.Conv2D(spec.dim, spec.patch, strides=spec.patch, name="patch_embed")(inputs)
     x = layers.Reshape((grid[0] * grid[1], spec.dim), name="patch_embed_flatten")(x)
-    x = PrefixTokens(spec.distilled, name="cls_token")(x)
-    x = PositionEmbedding(grid, 1 + spec.distilled, name="pos_embed")(x)
+    if spec.no_embed_class:   # timm's no_embed_class: neither the class nor the register tokens get one
+        x = PositionEmbedding(grid, 0, name="pos_embed")(x)
+        x = PrefixTokens(spec.distilled, spec.reg_tokens, name="cls_token")(x)
+    else:
+        x = PrefixTokens(spec.distilled, spec.reg_tokens, name="cls_token")(x)
+        x = PositionEmbedding(grid, 1 + spec.distilled + spec.reg_tokens, name="pos_embed")(x)
     for i in range(spec.depth):
         x = block(x, i, spec, drop_path * i / max(spec.depth - 1, 1))
     x = layers.LayerNormalization(**LAYER_NORM, name="norm")(x)
@@ -309,6 +322,14 @@ SPECS: dict[str, ViTSpec] = {
     "deit_tiny_distilled_patch16_224": ViTSpec(16, 192, 12, 3, distilled=True),
     "deit_small_distilled_patch16_224": ViTSpec(16, 384, 12, 6, distilled=True),
     "deit_base_distilled_patch16_224": ViTSpec(16, 768, 12, 12, distilled=True),
+    # DINOv2 (Oquab et al. 2024; self-supervised, published without a classifier, at 518 px): ViTs with 14 px
+    # patches and layer scale; `_reg4`: with 4 register tokens and no position embedding for the prefix tokens.
+    "vit_small_patch14_dinov2": ViTSpec(14, 384, 12, 6, init_values=1e-5),
+    "vit_base_patch14_dinov2": ViTSpec(14, 768, 12, 12, init_values=1e-5),
+    "vit_large_patch14_dinov2": ViTSpec(14, 1024, 24, 16, init_values=1e-5),
+    "vit_small_patch14_reg4_dinov2": ViTSpec(14, 384, 12, 6, init_values=1e-5, reg_tokens=4, no_embed_class=True),
+    "vit_base_patch14_reg4_dinov2": ViTSpec(14, 768, 12, 12, init_values=1e-5, reg_tokens=4, no_embed_class=True),
+    "vit_large_patch14_reg4_dinov2": ViTSpec(14, 1024, 24, 16, init_values=1e-5, reg_tokens=4, no_embed_class=True),
     # For 16-32 px images (the digits demo, CPU tests): 4 px patches, 4 blocks of width 64; no timm counterpart
     # (timm, torchvision and keras-hub build it from these numbers).
     "vit_mini_patch4_small": ViTSpec(4, 64, 4, 4),
@@ -363,8 +384,9 @@ def torchvision_module(key: str) -> str:
             "heads.head.bias": "head.bias"}.get(key, key)
 
 
-# timm's ViT modules tfdp builds (fc_norm, reg_token and the other variants' modules are not among them)
-TIMM_MODULES = re.compile(r"cls_token|dist_token|pos_embed|patch_embed\.proj|norm|head|head_dist|"
+# timm's ViT modules tfdp builds (fc_norm and the other variants' modules are not among them)
+TOKENS = ("cls_token", "dist_token", "reg_token")   # one layer's, in its variables' order
+TIMM_MODULES = re.compile(r"cls_token|dist_token|reg_token|pos_embed|patch_embed\.proj|norm|head|head_dist|"
                           r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2|ls1|ls2)")
 
 
@@ -374,7 +396,7 @@ def is_torchvision(tensors: dict[str, np.ndarray]) -> bool:
 
 def module_values(module: str, params: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[str]]:
     """One timm module's tensors in its Keras layer's variable order and layout."""
-    if module in ("cls_token", "dist_token", "pos_embed"):
+    if module in (*TOKENS, "pos_embed"):
         return [params[""]], [module]
     if module == "patch_embed.proj":   # OIHW → HWIO
         return [params["weight"].transpose(2, 3, 1, 0), params["bias"]], ["weight", "bias"]
@@ -393,7 +415,7 @@ def vit_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what:
         tensors = {torchvision_module(k): v for k, v in tensors.items()}
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
-        module, param = (key, "") if key in ("cls_token", "dist_token", "pos_embed") else key.rpartition(".")[::2]
+        module, param = (key, "") if key in (*TOKENS, "pos_embed") else key.rpartition(".")[::2]
         if not TIMM_MODULES.fullmatch(module):
             raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor {key} "
                             f"{tuple(value.shape)} has no place in it (another architecture?)")
@@ -401,11 +423,12 @@ def vit_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what:
     values, names = {}, {}
     for module, params in modules.items():
         layer = timm_layer(module)
-        if module == "dist_token":   # the distillation token lives in the class token's layer, after it
+        if module in TOKENS[1:]:   # the distillation and register tokens live in the class token's layer, after it
             continue
         arrays, order = module_values(module, params)
-        if module == "cls_token" and "dist_token" in modules:
-            arrays, order = arrays + [modules["dist_token"][""]], order + ["dist_token"]
+        if module == "cls_token":
+            extra = [t for t in TOKENS[1:] if t in modules]
+            arrays, order = arrays + [modules[t][""] for t in extra], order + extra
         values[layer] = arrays
         names[layer] = [f"{module}.{p}" if p in params else p for p in order]
     return Weights(f"{what} ({source} layout)", values, names)

@@ -491,11 +491,7 @@ def read_keras_hub_preset(path: str, model_cfg: ModelConfig) -> Weights:
                         f"config.json): save it with save_to_preset from a model that holds them")
     task = _read_json(os.path.join(path, "task.json"))
     if task is None or not os.path.isfile(os.path.join(path, "task.weights.h5")):
-        if not _excluded(HEAD_LAYERS.get(model_cfg.name, ("logits",))[0], "*", model_cfg.init_exclude):
-            raise UserError(f"model.init_from: keras-hub preset {path} holds a backbone only (no task.json and "
-                            f"task.weights.h5): set model.init_exclude: [{', '.join(HEAD_LAYERS.get(model_cfg.name, ('logits',)))}] "
-                            f"to start the classifier new")
-        task = None
+        task = None   # a backbone alone: the classifier starts new (load_into says so)
     return KERAS_HUB_LAYOUTS[kind](path, backbone, task, model_cfg, f"keras-hub preset {path}")
 
 
@@ -602,6 +598,9 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
     heads = {id(layer) for layer in layers[-1:]} | {
         id(layer) for layer in layers if any(fnmatch.fnmatchcase(layer.name, p) for p in HEAD_LAYERS.get(
             model_cfg.name, ()))}
+    # A source with no classifier at all (DINOv2's weights, a keras-hub backbone, timm's num_classes=0) holds a
+    # feature extractor: the classifier starts new, as timm's load_pretrained leaves it.
+    headless = not any(layer.name in weights.values for layer in layers if id(layer) in heads)
     plan, loaded, new, used, notes = [], [], [], set(), []
     for layer in layers:
         variables = own_variables(layer)
@@ -609,6 +608,9 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
         if all(keep):
             new.append(f"{layer.name} (init_exclude)")
             used.add(layer.name)
+            continue
+        if headless and id(layer) in heads:
+            new.append(f"{layer.name} (the source has no classifier)")
             continue
         if layer.name not in weights.values:
             v = variables[0]

@@ -24,9 +24,9 @@ from keras import ops
 from tfdp.config import OptimizerConfig
 
 # Variable names (Keras: BatchNormalization's and LayerNormalization's gamma/beta, layers' bias, layer scale's
-# gamma; a ViT's position embeddings, class and distillation tokens, as timm's `no_weight_decay`) left undecayed
-# on request. Matched as substrings of the variable's name.
-NO_DECAY = ("gamma", "beta", "bias", "pos_embed", "cls_token", "dist_token")
+# gamma; a ViT's position embeddings, class, distillation and register tokens, as timm's `no_weight_decay`) left
+# undecayed on request. Matched as substrings of the variable's name.
+NO_DECAY = ("gamma", "beta", "bias", "pos_embed", "cls_token", "dist_token", "reg_token")
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
