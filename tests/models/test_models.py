@@ -41,6 +41,8 @@ COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small",
 VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (16, 32)), "vit_tiny_patch16_224",
        *(f"deit_{s}_{d}patch16_224" for s in ("tiny", "small", "base") for d in ("", "distilled_")),
        *(f"vit_{s}_patch14_{r}dinov2" for s in ("small", "base", "large") for r in ("", "reg4_")),
+       *(f"vit_{s}_clip{a}_224" for s in ("base_patch32", "base_patch16", "large_patch14", "huge_patch14")
+         for a in ("", "_quickgelu")),
        "vit_mini_patch4_small"}
 
 

@@ -7,6 +7,7 @@ ViT with layer scale, their logits on 4 real photos resized to 16 and 32 px, and
 key and shape lists.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +22,8 @@ from support.shapes import shapes_only
 from tfdp.config import ModelConfig, validate
 from tfdp.errors import UserError
 from tfdp.models import MODELS, build_model
-from tfdp.models.vit import PositionEmbedding, ViTSpec, resample_abs_pos_embed, vision_transformer, vit_state_dict
+from tfdp.models.vit import (SPECS, PositionEmbedding, ViTSpec, resample_abs_pos_embed, vision_transformer,
+                             vit_state_dict)
 from tfdp.models.weights import layers_with_weights, load_into, read_source, torch_weights
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -112,27 +114,40 @@ def test_full_size_state_dicts_map_onto_their_models(name, source):
     assert new == [] and len(loaded) == len(layers_with_weights(model))
 
 
-def dinov2_facts() -> dict:
-    with open(os.path.join(FIXTURES, "dinov2_fixture.json"), encoding="utf-8") as f:
+def variants() -> dict:
+    with open(os.path.join(FIXTURES, "vit_variants_fixture.json"), encoding="utf-8") as f:
         return json.load(f)
 
 
-def test_dinov2_parameter_counts_equal_timms_at_their_published_size():
-    """At 1,000 classes and 518 px (their position grid is 37x37): layer scale, and the register tokens."""
-    counts = dinov2_facts()["parameter_counts_518px"]
-    assert sorted(counts) == sorted(n for n in MODELS if n.endswith("_dinov2")) and len(counts) == 6
-    for name, count in counts.items():
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, np.ndarray]:
+    return dict(np.load(os.path.join(FIXTURES, "vit_variants_outputs.npz")))
+
+
+def test_dinov2_and_clip_parameter_counts_equal_timms():
+    """At 1,000 classes, DINOv2 at its published 518 px (a 37x37 grid), the CLIP towers at 224 px: layer scale,
+    register tokens, CLIP's norm_pre and bias-free patch embedding."""
+    counts = variants()["parameter_counts"]
+    assert sorted(counts) == sorted(n for n in MODELS if n.endswith("_dinov2") or "_clip" in n) and len(counts) == 14
+    for name, found in counts.items():
+        size = found["image_size"]
         with shapes_only():
-            model = MODELS[name]((518, 518, 3), 1000)
-            assert sum(int(np.prod(w.shape)) for w in model.weights) == count, name
+            model = MODELS[name]((size, size, 3), 1000)
+            assert sum(int(np.prod(w.shape)) for w in model.weights) == found["count"], name
+
+
+def small(spec: ViTSpec) -> ViTSpec:
+    """A registry architecture at the fixtures' size (4 px patches, 2 blocks of width 32, 2 heads), every other
+    setting of it kept."""
+    return dataclasses.replace(spec, patch=4, dim=32, depth=2, heads=2)
 
 
 @pytest.mark.parametrize("size", [16, 32])
-def test_dinov2_weights_without_a_classifier_give_timms_features(size, photos):
+def test_dinov2_weights_without_a_classifier_give_timms_features(size, photos, outputs):
     """A timm DINOv2 with registers (small, random), saved without a classifier as the Hub's DINOv2 files are:
     every layer but the head loads, the head starts new and says so, and the class token after the final norm
     is timm's; at 32 px the patch-only position embeddings are resampled as timm's checkpoint_filter_fn does."""
-    spec = ViTSpec(patch=4, dim=32, depth=2, heads=2, init_values=1e-5, reg_tokens=4, no_embed_class=True)
+    spec = small(SPECS["vit_small_patch14_reg4_dinov2"])
     model = vision_transformer((size, size, 3), 10, 0.0, spec, "dinov2_fixture")
     cfg = ModelConfig(name="vit_small_patch14_reg4_dinov2", num_classes=10)
     path = os.path.join(FIXTURES, "dinov2_timm_mini.safetensors")
@@ -143,19 +158,41 @@ def test_dinov2_weights_without_a_classifier_give_timms_features(size, photos):
     mean, std = np.array([123.675, 116.28, 103.53]), np.array([58.395, 57.12, 57.375])
     features = keras.Model(model.input, model.get_layer("head_token").output)
     ours = features.predict(((photos[str(size)] - mean) / std).astype("float32"), verbose=0)
-    assert relative(ours, np.load(os.path.join(FIXTURES, "dinov2_features.npz"))[str(size)]) <= MAX_RELATIVE
+    assert relative(ours, outputs[f"dinov2_{size}"]) <= MAX_RELATIVE
 
 
-@pytest.mark.parametrize("name,size", [("vit_base_patch14_dinov2", 518), ("vit_small_patch14_reg4_dinov2", 224)])
-def test_published_dinov2_state_dicts_map_onto_their_models(name, size):
-    """timm's real DINOv2 keys and shapes (no classifier; 518 px), onto the full-size model in a `shapes_only`,
-    at 518 px and, as fine-tuning usually runs, at 224 px (the 37x37 grid resampled to 16x16)."""
-    tensors = {k: np.broadcast_to(np.float32(0), s) for k, s in dinov2_facts()["state_dicts"][name].items()}
+def test_clip_tower_weights_give_timms_logits(photos, outputs):
+    """A timm CLIP tower (small, random; QuickGELU, norm_pre, epsilon 1e-5, no patch-embedding bias; its tokens'
+    variance below the epsilon, so a wrong one shows) through the config: OpenAI CLIP's mean and std, crop 0.95
+    and the image size from its pretrained cfg, then timm's logits."""
+    path = os.path.join(FIXTURES, "clip_timm_mini.safetensors")
+    cfg = validate({"model": {"name": "vit_base_patch16_clip_quickgelu_224", "num_classes": 10, "init_from": path},
+                    "data": {"hflip": False}})
+    assert (cfg.data.image_size, cfg.data.eval_crop_fraction) == (16, 0.95)
+    np.testing.assert_allclose(cfg.data.mean, np.array([0.48145466, 0.4578275, 0.40821073]) * 255, rtol=1e-6)
+    model = vision_transformer((16, 16, 3), 10, 0.0, small(SPECS["vit_base_patch16_clip_quickgelu_224"]), "clip")
+    loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+    assert new == [] and "norm_pre" in loaded and len(model.get_layer("patch_embed").weights) == 1
+    x = ((photos["16"] - np.array(cfg.data.mean)) / np.array(cfg.data.std)).astype("float32")
+    logits = model.predict(x, verbose=0)
+    assert relative(logits, outputs["clip_16"]) <= MAX_RELATIVE
+    assert list(logits.argmax(1)) == list(outputs["clip_16"].argmax(1))
+
+
+@pytest.mark.parametrize("name,size", [("vit_base_patch14_dinov2", 518), ("vit_small_patch14_reg4_dinov2", 224),
+                                       ("vit_base_patch16_clip_224", 224)])
+def test_published_dinov2_and_clip_state_dicts_map_onto_their_models(name, size):
+    """timm's real keys and shapes (DINOv2's without a classifier, at 518 px; CLIP's ImageNet fine-tunes with
+    1,000 classes), onto the full-size model in a `shapes_only`; DINOv2 also at 224 px, as fine-tuning usually
+    runs (the 37x37 grid resampled to 16x16)."""
+    tensors = {k: np.broadcast_to(np.float32(0), s) for k, s in variants()["state_dicts"][name].items()}
     cfg = ModelConfig(name=name, num_classes=1000)
     with shapes_only():
         model = MODELS[name]((size, size, 3), 1000)
         loaded, new = load_into(model, torch_weights(tensors, cfg, name), cfg)
-    assert new == ["head (the source has no classifier)"] and len(loaded) == len(layers_with_weights(model)) - 1
+    headless = "head.weight" not in tensors
+    assert new == (["head (the source has no classifier)"] if headless else [])
+    assert len(loaded) == len(layers_with_weights(model)) - headless
 
 
 def test_position_embeddings_resample_as_timms(expected):
@@ -239,12 +276,14 @@ def wrapped(spec: ViTSpec) -> keras.Model:
 
 @pytest.mark.parametrize("spec", [ViTSpec(patch=16, dim=192, depth=2, heads=3, distilled=True),
                                   ViTSpec(patch=16, dim=192, depth=2, heads=3, init_values=0.1, reg_tokens=4,
-                                          no_embed_class=True)], ids=["distilled", "dinov2_registers"])
+                                          no_embed_class=True),
+                                  ViTSpec(patch=16, dim=192, depth=2, heads=3, pre_norm=True, norm_eps=1e-5,
+                                          act="quick_gelu")], ids=["distilled", "dinov2_registers", "clip"])
 def test_builds_in_a_strategy_scope_saves_and_runs_under_xla_and_bfloat16(spec, tmp_path):
     """Two replicas' mirrored variables, a .keras round trip with the same outputs, XLA-compiled inference on
     the CPU equal to eager, and mixed_bfloat16 close to float32 (attention in bfloat16). At DeiT-Tiny's width,
-    2 blocks deep: the distilled architecture (two heads, two prefix tokens), and DINOv2's (layer scale, four
-    register tokens, position embeddings for the patches only)."""
+    2 blocks deep: the distilled architecture (two heads, two prefix tokens), DINOv2's (layer scale, four
+    register tokens, position embeddings for the patches only) and a CLIP tower's (norm_pre, QuickGELU)."""
     import tensorflow as tf
     from tfdp.distribute.strategy import make_runtime
     strategy = make_runtime(validate({"distribute": {"strategy": "mirrored", "cpu_replicas": 2}}).distribute).strategy

@@ -1,5 +1,6 @@
-"""Vision Transformers (ViT, Dosovitskiy et al. 2021) and DeiT (Touvron et al. 2021) as timm builds them, and
-their weights from timm, torchvision and keras-hub.
+"""Vision Transformers (ViT, Dosovitskiy et al. 2021), DeiT (Touvron et al. 2021), DINOv2 (Oquab et al. 2024) and
+CLIP's image towers (Radford et al. 2021) as timm builds them, and their weights from timm, torchvision and
+keras-hub.
 
 timm's `VisionTransformer` layout, one Keras layer per timm module so the
 layer names are timm's module names with `_` for `.` (`blocks.3.attn.qkv` is
@@ -8,7 +9,7 @@ stride), a class token (and DeiT's distillation token) in front, learned
 absolute position embeddings added, pre-norm blocks (LayerNorm, multi-head
 self-attention with one fused qkv projection, LayerNorm, a GELU MLP of 4x the
 width, each branch added back), a final LayerNorm and the classifier on the
-class token. LayerNorm's epsilon is 1e-6, as timm's and torchvision's.
+class token. LayerNorm's epsilon is 1e-6, as timm's and torchvision's (CLIP's 1e-5).
 Parameter counts equal timm's at 1,000 classes (ViT-B/16 86,567,656;
 DeiT-B distilled 87,338,192; tests/models/test_vit.py lists them all);
 torchvision's vit_b_16, vit_b_32, vit_l_16 and vit_l_32 are the same
@@ -27,6 +28,11 @@ Training options, as timm's:
   `distilled_training` is off, the two classifiers' logits are averaged, in
   training and at inference;
 - `model.dropout` before the classifier (timm's `drop_rate` on the head).
+
+The families differ only in `ViTSpec`'s switches, each timm's: DINOv2's
+layer scale and register tokens (`no_embed_class`: the position embeddings
+cover the patches only), CLIP's LayerNorm before the blocks (`pre_norm`,
+epsilon 1e-5, no patch-embedding bias) and QuickGELU.
 
 Attention goes through `keras.ops.dot_product_attention`. The position grid
 is fixed by the image size the model is built at (`data.image_size`, which
@@ -53,7 +59,6 @@ from tfdp.models.resnet import DropPath
 from tfdp.models.weights import (Weights, h5_groups, keras_hub_head, register_keras_hub_layout,
                                  register_torch_layout)
 
-LAYER_NORM = dict(epsilon=1e-6)
 # timm's VisionTransformer.group_matcher(coarse=False) on tfdp's layer names: the embeddings, one group per block,
 # the final norm; the classifier (unmatched) last.
 LAYER_GROUPS = {"stem": r"^(?:cls_token|pos_embed|patch_embed)", "blocks": r"^blocks_(\d+)_", "norm": r"^norm$"}
@@ -213,6 +218,17 @@ class LayerScale(layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
+def quick_gelu(x):
+    """OpenAI CLIP's approximation of GELU, x * sigmoid(1.702 x): its image towers were trained with it (timm's
+    `quick_gelu`)."""
+    return x * keras.ops.sigmoid(1.702 * x)
+
+
+# The MLP's activation: timm's nn.GELU is the exact one (erf), as Keras' default
+ACTIVATIONS = {"gelu": keras.activations.gelu, "quick_gelu": quick_gelu}
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
 class Token(layers.Layer):
     """One token of the sequence: the class token (0) or the distillation token (1), for their classifiers."""
 
@@ -245,6 +261,10 @@ class ViTSpec:
     init_values: float | None = None   # layer scale's start; None: no layer scale
     reg_tokens: int = 0                # DINOv2's register tokens (Darcet et al. 2024), after the class token
     no_embed_class: bool = False       # position embeddings for the patches only, added before the tokens go in
+    pre_norm: bool = False             # CLIP's LayerNorm between the embeddings and the blocks (timm's norm_pre),
+                                       # and then no bias in the patch embedding
+    norm_eps: float = 1e-6             # every LayerNorm's epsilon (timm's and torchvision's ViTs; CLIP's 1e-5)
+    act: str = "gelu"                  # the MLP's activation, a key of ACTIVATIONS
 
 
 def dense(units: int, name: str, activation=None):
@@ -263,13 +283,13 @@ def branch_end(x, name: str, spec: ViTSpec, drop_path: float):
 def block(x, i: int, spec: ViTSpec, drop_path: float):
     """timm's Block: x + drop_path(ls1(attn(norm1(x)))), then x + drop_path(ls2(mlp(norm2(x))))."""
     name = f"blocks_{i}"
-    h = layers.LayerNormalization(**LAYER_NORM, name=f"{name}_norm1")(x)
+    h = layers.LayerNormalization(epsilon=spec.norm_eps, name=f"{name}_norm1")(x)
     h = dense(3 * spec.dim, f"{name}_attn_qkv")(h)
     h = SelfAttention(spec.heads, name=f"{name}_attn")(h)
     h = dense(spec.dim, f"{name}_attn_proj")(h)
     x = layers.Add(name=f"{name}_add1")([x, branch_end(h, f"{name}_1", spec, drop_path)])
-    h = layers.LayerNormalization(**LAYER_NORM, name=f"{name}_norm2")(x)
-    h = dense(int(spec.dim * spec.mlp_ratio), f"{name}_mlp_fc1", activation=keras.activations.gelu)(h)
+    h = layers.LayerNormalization(epsilon=spec.norm_eps, name=f"{name}_norm2")(x)
+    h = dense(int(spec.dim * spec.mlp_ratio), f"{name}_mlp_fc1", activation=ACTIVATIONS[spec.act])(h)
     h = dense(spec.dim, f"{name}_mlp_fc2")(h)
     return layers.Add(name=f"{name}_add2")([x, branch_end(h, f"{name}_2", spec, drop_path)])
 
@@ -286,7 +306,8 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
                        drop_path: float = 0.0) -> keras.Model:
     grid = check_patch_divides(input_shape, spec.patch, name)
     inputs = keras.Input(input_shape)
-    x = layers.Conv2D(spec.dim, spec.patch, strides=spec.patch, name="patch_embed")(inputs)
+    # timm gives the patch embedding no bias where a LayerNorm follows the embeddings (CLIP's norm_pre)
+    x = layers.Conv2D(spec.dim, spec.patch, strides=spec.patch, use_bias=not spec.pre_norm, name="patch_embed")(inputs)
     x = layers.Reshape((grid[0] * grid[1], spec.dim), name="patch_embed_flatten")(x)
     if spec.no_embed_class:   # timm's no_embed_class: neither the class nor the register tokens get one
         x = PositionEmbedding(grid, 0, name="pos_embed")(x)
@@ -294,9 +315,11 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
     else:
         x = PrefixTokens(spec.distilled, spec.reg_tokens, name="cls_token")(x)
         x = PositionEmbedding(grid, 1 + spec.distilled + spec.reg_tokens, name="pos_embed")(x)
+    if spec.pre_norm:
+        x = layers.LayerNormalization(epsilon=spec.norm_eps, name="norm_pre")(x)
     for i in range(spec.depth):
         x = block(x, i, spec, drop_path * i / max(spec.depth - 1, 1))
-    x = layers.LayerNormalization(**LAYER_NORM, name="norm")(x)
+    x = layers.LayerNormalization(epsilon=spec.norm_eps, name="norm")(x)
     heads = []
     for index, head in enumerate(HEAD[:1 + spec.distilled]):
         h = Token(index, name=f"{head}_token")(x)
@@ -305,6 +328,11 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
         heads.append(dense(num_classes, head)(h))
     logits = layers.Average(name="head_average")(heads) if spec.distilled else heads[0]
     return keras.Model(inputs, logits, name=f"{name}_backbone")
+
+
+def clip(patch: int, dim: int, depth: int, heads: int, act: str = "gelu") -> ViTSpec:
+    """A CLIP image tower's architecture (timm's `vit_*_clip_*`: `pre_norm=True`, LayerNorm epsilon 1e-5)."""
+    return ViTSpec(patch, dim, depth, heads, pre_norm=True, norm_eps=1e-5, act=act)
 
 
 # timm's model names → their architecture
@@ -330,6 +358,17 @@ SPECS: dict[str, ViTSpec] = {
     "vit_small_patch14_reg4_dinov2": ViTSpec(14, 384, 12, 6, init_values=1e-5, reg_tokens=4, no_embed_class=True),
     "vit_base_patch14_reg4_dinov2": ViTSpec(14, 768, 12, 12, init_values=1e-5, reg_tokens=4, no_embed_class=True),
     "vit_large_patch14_reg4_dinov2": ViTSpec(14, 1024, 24, 16, init_values=1e-5, reg_tokens=4, no_embed_class=True),
+    # CLIP's image towers (Radford et al. 2021; OpenCLIP): a LayerNorm before the blocks, epsilon 1e-5. timm's
+    # ImageNet fine-tunes of them (`*.openai_ft_in1k`, `*.laion2b_ft_in12k_in1k`) use GELU; the towers trained
+    # with QuickGELU (OpenAI's own), the `_quickgelu_` models.
+    "vit_base_patch32_clip_224": clip(32, 768, 12, 12),
+    "vit_base_patch16_clip_224": clip(16, 768, 12, 12),
+    "vit_large_patch14_clip_224": clip(14, 1024, 24, 16),
+    "vit_huge_patch14_clip_224": clip(14, 1280, 32, 16),
+    "vit_base_patch32_clip_quickgelu_224": clip(32, 768, 12, 12, "quick_gelu"),
+    "vit_base_patch16_clip_quickgelu_224": clip(16, 768, 12, 12, "quick_gelu"),
+    "vit_large_patch14_clip_quickgelu_224": clip(14, 1024, 24, 16, "quick_gelu"),
+    "vit_huge_patch14_clip_quickgelu_224": clip(14, 1280, 32, 16, "quick_gelu"),
     # For 16-32 px images (the digits demo, CPU tests): 4 px patches, 4 blocks of width 64; no timm counterpart
     # (timm, torchvision and keras-hub build it from these numbers).
     "vit_mini_patch4_small": ViTSpec(4, 64, 4, 4),
@@ -386,7 +425,7 @@ def torchvision_module(key: str) -> str:
 
 # timm's ViT modules tfdp builds (fc_norm and the other variants' modules are not among them)
 TOKENS = ("cls_token", "dist_token", "reg_token")   # one layer's, in its variables' order
-TIMM_MODULES = re.compile(r"cls_token|dist_token|reg_token|pos_embed|patch_embed\.proj|norm|head|head_dist|"
+TIMM_MODULES = re.compile(r"cls_token|dist_token|reg_token|pos_embed|patch_embed\.proj|norm_pre|norm|head|head_dist|"
                           r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2|ls1|ls2)")
 
 
@@ -398,8 +437,9 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> tuple[list[np.n
     """One timm module's tensors in its Keras layer's variable order and layout."""
     if module in (*TOKENS, "pos_embed"):
         return [params[""]], [module]
-    if module == "patch_embed.proj":   # OIHW → HWIO
-        return [params["weight"].transpose(2, 3, 1, 0), params["bias"]], ["weight", "bias"]
+    if module == "patch_embed.proj":   # OIHW → HWIO; CLIP's has no bias
+        bias = ["bias"] if "bias" in params else []
+        return [params["weight"].transpose(2, 3, 1, 0)] + [params[b] for b in bias], ["weight", *bias]
     if "gamma" in params:   # layer scale
         return [params["gamma"]], ["gamma"]
     if params["weight"].ndim == 2:   # Linear
