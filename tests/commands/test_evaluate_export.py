@@ -117,6 +117,36 @@ def test_export_round_trip_from_jpeg_bytes(checkpoint, tmp_path):
     assert json.load(open(paths["classes"])) == [str(d) for d in range(10)]
 
 
+def test_a_run_s_checkpoint_that_does_not_fit_says_what_the_run_was_trained_as(tmp_path):
+    """The usual mismatch: a run trained with `--model=…` (here simple_cnn at 8 px), evaluated or exported without
+    it. The one line names what the run's config.yaml holds and how to pass it; a checkpoint outside a run, or of
+    a run trained as configured, keeps the generic hint."""
+    from tfdp.config import dump_yaml
+    from tfdp.errors import UserError
+    from tfdp.rundir.checkpoints import load_checkpoint
+    run = tmp_path / "run"
+    trained = validate({"model_dir": str(run), "model": {"name": "simple_cnn"}, "data": {"image_size": 8}})
+    path = run / "checkpoints" / "epoch-0001" / "model.weights.h5"
+    path.parent.mkdir(parents=True)
+    build_model(trained.model, trained.data).save_weights(str(path))
+    (run / "config.yaml").write_text(dump_yaml(trained))
+    other = validate({"model_dir": str(run), "model": {"name": "resnet10_small"}, "data": {"image_size": 16}})
+    what = f"checkpoint {path} does not fit model 'resnet10_small' with 10 classes at 16 px"
+    with pytest.raises(UserError) as error:
+        load_checkpoint(build_model(other.model, other.data), str(path), other)
+    assert "\n" not in str(error.value) and str(error.value).startswith(
+        f"{what} (its run was trained with model.name=simple_cnn, data.image_size=8: set the same, or pass "
+        f"--config={run}/config.yaml): "), error.value
+    lone = tmp_path / "lone.weights.h5"
+    shutil.copy(path, lone)
+    (run / "config.yaml").write_text(dump_yaml(other))   # the run says what is configured: nothing to point at
+    for where in (lone, path):
+        with pytest.raises(UserError) as error:
+            load_checkpoint(build_model(other.model, other.data), str(where), other)
+        assert str(error.value).startswith(f"checkpoint {where} does not fit model 'resnet10_small' with 10 classes "
+                                           f"at 16 px (another architecture or class count?): "), error.value
+
+
 def test_checkpoint_of_another_architecture_or_class_count(checkpoint, odd_dir, tmp_path):
     _, path, _ = checkpoint
     for override in (["--model=resnet18_small"], ["--set=model.num_classes=7"]):

@@ -38,8 +38,10 @@ from typing import Any
 
 import keras
 import numpy as np
+import yaml
 
 from tfdp.config import Config
+from tfdp.config.pretrained import run_dir_of
 from tfdp.errors import UserError, atomic_write_text, write_errors
 
 KEEP_EPOCHS = 2
@@ -237,11 +239,34 @@ class CheckpointStore:
 
 
 def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
-    """Loads weights, turning Keras' mismatch errors into one line that says what does not fit."""
+    """Loads weights, turning Keras' mismatch errors into one line that says what does not fit, and what the
+    checkpoint's own run was trained as where its config.yaml says."""
     if not os.path.exists(path):
         raise UserError(f"no checkpoint at {path}")
-    load_weights(model, path, f"model '{cfg.model.name}' with {cfg.model.num_classes} classes at "
-                              f"{cfg.data.image_size} px (another architecture or class count?)")
+    what = f"model '{cfg.model.name}' with {cfg.model.num_classes} classes at {cfg.data.image_size} px"
+    try:
+        load_weights(model, path, what)
+    except UserError as e:   # the hint before Keras' own words
+        hint = trained_as(path, cfg) or "another architecture or class count?"
+        raise UserError(str(e).replace(f"{what}: ", f"{what} ({hint}): ", 1)) from None
+
+
+def trained_as(path: str, cfg: Config) -> str | None:
+    """The settings the checkpoint's run (its config.yaml) was trained with where they differ from `cfg`'s, and how
+    to pass them: the usual mismatch is a run trained with `--model=X`, then evaluated or exported without it."""
+    run = run_dir_of(path)
+    try:
+        with open(os.path.join(run, "config.yaml"), encoding="utf-8") as f:
+            found = yaml.safe_load(f) or {}
+        theirs = {"model.name": found["model"]["name"], "model.num_classes": found["model"]["num_classes"],
+                  "data.image_size": found["data"]["image_size"]}
+    except (TypeError, OSError, KeyError, yaml.YAMLError):   # no run around it, or an unreadable config
+        return None
+    ours = {"model.name": cfg.model.name, "model.num_classes": cfg.model.num_classes,
+            "data.image_size": cfg.data.image_size}
+    differ = [f"{key}={value}" for key, value in theirs.items() if value != ours[key]]
+    return (f"its run was trained with {', '.join(differ)}: set the same, or pass --config="
+            f"{os.path.join(run, 'config.yaml')}") if differ else None
 
 def kept(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     """Of checkpoints as (global step, 1 for an epoch checkpoint else 0, name), oldest first, those to keep:
