@@ -118,9 +118,15 @@ def test_a_field_the_user_sets_wins_and_the_rest_follow_the_weights():
     assert pretrained.line(cfg.model, cfg.data) == (
         "tfdp: preprocessing from imagenet weights (keras resnet50, caffe): std 1,1,1 (R,G,B); data.mean, "
         "data.channel_order from the config; set data.mean/std/channel_order to override")
+    # ... and the run says where what it set is not what the weights were trained with
+    assert pretrained.differing_line(cfg.model, cfg.data) == (
+        "tfdp: preprocessing: the config's data.mean 1,2,3, data.channel_order rgb differ from what the weights were "
+        "trained with (imagenet weights (keras resnet50, caffe): mean 123.7,116.8,103.9, channel_order bgr); the "
+        "config's are used (leave them out of it to take the weights')")
+    assert pretrained.differing_line(imagenet_cfg("resnet50").model, imagenet_cfg("resnet50").data) is None
     plain = validate({"model": {"name": "resnet50"}})  # no init_from: ImageNet's RGB statistics
     assert (plain.data.mean, plain.data.std, plain.data.channel_order) == (IMAGENET_MEAN, IMAGENET_STD, "rgb")
-    assert pretrained.line(plain.model, plain.data) is None
+    assert pretrained.line(plain.model, plain.data) is None and pretrained.differing_line(plain.model, plain.data) is None
 
 
 def test_the_resolved_values_are_what_config_yaml_records():
@@ -197,6 +203,18 @@ def test_torch_files_take_imagenet_rgb_or_their_timm_pretrained_cfg(tmp_path):
         "tfdp: preprocessing from model.safetensors (its timm pretrained cfg): RGB, mean 127.5,127.5,127.5, "
         "std 63.75,127.5,255 (R,G,B), eval crop 0.95; the weights' bicubic interpolation is not applied (tfdp "
         "resizes bilinearly); set data.mean/std/channel_order/eval_crop_fraction to override")
+    # a recipe's own normalisation: the same values as a recipe writes them say nothing, others one line
+    same = validate({"model": {"name": "resnet18", "init_from": inside}, "data": {"mean": [127.5] * 3,
+                                                                               "std": [63.75, 127.5, 255.0]}})
+    assert pretrained.differing_line(same.model, same.data) is None
+    imagenet = validate({"model": {"name": "resnet18", "init_from": inside},
+                         "data": {"mean": [123.675, 116.28, 103.53], "eval_crop_fraction": 0.875}})
+    assert pretrained.differing_line(imagenet.model, imagenet.data) == (
+        "tfdp: preprocessing: the config's data.mean 123.7,116.3,103.5 differ from what the weights were trained "
+        "with (timm.safetensors (its timm pretrained cfg): mean 127.5,127.5,127.5); the config's are used (leave "
+        "them out of it to take the weights')")
+    assert pretrained.differing_line(*(lambda c: (c.model, c.data))(validate(
+        {"model": {"name": "resnet18", "init_from": plain}, "data": {"mean": [123.675, 116.28, 103.53]}}))) is None
 
 
 def test_weights_that_say_nothing_leave_the_config_as_it_is(tmp_path):

@@ -326,3 +326,32 @@ def line(model_cfg: ModelConfig, data_cfg: DataConfig) -> str | None:
     fields = "/".join(f for f in PREPROCESSING if f in found.values())
     return (f"tfdp: preprocessing from {found.what}: {', '.join(parts)}{kept}{interpolation}; "
             f"set data.{fields} to override")
+
+
+def _same(ours, theirs) -> bool:
+    """Equal, numbers to 1e-4 of their size (a recipe's 123.675 is ImageNet's 0.485 x 255 as the weights give it)."""
+    if isinstance(ours, tuple) and isinstance(theirs, tuple) and len(ours) == len(theirs):
+        return all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(ours, theirs))
+    return ours == theirs
+
+
+def differing_line(model_cfg: ModelConfig, data_cfg: DataConfig) -> str | None:
+    """A console line where the config's own normalisation (data.mean, std, channel_order) is not what
+    `model.init_from`'s weights were trained with. The config wins, as documented; but weights fed pixels
+    normalised otherwise lose accuracy with no other sign (a recipe written for a ViT's 0.5/0.5 given DINOv2's
+    ImageNet-normalised weights), so the run says it once."""
+    found = from_weights(model_cfg)
+    if found is None:
+        return None
+    theirs = found.values()
+    differ = [f for f in ("mean", "std", "channel_order") if f in theirs and not _same(getattr(data_cfg, f),
+                                                                                      theirs[f])]
+    if not differ:
+        return None
+
+    def shown(value) -> str:
+        return _numbers(value) if isinstance(value, tuple) else str(value)
+    ours = ", ".join(f"data.{f} {shown(getattr(data_cfg, f))}" for f in differ)
+    want = ", ".join(f"{f} {shown(theirs[f])}" for f in differ)
+    return (f"tfdp: preprocessing: the config's {ours} differ from what the weights were trained with ({found.what}: "
+            f"{want}); the config's are used (leave them out of it to take the weights')")
