@@ -46,8 +46,13 @@ VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (1
        "vit_mini_patch4_small"}
 
 
+# timm's counts checked in tests/models/test_swin.py, from the variables' shapes
+SWIN = {f"swin_{s}_patch4_window{w}" for s in ("tiny", "small", "base", "large") for w in ("7_224",)} | {
+    f"swin_{s}_patch4_window12_384" for s in ("base", "large")}
+
+
 def test_every_registered_model_has_a_reference_count():
-    assert set(MODELS) == set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS) | SMALL_IMAGE | VIT
+    assert set(MODELS) == set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS) | SMALL_IMAGE | VIT | SWIN
 
 
 @pytest.mark.slow
@@ -89,13 +94,16 @@ ONE_PER_BUILDER = {
     **{f"convnext_{s}": "convnext_atto"
        for s in ("atto", "femto", "pico", "nano", "tiny", "small", "base", "large")},
     **dict.fromkeys(VIT, "vit_mini_patch4_small"),
+    **dict.fromkeys(SWIN, "swin_tiny_patch4_window7_224"),
 }
 
 
 # Representatives whose real 2-replica training is asserted elsewhere (AdamW steps on 2 replicas of
 # tfdp's strategy, the weights moved, finite and equal to 1 replica's): not stepped again here.
 TRAINED_ON_TWO_REPLICAS_IN = {"convnext_atto": "tests/models/test_transformer_runs.py",
-                              "vit_mini_patch4_small": "tests/models/test_transformer_runs.py"}
+                              "vit_mini_patch4_small": "tests/models/test_transformer_runs.py",
+                              # its builder, at the fixture's size (the same code with 3 small stages)
+                              "swin_tiny_patch4_window7_224": "tests/models/test_swin.py"}
 
 
 def test_every_model_has_a_representative_that_trains():

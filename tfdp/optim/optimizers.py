@@ -24,8 +24,8 @@ from keras import ops
 from tfdp.config import OptimizerConfig
 
 # Variable names (Keras: BatchNormalization's and LayerNormalization's gamma/beta, layers' bias, layer scale's
-# gamma; a ViT's position embeddings, class, distillation and register tokens, as timm's `no_weight_decay`) left
-# undecayed on request. Matched as substrings of the variable's name.
+# gamma; a ViT's position embeddings, class, distillation and register tokens, a Swin's relative position bias
+# tables, as timm's `no_weight_decay`) left undecayed on request. Matched as substrings of the variable's name.
 NO_DECAY = ("gamma", "beta", "bias", "pos_embed", "cls_token", "dist_token", "reg_token")
 
 
