@@ -173,3 +173,14 @@ def test_an_image_size_the_windows_do_not_divide_is_one_line():
             f"model '{name}' attends within {SPECS[name].window}x{SPECS[name].window} windows of every stage's grid "
             f"(tfdp does not pad them as timm does): data.image_size must divide into them at every stage ({fit}, "
             f"…), got {size}")
+
+
+def test_weights_of_another_architecture_are_one_line():
+    """A ViT's timm file given to a Swin: its first tensor with no place in a Swin is named."""
+    cfg = ModelConfig(name="swin_tiny_patch4_window7_224", num_classes=10)
+    with pytest.raises(UserError) as error:
+        torch_weights(load_file(os.path.join(FIXTURES, "vit_timm_mini.safetensors")), cfg, "vit.safetensors")
+    text = str(error.value)
+    assert "\n" not in text and text.startswith(
+        "model.init_from: vit.safetensors does not fit model 'swin_tiny_patch4_window7_224': tensor ") and text.endswith(
+        "has no place in it (another architecture?)"), text

@@ -40,7 +40,7 @@ from tfdp.config import ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import register
 from tfdp.models.resnet import DropPath
-from tfdp.models.weights import Weights, register_torch_layout
+from tfdp.models.weights import Weights, by_module, register_torch_layout
 
 LAYER_NORM = dict(epsilon=1e-5)
 HEAD = ("head_fc",)
@@ -308,15 +308,8 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> tuple[list[np.n
 def swin_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
     """A timm Swin state dict as `Weights`: layer = the module's name with `_` for `.` (the patch embedding's
     projection: `patch_embed`)."""
-    modules: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in timm_names(tensors).items():
-        if BUFFERS.fullmatch(key):
-            continue
-        module, _, param = key.rpartition(".")
-        if not TIMM_MODULES.fullmatch(module):
-            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor {key} "
-                            f"{tuple(value.shape)} has no place in it (another architecture?)")
-        modules.setdefault(module, {})[param] = value
+    kept = {key: value for key, value in timm_names(tensors).items() if not BUFFERS.fullmatch(key)}
+    modules = by_module(kept, TIMM_MODULES, model_cfg, what)
     values, names = {}, {}
     for module, params in modules.items():
         layer = "patch_embed" if module == "patch_embed.proj" else module.replace(".", "_")

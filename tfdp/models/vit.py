@@ -56,7 +56,7 @@ from tfdp.config import ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import register
 from tfdp.models.resnet import DropPath
-from tfdp.models.weights import (Weights, h5_groups, keras_hub_head, register_keras_hub_layout,
+from tfdp.models.weights import (Weights, by_module, h5_groups, keras_hub_head, register_keras_hub_layout,
                                  register_torch_layout)
 
 # timm's VisionTransformer.group_matcher(coarse=False) on tfdp's layer names: the embeddings, one group per block,
@@ -453,13 +453,7 @@ def vit_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what:
     source = "torchvision" if is_torchvision(tensors) else "timm"
     if source == "torchvision":
         tensors = {torchvision_module(k): v for k, v in tensors.items()}
-    modules: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in tensors.items():
-        module, param = (key, "") if key in (*TOKENS, "pos_embed") else key.rpartition(".")[::2]
-        if not TIMM_MODULES.fullmatch(module):
-            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor {key} "
-                            f"{tuple(value.shape)} has no place in it (another architecture?)")
-        modules.setdefault(module, {})[param] = value
+    modules = by_module(tensors, TIMM_MODULES, model_cfg, what, whole=(*TOKENS, "pos_embed"))
     values, names = {}, {}
     for module, params in modules.items():
         layer = timm_layer(module)

@@ -426,6 +426,21 @@ KERAS_HUB_LAYOUTS: dict[str, Callable[[str, dict, dict | None, ModelConfig, str]
 KERAS_HUB_FILES = ("config.json", "model.weights.h5", "task.json", "task.weights.h5")
 
 
+def by_module(tensors: dict[str, np.ndarray], modules: re.Pattern, model_cfg: ModelConfig, what: str,
+              whole: tuple[str, ...] = ()) -> dict[str, dict[str, np.ndarray]]:
+    """A timm-style state dict's tensors by module (`blocks.0.attn.qkv.weight` → module `blocks.0.attn.qkv`,
+    parameter `weight`); `whole`: keys that are a module themselves (a ViT's tokens; parameter ""). A tensor whose
+    module `modules` does not match is the one "does not fit" line."""
+    found: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        module, param = (key, "") if key in whole else key.rpartition(".")[::2]
+        if not modules.fullmatch(module):
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor {key} "
+                            f"{tuple(value.shape)} has no place in it (another architecture?)")
+        found.setdefault(module, {})[param] = value
+    return found
+
+
 def register_keras_hub_layout(*class_names: str):
     """Registers a keras-hub preset reader for the backbone classes `class_names` (see `KERAS_HUB_LAYOUTS`)."""
     def add(fn):
