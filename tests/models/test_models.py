@@ -43,6 +43,9 @@ VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (1
        *(f"vit_{s}_patch14_{r}dinov2" for s in ("small", "base", "large") for r in ("", "reg4_")),
        *(f"vit_{s}_clip{a}_224" for s in ("base_patch32", "base_patch16", "large_patch14", "huge_patch14")
          for a in ("", "_quickgelu")),
+       *(f"vit_base_patch16_siglip_{px}" for px in (224, 256, 384, 512)),
+       *(f"vit_large_patch16_siglip_{px}" for px in (256, 384, 512)),
+       *(f"vit_so400m_patch14_siglip_{px}" for px in (224, 378)),
        "vit_mini_patch4_small"}
 
 

@@ -124,11 +124,13 @@ def outputs() -> dict[str, np.ndarray]:
     return dict(np.load(os.path.join(FIXTURES, "vit_variants_outputs.npz")))
 
 
-def test_dinov2_and_clip_parameter_counts_equal_timms():
-    """At 1,000 classes, DINOv2 at its published 518 px (a 37x37 grid), the CLIP towers at 224 px: layer scale,
-    register tokens, CLIP's norm_pre and bias-free patch embedding."""
+def test_dinov2_clip_and_siglip_parameter_counts_equal_timms():
+    """At 1,000 classes, DINOv2 at its published 518 px (a 37x37 grid), the CLIP towers at 224 px, the SigLIP
+    towers at the size in their names: layer scale, register tokens, CLIP's norm_pre and bias-free patch
+    embedding, SigLIP's attention pooling and no class token."""
     counts = variants()["parameter_counts"]
-    assert sorted(counts) == sorted(n for n in MODELS if n.endswith("_dinov2") or "_clip" in n) and len(counts) == 14
+    assert sorted(counts) == sorted(n for n in MODELS if n.endswith("_dinov2") or "_clip" in n or "_siglip_" in n)
+    assert len(counts) == 23
     for name, found in counts.items():
         size = found["image_size"]
         with shapes_only():
@@ -179,12 +181,29 @@ def test_clip_tower_weights_give_timms_logits(photos, outputs):
     assert list(logits.argmax(1)) == list(outputs["clip_16"].argmax(1))
 
 
+def test_siglip_tower_weights_give_timms_logits(photos, outputs):
+    """A timm SigLIP tower (small, random; no class token, attention pooling with a learned latent query) through
+    the config: mean and std 0.5 and the image size from its pretrained cfg, then timm's logits."""
+    path = os.path.join(FIXTURES, "siglip_timm_mini.safetensors")
+    cfg = validate({"model": {"name": "vit_base_patch16_siglip_224", "num_classes": 10, "init_from": path},
+                    "data": {"hflip": False}})
+    assert (cfg.data.image_size, cfg.data.mean) == (16, (127.5,) * 3)
+    model = vision_transformer((16, 16, 3), 10, 0.0, small(SPECS["vit_base_patch16_siglip_224"]), "siglip")
+    loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+    assert new == [] and {"attn_pool", "attn_pool_kv", "attn_pool_mlp_fc2"} <= set(loaded)
+    assert len(loaded) == len(layers_with_weights(model))
+    x = ((photos["16"] - np.array(cfg.data.mean)) / np.array(cfg.data.std)).astype("float32")
+    logits = model.predict(x, verbose=0)
+    assert relative(logits, outputs["siglip_16"]) <= MAX_RELATIVE
+    assert list(logits.argmax(1)) == list(outputs["siglip_16"].argmax(1))
+
+
 @pytest.mark.parametrize("name,size", [("vit_base_patch14_dinov2", 518), ("vit_small_patch14_reg4_dinov2", 224),
-                                       ("vit_base_patch16_clip_224", 224)])
-def test_published_dinov2_and_clip_state_dicts_map_onto_their_models(name, size):
-    """timm's real keys and shapes (DINOv2's without a classifier, at 518 px; CLIP's ImageNet fine-tunes with
-    1,000 classes), onto the full-size model in a `shapes_only`; DINOv2 also at 224 px, as fine-tuning usually
-    runs (the 37x37 grid resampled to 16x16)."""
+                                       ("vit_base_patch16_clip_224", 224), ("vit_base_patch16_siglip_224", 384)])
+def test_published_dinov2_clip_and_siglip_state_dicts_map_onto_their_models(name, size):
+    """timm's real keys and shapes (DINOv2's and SigLIP's towers without a classifier; CLIP's ImageNet fine-tunes
+    with 1,000 classes), onto the full-size model in a `shapes_only`; DINOv2 also at 224 px, as fine-tuning usually
+    runs (the 37x37 grid resampled to 16x16), SigLIP's 224 px tower at 384 (14x14 to 24x24)."""
     tensors = {k: np.broadcast_to(np.float32(0), s) for k, s in variants()["state_dicts"][name].items()}
     cfg = ModelConfig(name=name, num_classes=1000)
     with shapes_only():
@@ -278,12 +297,15 @@ def wrapped(spec: ViTSpec) -> keras.Model:
                                   ViTSpec(patch=16, dim=192, depth=2, heads=3, init_values=0.1, reg_tokens=4,
                                           no_embed_class=True),
                                   ViTSpec(patch=16, dim=192, depth=2, heads=3, pre_norm=True, norm_eps=1e-5,
-                                          act="quick_gelu")], ids=["distilled", "dinov2_registers", "clip"])
+                                          act="quick_gelu"),
+                                  ViTSpec(patch=16, dim=192, depth=2, heads=3, class_token=False, pool="map")],
+                         ids=["distilled", "dinov2_registers", "clip", "siglip"])
 def test_builds_in_a_strategy_scope_saves_and_runs_under_xla_and_bfloat16(spec, tmp_path):
     """Two replicas' mirrored variables, a .keras round trip with the same outputs, XLA-compiled inference on
     the CPU equal to eager, and mixed_bfloat16 close to float32 (attention in bfloat16). At DeiT-Tiny's width,
     2 blocks deep: the distilled architecture (two heads, two prefix tokens), DINOv2's (layer scale, four
-    register tokens, position embeddings for the patches only) and a CLIP tower's (norm_pre, QuickGELU)."""
+    register tokens, position embeddings for the patches only), a CLIP tower's (norm_pre, QuickGELU) and a SigLIP
+    tower's (no class token, attention pooling)."""
     import tensorflow as tf
     from tfdp.distribute.strategy import make_runtime
     strategy = make_runtime(validate({"distribute": {"strategy": "mirrored", "cpu_replicas": 2}}).distribute).strategy

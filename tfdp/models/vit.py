@@ -218,6 +218,46 @@ class LayerScale(layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
+class LatentQuery(layers.Layer):
+    """The learned latent query of timm's AttentionPoolLatent (`attn_pool.latent`), one per image."""
+
+    def build(self, input_shape):
+        dim = input_shape[-1]   # timm draws it with trunc_normal_tf_(std=dim ** -0.5)
+        self.latent = self.add_weight(shape=(1, 1, dim), name="latent",
+                                      initializer=keras.initializers.TruncatedNormal(stddev=dim ** -0.5))
+
+    def call(self, x):
+        return keras.ops.broadcast_to(keras.ops.cast(self.latent, x.dtype), (keras.ops.shape(x)[0], 1, x.shape[-1]))
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], 1, input_shape[-1])
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class CrossAttention(layers.Layer):
+    """Multi-head attention of queries (B, Q, C) over a fused key-value projection (B, N, 2C) laid out as timm's
+    `kv` (reshaped to (2, heads, head_dim)); through `keras.ops.dot_product_attention`."""
+
+    def __init__(self, heads: int, **kwargs):
+        super().__init__(**kwargs)
+        self.heads = int(heads)
+
+    def call(self, inputs):
+        q, kv = inputs
+        width = q.shape[-1]
+        kv = keras.ops.reshape(kv, (-1, kv.shape[1], 2, self.heads, width // self.heads))
+        q = keras.ops.reshape(q, (-1, q.shape[1], self.heads, width // self.heads))
+        out = keras.ops.dot_product_attention(q, kv[:, :, 0], kv[:, :, 1])
+        return keras.ops.reshape(out, (-1, q.shape[1], width))
+
+    def compute_output_shape(self, input_shapes):
+        return input_shapes[0]
+
+    def get_config(self):
+        return {**super().get_config(), "heads": self.heads}
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
 def quick_gelu(x):
     """OpenAI CLIP's approximation of GELU, x * sigmoid(1.702 x): its image towers were trained with it (timm's
     `quick_gelu`)."""
@@ -265,6 +305,8 @@ class ViTSpec:
                                        # and then no bias in the patch embedding
     norm_eps: float = 1e-6             # every LayerNorm's epsilon (timm's and torchvision's ViTs; CLIP's 1e-5)
     act: str = "gelu"                  # the MLP's activation, a key of ACTIVATIONS
+    class_token: bool = True           # SigLIP's towers have none
+    pool: str = "token"                # what the classifier reads: the class token, or "map" (attention pooling)
 
 
 def dense(units: int, name: str, activation=None):
@@ -309,7 +351,9 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
     # timm gives the patch embedding no bias where a LayerNorm follows the embeddings (CLIP's norm_pre)
     x = layers.Conv2D(spec.dim, spec.patch, strides=spec.patch, use_bias=not spec.pre_norm, name="patch_embed")(inputs)
     x = layers.Reshape((grid[0] * grid[1], spec.dim), name="patch_embed_flatten")(x)
-    if spec.no_embed_class:   # timm's no_embed_class: neither the class nor the register tokens get one
+    if not spec.class_token:   # SigLIP's: the patches alone
+        x = PositionEmbedding(grid, 0, name="pos_embed")(x)
+    elif spec.no_embed_class:   # timm's no_embed_class: neither the class nor the register tokens get one
         x = PositionEmbedding(grid, 0, name="pos_embed")(x)
         x = PrefixTokens(spec.distilled, spec.reg_tokens, name="cls_token")(x)
     else:
@@ -322,7 +366,7 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
     x = layers.LayerNormalization(epsilon=spec.norm_eps, name="norm")(x)
     heads = []
     for index, head in enumerate(HEAD[:1 + spec.distilled]):
-        h = Token(index, name=f"{head}_token")(x)
+        h = attention_pool(x, spec) if spec.pool == "map" else Token(index, name=f"{head}_token")(x)
         if dropout:
             h = layers.Dropout(dropout, name=f"{head}_drop")(h)
         heads.append(dense(num_classes, head)(h))
@@ -330,9 +374,26 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
     return keras.Model(inputs, logits, name=f"{name}_backbone")
 
 
+def attention_pool(x, spec: ViTSpec):
+    """timm's AttentionPoolLatent (SigLIP's "MAP" head, Zhai et al. 2022): a learned latent query attends over the
+    tokens, then a projection and a pre-norm MLP on the one pooled token, each branch added back."""
+    q = dense(spec.dim, "attn_pool_q")(LatentQuery(name="attn_pool")(x))
+    kv = dense(2 * spec.dim, "attn_pool_kv")(x)
+    h = dense(spec.dim, "attn_pool_proj")(CrossAttention(spec.heads, name="attn_pool_attn")([q, kv]))
+    m = layers.LayerNormalization(epsilon=spec.norm_eps, name="attn_pool_norm")(h)
+    m = dense(int(spec.dim * spec.mlp_ratio), "attn_pool_mlp_fc1", activation=ACTIVATIONS[spec.act])(m)
+    h = layers.Add(name="attn_pool_add")([h, dense(spec.dim, "attn_pool_mlp_fc2")(m)])
+    return Token(0, name="attn_pool_token")(h)
+
+
 def clip(patch: int, dim: int, depth: int, heads: int, act: str = "gelu") -> ViTSpec:
     """A CLIP image tower's architecture (timm's `vit_*_clip_*`: `pre_norm=True`, LayerNorm epsilon 1e-5)."""
     return ViTSpec(patch, dim, depth, heads, pre_norm=True, norm_eps=1e-5, act=act)
+
+
+def siglip(patch: int, dim: int, depth: int, heads: int, mlp_ratio: float = 4.0) -> ViTSpec:
+    """A SigLIP image tower's architecture (timm's `vit_*_siglip_*`: `class_token=False, global_pool='map'`)."""
+    return ViTSpec(patch, dim, depth, heads, mlp_ratio=mlp_ratio, class_token=False, pool="map")
 
 
 # timm's model names → their architecture
@@ -369,6 +430,15 @@ SPECS: dict[str, ViTSpec] = {
     "vit_base_patch16_clip_quickgelu_224": clip(16, 768, 12, 12, "quick_gelu"),
     "vit_large_patch14_clip_quickgelu_224": clip(14, 1024, 24, 16, "quick_gelu"),
     "vit_huge_patch14_clip_quickgelu_224": clip(14, 1280, 32, 16, "quick_gelu"),
+    # SigLIP's (and SigLIP 2's) image towers (Zhai et al. 2023): no class token, attention pooling ("MAP") before
+    # the classifier; timm's names for each size they were published at, one architecture per width.
+    **dict.fromkeys(("vit_base_patch16_siglip_224", "vit_base_patch16_siglip_256", "vit_base_patch16_siglip_384",
+                     "vit_base_patch16_siglip_512"), siglip(16, 768, 12, 12)),
+    **dict.fromkeys(("vit_large_patch16_siglip_256", "vit_large_patch16_siglip_384", "vit_large_patch16_siglip_512"),
+                    siglip(16, 1024, 24, 16)),
+    # (timm's vit_so400m_patch14_siglip_384 convolves 378 of its 384 px; its weights are _378's here, at 378 px)
+    **dict.fromkeys(("vit_so400m_patch14_siglip_224", "vit_so400m_patch14_siglip_378"),
+                    siglip(14, 1152, 27, 16, mlp_ratio=3.7362)),
     # For 16-32 px images (the digits demo, CPU tests): 4 px patches, 4 blocks of width 64; no timm counterpart
     # (timm, torchvision and keras-hub build it from these numbers).
     "vit_mini_patch4_small": ViTSpec(4, 64, 4, 4),
@@ -426,6 +496,7 @@ def torchvision_module(key: str) -> str:
 # timm's ViT modules tfdp builds (fc_norm and the other variants' modules are not among them)
 TOKENS = ("cls_token", "dist_token", "reg_token")   # one layer's, in its variables' order
 TIMM_MODULES = re.compile(r"cls_token|dist_token|reg_token|pos_embed|patch_embed\.proj|norm_pre|norm|head|head_dist|"
+                          r"attn_pool|attn_pool\.(q|kv|proj|norm|mlp\.fc1|mlp\.fc2)|"
                           r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2|ls1|ls2)")
 
 
@@ -440,6 +511,8 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> tuple[list[np.n
     if module == "patch_embed.proj":   # OIHW → HWIO; CLIP's has no bias
         bias = ["bias"] if "bias" in params else []
         return [params["weight"].transpose(2, 3, 1, 0)] + [params[b] for b in bias], ["weight", *bias]
+    if "latent" in params:   # attention pooling's query
+        return [params["latent"]], ["latent"]
     if "gamma" in params:   # layer scale
         return [params["gamma"]], ["gamma"]
     if params["weight"].ndim == 2:   # Linear
