@@ -1,6 +1,6 @@
-"""Vision Transformers (ViT, Dosovitskiy et al. 2021), DeiT (Touvron et al. 2021), DINOv2 (Oquab et al. 2024) and
-CLIP's image towers (Radford et al. 2021) as timm builds them, and their weights from timm, torchvision and
-keras-hub.
+"""Vision Transformers (ViT, Dosovitskiy et al. 2021), DeiT (Touvron et al. 2021), DINOv2 (Oquab et al. 2024),
+CLIP's (Radford et al. 2021) and SigLIP's (Zhai et al. 2023) image towers as timm builds them, and their weights
+from timm, torchvision and keras-hub.
 
 timm's `VisionTransformer` layout, one Keras layer per timm module so the
 layer names are timm's module names with `_` for `.` (`blocks.3.attn.qkv` is
@@ -32,7 +32,8 @@ Training options, as timm's:
 The families differ only in `ViTSpec`'s switches, each timm's: DINOv2's
 layer scale and register tokens (`no_embed_class`: the position embeddings
 cover the patches only), CLIP's LayerNorm before the blocks (`pre_norm`,
-epsilon 1e-5, no patch-embedding bias) and QuickGELU.
+epsilon 1e-5, no patch-embedding bias) and QuickGELU, SigLIP's towers without
+a class token and with attention pooling before the classifier (`pool="map"`).
 
 Attention goes through `keras.ops.dot_product_attention`. The position grid
 is fixed by the image size the model is built at (`data.image_size`, which
