@@ -40,6 +40,7 @@ from tfdp.config import ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import register
 from tfdp.models.resnet import DropPath
+from tfdp.models.vit import dense
 from tfdp.models.weights import Weights, by_module, register_torch_layout
 
 LAYER_NORM = dict(epsilon=1e-5)
@@ -172,12 +173,6 @@ class MergePatches(layers.Layer):
 
 
 # ---------------------------------------------------------------- the network
-
-
-def dense(units: int, name: str, activation=None, use_bias: bool = True):
-    # timm initialises its Linear layers with trunc_normal(std=0.02) and zero biases
-    return layers.Dense(units, activation=activation, use_bias=use_bias, name=name,
-                        kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
 
 
 def branch(x, name: str, drop_path: float):

@@ -310,9 +310,9 @@ class ViTSpec:
     pool: str = "token"                # what the classifier reads: the class token, or "map" (attention pooling)
 
 
-def dense(units: int, name: str, activation=None):
-    # timm initialises its Linear layers with trunc_normal(std=0.02) and zero biases
-    return layers.Dense(units, activation=activation, name=name,
+def dense(units: int, name: str, activation=None, use_bias: bool = True):
+    """A Dense layer as timm initialises its transformers' Linear layers: trunc_normal(std=0.02), zero biases."""
+    return layers.Dense(units, activation=activation, use_bias=use_bias, name=name,
                         kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
 
 
