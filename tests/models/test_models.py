@@ -53,12 +53,13 @@ VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (1
 SWIN = {f"swin_{s}_patch4_window{w}" for s in ("tiny", "small", "base", "large") for w in ("7_224",)} | {
     f"swin_{s}_patch4_window12_384" for s in ("base", "large")}
 # timm's counts checked in tests/models/test_eva.py, from the variables' shapes
-DINOV3 = {f"vit_{s}_patch16_dinov3{b}" for s in ("small", "small_plus", "base", "large", "huge_plus")
-          for b in ("", "_qkvb")}
+EVA = {f"vit_{s}_patch16_dinov3{b}" for s in ("small", "small_plus", "base", "large", "huge_plus")
+       for b in ("", "_qkvb")} | {f"eva02_{s}_patch14_{px}" for s, sizes in (
+           ("tiny", (224, 336)), ("small", (224, 336)), ("base", (224, 448)), ("large", (224, 448))) for px in sizes}
 
 
 def test_every_registered_model_has_a_reference_count():
-    assert set(MODELS) == set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS) | SMALL_IMAGE | VIT | SWIN | DINOV3
+    assert set(MODELS) == set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS) | SMALL_IMAGE | VIT | SWIN | EVA
 
 
 @pytest.mark.slow
@@ -101,7 +102,7 @@ ONE_PER_BUILDER = {
        for s in ("atto", "femto", "pico", "nano", "tiny", "small", "base", "large")},
     **dict.fromkeys(VIT, "vit_mini_patch4_small"),
     **dict.fromkeys(SWIN, "swin_tiny_patch4_window7_224"),
-    **dict.fromkeys(DINOV3, "vit_small_plus_patch16_dinov3_qkvb"),
+    **dict.fromkeys(EVA, "vit_small_plus_patch16_dinov3_qkvb"),
 }
 
 
@@ -111,7 +112,7 @@ TRAINED_ON_TWO_REPLICAS_IN = {"convnext_atto": "tests/models/test_transformer_ru
                               "vit_mini_patch4_small": "tests/models/test_transformer_runs.py",
                               # its builder, at the fixture's size (the same code with 3 small stages)
                               "swin_tiny_patch4_window7_224": "tests/models/test_swin.py",
-                              # its builder at the fixture's size, q/v biases and SwiGLU
+                              # its builder (DINOv3's and EVA-02's) at the fixture's size, q/v biases and SwiGLU
                               "vit_small_plus_patch16_dinov3_qkvb": "tests/models/test_eva.py"}
 
 

@@ -1,27 +1,36 @@
-"""DINOv3 (Siméoni et al. 2025) as timm builds it (timm's `Eva`, in `timm/models/eva.py`), and its weights from timm
-and from Meta's own checkpoints.
+"""EVA-02 (Fang et al. 2023) and DINOv3 (Siméoni et al. 2025) as timm builds them (timm's `Eva`, in
+`timm/models/eva.py`), and their weights from timm and from Meta's own DINOv3 checkpoints.
 
-A DINOv3 ViT is a ViT (tfdp/models/vit.py) whose positions are rotary, not
-added: no position embedding; in every block, the queries and keys of the patch
-tokens are rotated by angles that grow with the patch's row and column
-(`rope_table`: RoPE on coordinates normalised to [-1, 1], timm's
-`RotaryEmbeddingDinoV3`, periods `100 ** (2i / (head_dim / 2))`, the
-rotate-half layout), so the same weights read any grid without resampling.
-Four register tokens follow the class token (Meta's "storage tokens"), layer
-scale (1e-5) ends each branch, LayerNorm's epsilon is 1e-5, and the classifier
-reads the average of the patch tokens after the final norm (timm's default
-`global_pool='avg'` for DINOv3; Meta's linear probes read the class token).
-The `_qkvb` models have learned query and value biases, the key's fixed at 0
-(timm's `EvaAttention`: the key bias would be rotated, so it is not a
-constant); the others none. `small_plus` and `huge_plus` use a SwiGLU MLP
-(`fc1_g`, `fc1_x`, `fc2`, the width rounded up to a multiple of 8).
+Both are ViTs (tfdp/models/vit.py) whose positions are rotary: in every block the
+patch tokens' queries and keys are rotated by angles that grow with the patch's
+row and column (RoPE), the prefix tokens left as they are. The angles are
+computed for the grid the model is built at, so the same weights read any
+multiple of the patch size. The families differ in timm's switches (`EvaSpec`):
 
-One Keras layer per timm module, named as timm's with `_` for `.`
-(`blocks.3.attn.qkv` is `blocks_3_attn_qkv`; the block's layer-scale vectors
-`blocks.3.gamma_1` and `gamma_2` are `blocks_3_1_ls` and `blocks_3_2_ls`, as in
-vit.py). Parameter counts equal timm's. Meta publishes DINOv3 without a
-classifier, at 256 px; the Hub's timm files have none either, so the head is new
-on load (`weights.load_into`).
+- DINOv3: no position embedding; RoPE on patch centres normalised to [-1, 1]
+  (timm's `RotaryEmbeddingDinoV3`: periods `100 ** (2i / (head_dim / 2))`, the
+  rotate-half layout); four register tokens after the class token (Meta's
+  "storage tokens"); layer scale (1e-5) on each branch; LayerNorm epsilon 1e-5;
+  the final norm, then the average of the patch tokens (timm's default
+  `global_pool='avg'`; Meta's linear probes read the class token). `_qkvb`:
+  learned query and value biases; `_plus`: a SwiGLU MLP (`fc1_g`, `fc1_x`,
+  `fc2`, its width rounded up to a multiple of 8).
+- EVA-02: learned absolute position embeddings as well (resampled on load as a
+  ViT's); RoPE on patch indices scaled to the 16x16 grid of pretraining (timm's
+  `RotaryEmbeddingCat` with `ref_feat_shape`: frequencies
+  `10000 ** (-i / (head_dim / 4))`, the interleaved layout); query and value
+  biases; a SwiGLU MLP of 8/3 the width (base and large: a LayerNorm before
+  `fc2`, timm's `scale_mlp`); no final norm: the average of the patch tokens,
+  then `fc_norm`. LayerNorm epsilon 1e-6.
+
+The key's bias is fixed at 0 wherever the query's and value's are learned (timm's
+`EvaAttention`: rotated, a key bias would not cancel in the softmax). One Keras
+layer per timm module, named as timm's with `_` for `.` (`blocks.3.attn.qkv` is
+`blocks_3_attn_qkv`; the block's layer-scale vectors `blocks.3.gamma_1` and
+`gamma_2` are `blocks_3_1_ls` and `blocks_3_2_ls`, as in vit.py); timm's
+unfused `q_proj`/`k_proj`/`v_proj` (EVA-02 base and large) and packed SwiGLU
+`fc1` (tiny and small) load into the fused `qkv` and the split `fc1_g`/`fc1_x`.
+Parameter counts equal timm's.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from keras import layers
 from tfdp.config import ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import register
-from tfdp.models.vit import LAYER_GROUPS, PrefixTokens, branch_end, check_patch_divides, dense
+from tfdp.models.vit import (LAYER_GROUPS, PositionEmbedding, PrefixTokens, branch_end, check_patch_divides,
+                             dense)
 from tfdp.models.weights import Weights, by_module, register_torch_layout
 
 HEAD = ("head",)
@@ -46,18 +56,28 @@ HEAD = ("head",)
 # ---------------------------------------------------------------- rotary position embeddings
 
 
-def rope_table(grid: tuple[int, int], head_dim: int, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-    """(sin, cos), each (rows * cols, head_dim), of DINOv3's RoPE on a grid (timm's `RotaryEmbeddingDinoV3` with
-    `normalize_coords='separate'`, no offset, 'ij' indexing, rotate-half layout): patch centres (i + 0.5) / rows
-    and / cols mapped to [-1, 1]; head_dim / 4 periods per axis, `temperature ** (2k / (head_dim / 2))`; the angles
-    2 pi coord / period, rows' then columns', tiled twice."""
+def dinov3_angles(grid: tuple[int, int], head_dim: int, temperature: float, ref_grid) -> np.ndarray:
+    """(rows * cols, head_dim) angles of DINOv3's RoPE (timm's `RotaryEmbeddingDinoV3`, `normalize_coords=
+    'separate'`, no offset, 'ij' indexing): patch centres (i + 0.5) / rows and / cols mapped to [-1, 1]; head_dim / 4
+    periods per axis, `temperature ** (2k / (head_dim / 2))`; 2 pi coord / period, rows' then columns', tiled twice
+    (the rotate-half layout)."""
     rows, cols = grid
     centres = [2.0 * (np.arange(n, dtype=np.float64) + 0.5) / n - 1.0 for n in (rows, cols)]
     coords = np.stack(np.meshgrid(*centres, indexing="ij"), axis=-1).reshape(-1, 2)   # (HW, 2): row, column
     periods = temperature ** (2.0 * np.arange(head_dim // 4) / (head_dim // 2))
     angles = (2 * math.pi * coords[:, :, None] / periods[None, None, :]).reshape(len(coords), -1)
-    angles = np.tile(angles, 2)
-    return np.sin(angles).astype(np.float32), np.cos(angles).astype(np.float32)
+    return np.tile(angles, 2)
+
+
+def eva02_angles(grid: tuple[int, int], head_dim: int, temperature: float, ref_grid) -> np.ndarray:
+    """(rows * cols, head_dim) angles of EVA-02's RoPE (timm's `RotaryEmbeddingCat`, `in_pixels=False`): patch
+    indices scaled to the reference grid (i / rows * ref_rows), head_dim / 4 frequencies per axis,
+    `temperature ** (-k / (head_dim / 4))`; index times frequency, rows' then columns', each repeated twice (the
+    interleaved layout)."""
+    scaled = [np.arange(n, dtype=np.float64) / n * r for n, r in zip(grid, ref_grid)]
+    coords = np.stack(np.meshgrid(*scaled, indexing="ij"), axis=-1).reshape(-1, 2)
+    bands = 1.0 / temperature ** (np.arange(head_dim // 4) / (head_dim // 4))
+    return np.repeat((coords[:, :, None] * bands[None, None, :]).reshape(len(coords), -1), 2, axis=-1)
 
 
 def rotate_half(x):
@@ -66,21 +86,37 @@ def rotate_half(x):
     return keras.ops.concatenate([-x2, x1], axis=-1)
 
 
+def rotate_pairs(x):
+    """[x0, x1, x2, x3, …] → [-x1, x0, -x3, x2, …] over the last axis (neighbouring pairs)."""
+    pairs = keras.ops.reshape(x, (-1, *x.shape[1:-1], x.shape[-1] // 2, 2))
+    rotated = keras.ops.stack([-pairs[..., 1], pairs[..., 0]], axis=-1)
+    return keras.ops.reshape(rotated, (-1, *x.shape[1:]))
+
+
+# RoPE by kind: its angles and the rotation their layout pairs with
+ROPES = {"dinov3": (dinov3_angles, rotate_half), "eva02": (eva02_angles, rotate_pairs)}
+
+
 @keras.saving.register_keras_serializable(package="tfdp")
 class RopeAttention(layers.Layer):
     """Multi-head attention over a fused (q, k, v) projection (timm's layout) whose patch tokens' queries and keys
-    are rotated by DINOv3's RoPE for this layer's grid; the prefix tokens (class, registers) are not. With
-    `qkv_bias`, the learned `q_bias` and `v_bias` are added (the key's bias is 0, as timm's `EvaAttention`)."""
+    are rotated by the RoPE of `rope` (a key of ROPES) for this layer's grid; the prefix tokens (class, registers)
+    are not. With `qkv_bias`, the learned `q_bias` and `v_bias` are added (the key's bias is 0, as timm's
+    `EvaAttention`)."""
 
-    def __init__(self, heads: int, grid: tuple[int, int], prefix_tokens: int, temperature: float = 100.0,
-                 qkv_bias: bool = False, **kwargs):
+    def __init__(self, heads: int, grid: tuple[int, int], prefix_tokens: int, rope: str = "dinov3",
+                 temperature: float = 100.0, ref_grid: tuple[int, int] | None = None, qkv_bias: bool = False,
+                 **kwargs):
         super().__init__(**kwargs)
-        self.heads, self.prefix_tokens = int(heads), int(prefix_tokens)
+        self.heads, self.prefix_tokens, self.rope = int(heads), int(prefix_tokens), str(rope)
         self.grid, self.temperature, self.qkv_bias = tuple(int(g) for g in grid), float(temperature), bool(qkv_bias)
+        self.ref_grid = tuple(int(g) for g in ref_grid) if ref_grid else None
 
     def build(self, input_shape):
         width = input_shape[-1] // 3
-        self.sin, self.cos = rope_table(self.grid, width // self.heads, self.temperature)
+        angles_of, self.rotation = ROPES[self.rope]
+        angles = angles_of(self.grid, width // self.heads, self.temperature, self.ref_grid)
+        self.sin, self.cos = np.sin(angles).astype(np.float32), np.cos(angles).astype(np.float32)
         if self.qkv_bias:
             self.q_bias = self.add_weight(shape=(width,), initializer="zeros", name="q_bias")
             self.v_bias = self.add_weight(shape=(width,), initializer="zeros", name="v_bias")
@@ -89,7 +125,7 @@ class RopeAttention(layers.Layer):
         """x (batch, tokens, heads, head_dim) with its patch tokens rotated."""
         sin, cos = (keras.ops.cast(t, x.dtype)[None, :, None, :] for t in (self.sin, self.cos))
         prefix, patches = x[:, :self.prefix_tokens], x[:, self.prefix_tokens:]
-        return keras.ops.concatenate([prefix, patches * cos + rotate_half(patches) * sin], axis=1)
+        return keras.ops.concatenate([prefix, patches * cos + self.rotation(patches) * sin], axis=1)
 
     def call(self, qkv):
         tokens, width = qkv.shape[1], qkv.shape[2] // 3
@@ -106,7 +142,8 @@ class RopeAttention(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "heads": self.heads, "grid": self.grid, "prefix_tokens": self.prefix_tokens,
-                "temperature": self.temperature, "qkv_bias": self.qkv_bias}
+                "rope": self.rope, "temperature": self.temperature, "ref_grid": self.ref_grid,
+                "qkv_bias": self.qkv_bias}
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -132,77 +169,112 @@ class PatchMean(layers.Layer):
 
 @dataclasses.dataclass(frozen=True)
 class EvaSpec:
-    """What tells one DINOv3 from another (timm's Eva arguments for `vit_*_dinov3*`)."""
+    """What tells one of timm's Evas from another (its arguments for `vit_*_dinov3*` and `eva02_*`)."""
     patch: int
     dim: int
     depth: int
     heads: int
-    qkv_bias: bool = False          # learned q and v biases (the `_qkvb` models)
-    swiglu: bool = False            # SwiGLU MLP (the `_plus` models)
+    rope: str = "dinov3"                 # a key of ROPES
+    rope_temperature: float = 100.0
+    rope_ref_grid: tuple[int, int] | None = None   # EVA-02's: the grid its angles are scaled to
+    pos_embed: bool = False              # learned absolute position embeddings as well (EVA-02)
+    qkv_bias: bool = False               # learned q and v biases
+    mlp: str = "gelu"                    # "gelu", "swiglu", or "swiglu_norm" (a LayerNorm before fc2)
     mlp_ratio: float = 4.0
-    init_values: float = 1e-5       # layer scale's start
+    mlp_align: int = 8                   # SwiGLU's width rounded up to a multiple of this (0: not)
+    init_values: float | None = 1e-5     # layer scale's start; None: no layer scale
     reg_tokens: int = 4
     norm_eps: float = 1e-5
-    rope_temperature: float = 100.0
+    fc_norm: bool = False                # the norm after pooling instead of before (EVA-02)
 
     @property
     def prefix_tokens(self) -> int:
         return 1 + self.reg_tokens
 
 
+def layer_norm(spec: EvaSpec, name: str):
+    return layers.LayerNormalization(epsilon=spec.norm_eps, name=name)
+
+
 def mlp(x, name: str, spec: EvaSpec):
-    """timm's Mlp (fc1, GELU, fc2), or its SwiGLU (silu(fc1_g) * fc1_x, fc2; the width rounded up to a multiple of
-    8, timm's `align_to=8`)."""
+    """timm's Mlp (fc1, GELU, fc2), or its SwiGLU (silu(fc1_g) * fc1_x, [a LayerNorm], fc2; the width rounded up to
+    a multiple of `mlp_align`)."""
     hidden = int(spec.dim * spec.mlp_ratio)
-    if not spec.swiglu:
+    if spec.mlp == "gelu":
         return dense(spec.dim, f"{name}_fc2")(dense(hidden, f"{name}_fc1", activation="gelu")(x))
-    hidden += -hidden % 8
+    if spec.mlp_align:
+        hidden += -hidden % spec.mlp_align
     gate = dense(hidden, f"{name}_fc1_g", activation="silu")(x)
     h = layers.Multiply(name=f"{name}_glu")([gate, dense(hidden, f"{name}_fc1_x")(x)])
+    if spec.mlp == "swiglu_norm":
+        h = layer_norm(spec, f"{name}_norm")(h)
     return dense(spec.dim, f"{name}_fc2")(h)
 
 
 def block(x, i: int, spec: EvaSpec, grid: tuple[int, int], drop_path: float):
-    """timm's EvaBlock: x + drop_path(gamma_1 * attn(norm1(x), rope)), then x + drop_path(gamma_2 * mlp(norm2(x)))."""
+    """timm's EvaBlock: x + drop_path([gamma_1 *] attn(norm1(x), rope)), then x + drop_path([gamma_2 *]
+    mlp(norm2(x)))."""
     name = f"blocks_{i}"
-    h = layers.LayerNormalization(epsilon=spec.norm_eps, name=f"{name}_norm1")(x)
+    h = layer_norm(spec, f"{name}_norm1")(x)
     h = dense(3 * spec.dim, f"{name}_attn_qkv", use_bias=False)(h)
-    h = RopeAttention(spec.heads, grid, spec.prefix_tokens, spec.rope_temperature, spec.qkv_bias,
-                      name=f"{name}_attn")(h)
+    h = RopeAttention(spec.heads, grid, spec.prefix_tokens, spec.rope, spec.rope_temperature, spec.rope_ref_grid,
+                      spec.qkv_bias, name=f"{name}_attn")(h)
     h = dense(spec.dim, f"{name}_attn_proj")(h)
     x = layers.Add(name=f"{name}_add1")([x, branch_end(h, f"{name}_1", spec, drop_path)])
-    h = layers.LayerNormalization(epsilon=spec.norm_eps, name=f"{name}_norm2")(x)
-    h = mlp(h, f"{name}_mlp", spec)
+    h = mlp(layer_norm(spec, f"{name}_norm2")(x), f"{name}_mlp", spec)
     return layers.Add(name=f"{name}_add2")([x, branch_end(h, f"{name}_2", spec, drop_path)])
 
 
-def dinov3(input_shape, num_classes: int, dropout: float, spec: EvaSpec, name: str,
-           drop_path: float = 0.0) -> keras.Model:
+def eva(input_shape, num_classes: int, dropout: float, spec: EvaSpec, name: str,
+        drop_path: float = 0.0) -> keras.Model:
     grid = check_patch_divides(input_shape, spec.patch, name)
     inputs = keras.Input(input_shape)
     x = layers.Conv2D(spec.dim, spec.patch, strides=spec.patch, name="patch_embed")(inputs)
     x = layers.Reshape((grid[0] * grid[1], spec.dim), name="patch_embed_flatten")(x)
     x = PrefixTokens(reg_tokens=spec.reg_tokens, name="cls_token")(x)
+    if spec.pos_embed:
+        x = PositionEmbedding(grid, spec.prefix_tokens, name="pos_embed")(x)
     for i in range(spec.depth):
         x = block(x, i, spec, grid, drop_path * i / max(spec.depth - 1, 1))
-    x = layers.LayerNormalization(epsilon=spec.norm_eps, name="norm")(x)
+    if not spec.fc_norm:
+        x = layer_norm(spec, "norm")(x)
     x = PatchMean(spec.prefix_tokens, name="pool")(x)
+    if spec.fc_norm:
+        x = layer_norm(spec, "fc_norm")(x)
     if dropout:
         x = layers.Dropout(dropout, name="head_drop")(x)
     return keras.Model(inputs, dense(num_classes, "head")(x), name=f"{name}_backbone")
 
 
-# timm's model names → their architecture (Meta's distilled ViTs of 2025: S, S+, B, L, H+; each also `_qkvb`)
-SIZES = {"small": EvaSpec(16, 384, 12, 6), "small_plus": EvaSpec(16, 384, 12, 6, swiglu=True),
-         "base": EvaSpec(16, 768, 12, 12), "large": EvaSpec(16, 1024, 24, 16),
-         "huge_plus": EvaSpec(16, 1280, 32, 20, swiglu=True)}
-SPECS: dict[str, EvaSpec] = {f"vit_{size}_patch16_dinov3{bias}": dataclasses.replace(spec, qkv_bias=bool(bias))
-                             for size, spec in SIZES.items() for bias in ("", "_qkvb")}
+# timm's model names → their architecture.
+# DINOv3: Meta's distilled ViTs of 2025 (S, S+, B, L, H+), each also `_qkvb`.
+DINOV3 = {"small": EvaSpec(16, 384, 12, 6), "small_plus": EvaSpec(16, 384, 12, 6, mlp="swiglu"),
+          "base": EvaSpec(16, 768, 12, 12), "large": EvaSpec(16, 1024, 24, 16),
+          "huge_plus": EvaSpec(16, 1280, 32, 20, mlp="swiglu")}
+
+
+def eva02(dim: int, depth: int, heads: int, mlp: str = "swiglu") -> EvaSpec:
+    """An EVA-02's architecture (timm's `eva02_*_patch14_*`: 14 px patches, RoPE scaled to the 16x16 grid of its
+    224 px pretraining, q/v biases, SwiGLU of 8/3 the width, no layer scale or registers, fc_norm)."""
+    return EvaSpec(14, dim, depth, heads, rope="eva02", rope_temperature=10000.0, rope_ref_grid=(16, 16),
+                   pos_embed=True, qkv_bias=True, mlp=mlp, mlp_ratio=4 * 2 / 3, mlp_align=0, init_values=None,
+                   reg_tokens=0, norm_eps=1e-6, fc_norm=True)
+
+
+SPECS: dict[str, EvaSpec] = {
+    **{f"vit_{size}_patch16_dinov3{bias}": dataclasses.replace(spec, qkv_bias=bool(bias))
+       for size, spec in DINOV3.items() for bias in ("", "_qkvb")},
+    # EVA-02 (BAAI; MIM-pretrained on ImageNet-22k, fine-tuned at 336 or 448 px): one architecture per width
+    **dict.fromkeys(("eva02_tiny_patch14_224", "eva02_tiny_patch14_336"), eva02(192, 12, 3)),
+    **dict.fromkeys(("eva02_small_patch14_224", "eva02_small_patch14_336"), eva02(384, 12, 6)),
+    **dict.fromkeys(("eva02_base_patch14_224", "eva02_base_patch14_448"), eva02(768, 12, 12, "swiglu_norm")),
+    **dict.fromkeys(("eva02_large_patch14_224", "eva02_large_patch14_448"), eva02(1024, 24, 16, "swiglu_norm")),
+}
 
 
 def _register(name: str, spec: EvaSpec) -> None:
     def build(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
-        return dinov3(input_shape, num_classes, dropout, spec, name, drop_path)
+        return eva(input_shape, num_classes, dropout, spec, name, drop_path)
     build.__name__ = name
     register(name, min_size=spec.patch, drop_path=True, fixed_size=True, head=HEAD, layer_groups=LAYER_GROUPS)(build)
 
@@ -214,40 +286,59 @@ for _name, _spec in SPECS.items():
 # ---------------------------------------------------------------- weights: timm's and Meta's state dicts
 
 
-TIMM_MODULES = re.compile(r"cls_token|reg_token|patch_embed\.proj|norm|head|blocks\.\d+|"
+TIMM_MODULES = re.compile(r"cls_token|reg_token|pos_embed|patch_embed\.proj|norm|fc_norm|head|blocks\.\d+|"
                           r"blocks\.\d+\.(norm1|norm2|attn|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2|mlp\.fc1_g|"
-                          r"mlp\.fc1_x)")
-# Meta's checkpoint holds what timm's checkpoint_filter_fn drops: the RoPE periods (tfdp computes them), the
+                          r"mlp\.fc1_x|mlp\.norm)")
+TOKENS = ("cls_token", "reg_token", "pos_embed")   # tensors that are a module themselves
+# Meta's DINOv3 checkpoint holds what timm's checkpoint_filter_fn drops: the RoPE periods (tfdp computes them), the
 # qkv bias's mask, the pretraining's mask token
 META_ONLY = re.compile(r".*\.(periods|bias_mask)$|mask_token")
-META_NAMES = (("storage_tokens", "reg_token"), (".ls1.gamma", ".gamma_1"), (".ls2.gamma", ".gamma_2"),
-              (".mlp.w1.", ".mlp.fc1_g."), (".mlp.w2.", ".mlp.fc1_x."), (".mlp.w3.", ".mlp.fc2."))
+# timm's checkpoint_filter_fn's renames: Meta's DINOv3 names, and the original SwiGLU names of EVA's and Meta's
+META_RENAMES = (("storage_tokens", "reg_token"), (".ls1.gamma", ".gamma_1"), (".ls2.gamma", ".gamma_2"))
+RENAMES = ((".mlp.w1.", ".mlp.fc1_g."), (".mlp.w2.", ".mlp.fc1_x."), (".mlp.w3.", ".mlp.fc2."),
+           (".mlp.ffn_ln.", ".mlp.norm."))
+
+
+def split_qkv_bias(key: str, value: np.ndarray, spec: EvaSpec, model_cfg: ModelConfig, what: str
+                   ) -> dict[str, np.ndarray]:
+    """A fused qkv bias (Meta's: its key third masked to 0) as `q_bias` and `v_bias`; a model without qkv biases
+    takes one that is all 0 (Meta's distilled B, L, H+) and stops with one line naming the `_qkvb` model at a
+    non-zero one (Meta's S/16), where timm would drop it."""
+    q, _, v = np.split(value, 3)
+    if spec.qkv_bias:
+        return {key.replace("qkv.bias", "q_bias"): q, key.replace("qkv.bias", "v_bias"): v}
+    if np.any(q) or np.any(v):
+        raise UserError(f"model.init_from: {what} has non-zero query/value biases ({key}), which model "
+                        f"'{model_cfg.name}' has no place for: use '{model_cfg.name}_qkvb'")
+    return {}
 
 
 def timm_names(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> dict[str, np.ndarray]:
-    """Meta's DINOv3 checkpoint in timm's names, as timm's checkpoint_filter_fn renames it: `storage_tokens` →
-    `reg_token`, `ls1.gamma` → `gamma_1`, SwiGLU's w1/w2/w3 → fc1_g/fc1_x/fc2, the fused qkv bias split into
-    `q_bias` and `v_bias` (its key third is 0 by its mask). A model without qkv biases takes a checkpoint whose
-    biases are all 0 (Meta's distilled B, L, H+); a non-zero bias there is one line naming the `_qkvb` model, where
-    timm would drop it."""
-    if "storage_tokens" not in tensors:
-        return tensors
-    spec = SPECS[model_cfg.name]
+    """A state dict in the layout tfdp builds: timm's checkpoint_filter_fn's renames (Meta's DINOv3 names and its
+    fused qkv bias split, where the file is Meta's; EVA's w1/w2/w3), and timm's unfused attention (`q_proj`,
+    `k_proj`, `v_proj`) and packed SwiGLU (`fc1` = gate, then value) as the fused `qkv` and the split
+    `fc1_g`/`fc1_x`."""
+    spec, meta = SPECS[model_cfg.name], "storage_tokens" in tensors
     out = {}
     for key, value in tensors.items():
-        if META_ONLY.fullmatch(key):
+        if meta and META_ONLY.fullmatch(key):
             continue
-        for old, new in META_NAMES:
+        for old, new in (META_RENAMES if meta else ()) + RENAMES:
             key = key.replace(old, new)
-        if key.endswith(".attn.qkv.bias"):
-            q, _, v = np.split(value, 3)
-            if spec.qkv_bias:
-                out[key.replace("qkv.bias", "q_bias")], out[key.replace("qkv.bias", "v_bias")] = q, v
-            elif np.any(q) or np.any(v):
-                raise UserError(f"model.init_from: {what} has non-zero query/value biases ({key}), which model "
-                                f"'{model_cfg.name}' has no place for: use '{model_cfg.name}_qkvb'")
-            continue
-        out[key] = value
+        if meta and key.endswith(".attn.qkv.bias"):
+            out.update(split_qkv_bias(key, value, spec, model_cfg, what))
+        elif spec.mlp != "gelu" and re.fullmatch(r"blocks\.\d+\.mlp\.fc1\.(weight|bias)", key):
+            gate, value_half = np.split(value, 2)
+            out[key.replace(".fc1.", ".fc1_g.")], out[key.replace(".fc1.", ".fc1_x.")] = gate, value_half
+        else:
+            out[key] = value
+    for prefix in sorted({k[:-len(".q_proj.weight")] for k in out if k.endswith(".q_proj.weight")}):
+        keys = [f"{prefix}.{p}_proj.weight" for p in "qkv"]
+        if all(k in out for k in keys) and f"{prefix}.k_proj.bias" not in out:   # else by_module names what is left
+            out[f"{prefix}.qkv.weight"] = np.concatenate([out.pop(k) for k in keys])
+            for p in "qv":
+                if f"{prefix}.{p}_proj.bias" in out:
+                    out[f"{prefix}.{p}_bias"] = out.pop(f"{prefix}.{p}_proj.bias")
     return out
 
 
@@ -258,7 +349,7 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> dict[str, tuple
         return {f"blocks_{m[1]}_{n}_ls": ([params[f"gamma_{n}"]], [f"gamma_{n}"]) for n in "12"
                 if f"gamma_{n}" in params}
     layer = "patch_embed" if module == "patch_embed.proj" else module.replace(".", "_")
-    if module in ("cls_token", "reg_token"):
+    if module in TOKENS:
         return {layer: ([params[""]], [""])}
     if "q_bias" in params:
         return {layer: ([params["q_bias"], params["v_bias"]], ["q_bias", "v_bias"])}
@@ -270,12 +361,11 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> dict[str, tuple
 
 
 @register_torch_layout(*SPECS)
-def dinov3_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
-    """A timm (or Meta) DINOv3 state dict as `Weights`; the register tokens live in the class token's layer, after
-    it (vit.PrefixTokens)."""
+def eva_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
+    """A timm (or Meta) EVA-02/DINOv3 state dict as `Weights`; the register tokens live in the class token's layer,
+    after it (vit.PrefixTokens)."""
     source = "Meta's layout" if "storage_tokens" in tensors else "timm layout"
-    modules = by_module(timm_names(tensors, model_cfg, what), TIMM_MODULES, model_cfg, what,
-                        whole=("cls_token", "reg_token"))
+    modules = by_module(timm_names(tensors, model_cfg, what), TIMM_MODULES, model_cfg, what, whole=TOKENS)
     values, names = {}, {}
     for module, params in modules.items():
         if module == "reg_token":
