@@ -122,10 +122,12 @@ class RopeAttention(layers.Layer):
             self.v_bias = self.add_weight(shape=(width,), initializer="zeros", name="v_bias")
 
     def rotate(self, x):
-        """x (batch, tokens, heads, head_dim) with its patch tokens rotated."""
-        sin, cos = (keras.ops.cast(t, x.dtype)[None, :, None, :] for t in (self.sin, self.cos))
-        prefix, patches = x[:, :self.prefix_tokens], x[:, self.prefix_tokens:]
-        return keras.ops.concatenate([prefix, patches * cos + self.rotation(patches) * sin], axis=1)
+        """x (batch, tokens, heads, head_dim) with its patch tokens rotated, in float32 whatever x's type (as timm's
+        rotation under autocast, whose float32 table promotes it: bfloat16 would round the angles' sines)."""
+        sin, cos = (keras.ops.convert_to_tensor(t)[None, :, None, :] for t in (self.sin, self.cos))
+        prefix, patches = x[:, :self.prefix_tokens], keras.ops.cast(x[:, self.prefix_tokens:], "float32")
+        rotated = keras.ops.cast(patches * cos + self.rotation(patches) * sin, x.dtype)
+        return keras.ops.concatenate([prefix, rotated], axis=1)
 
     def call(self, qkv):
         tokens, width = qkv.shape[1], qkv.shape[2] // 3
