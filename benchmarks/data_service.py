@@ -6,7 +6,7 @@ workers (`python -m tfdp data-service ...` processes on loopback), and in this
 process, which plays the trainer, reads --batches training batches:
 
   local pipeline       `tfdp.data.pipeline.train_dataset`: read, decode, crop here
-  service, N workers   `tfdp.data.service.train_dataset` (distributed_epoch):
+  service, N workers   `tfdp.data.service.client.train_dataset` (distributed_epoch):
                        the same pipeline on the service's N workers; this
                        process only receives batches and counts them
   constant batch       one batch of the same size streamed by the service:
@@ -99,7 +99,8 @@ def main() -> None:
 
     from support.photos import SYNSETS, write_imagenet_tree
     from tfdp.config import DataConfig
-    from tfdp.data import build_source, service
+    from tfdp.data import build_source
+    from tfdp.data.service import client as service
     from tfdp.data.pipeline import Bookkeeping, CorruptCounter, train_dataset
 
     with tempfile.TemporaryDirectory() as workdir:

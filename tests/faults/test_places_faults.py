@@ -18,6 +18,7 @@ import time
 import pytest
 
 from conftest import REPO, assert_one_line_error, run_tfdp
+from support.imports import heavy, imported_modules
 from tfdp.distribute.cluster import free_ports
 from tfdp.distribute.launch import EXIT_CLUSTER_TIMEOUT, EXIT_WORKER_KILLED
 
@@ -154,23 +155,6 @@ def test_worker_that_never_starts_is_not_reported_as_killed(tmp_path):
 
 
 # --- commands that need no TensorFlow do not import it --------------------------------------
-
-def imported_modules(*args: str, module: bool = True) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """Runs `python -X importtime -m tfdp ARGS` (or `python -X importtime ARGS`); (result, every module imported).
-
-    importtime writes each import as it happens, so even a process that ends
-    with os._exit (as a `UserError` does) reports all of them.
-    """
-    command = [sys.executable, "-X", "importtime", *(["-m", "tfdp"] if module else []), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
-    modules = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
-               if line.startswith("import time:") and "|" in line}
-    return result, modules
-
-
-def heavy(modules: set[str]) -> set[str]:
-    return {m for m in modules if m.split(".")[0] in ("tensorflow", "keras")}
-
 
 def write_metrics(model_dir) -> None:
     rows = [{"epoch": e, "loss": 2.0 / e, "val_loss": 1.9 / e, "top1": 0.2 * e, "val_top1": 0.25 * e,

@@ -564,7 +564,7 @@ def _check_dali(cfg: Config) -> None:
 
 def _check_service(cfg: Config) -> None:
     """A dispatcher address TensorFlow can parse (its own error comes late, as a traceback), and no
-    promise of a replayable input, which the service cannot keep (see tfdp/data/service/__init__.py)."""
+    promise of a replayable input, which the service cannot keep (see tfdp/data/service/client.py)."""
     address = cfg.data.service_address
     protocol, _, rest = address.rpartition("://")
     host, _, port = rest.rpartition(":")

@@ -295,7 +295,7 @@ def _seed_or_random(seed: int | None) -> tf.Tensor:
 
     The raw op with both seeds 0 draws from the OS: the public random ops
     take their seeds from the global seed the trainer sets, so every tf.data
-    service worker would draw the same "random" order (see `tfdp.data.service`).
+    service worker would draw the same "random" order (see `tfdp.data.service.client`).
     """
     if seed is not None:
         return tf.constant(seed, tf.int64)

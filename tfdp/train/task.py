@@ -23,7 +23,8 @@ import tensorflow as tf
 
 from tfdp.config import Config, TrainConfig
 from tfdp.data import Source
-from tfdp.data import dali, service, streaming
+from tfdp.data import dali, streaming
+from tfdp.data.service import client as service
 from tfdp.data.pipeline import (Bookkeeping, CorruptCounter, StreamPosition, eval_dataset, prediction_dataset,
                                 streams_dataset, train_dataset)
 from tfdp.data.storage import is_remote_url
@@ -289,7 +290,7 @@ class TrainStream:
     can record the exact position after the last trained step and a resumed
     run can start there, skipping records rather than decoding them. With
     `data.service_address` the pipeline runs on the tf.data service's workers
-    (`tfdp.data.service`) and only the counting runs here.
+    (`tfdp.data.service.client`) and only the counting runs here.
     """
 
     def __init__(self, cfg: Config, source: Source, runtime: Runtime, plan: Plan, corrupt: CorruptCounter | None,

@@ -3,7 +3,7 @@
 A training run with `data.service_address` set sends its training pipeline
 to a dispatcher, which hands it to every registered worker; the workers read,
 decode and crop, and stream finished batches to the trainers
-(`tfdp.data.service`). Input then scales with the number of worker processes
+(`tfdp.data.service.client`). Input then scales with the number of worker processes
 (or hosts), not with the trainer's own CPUs.
 
 Both processes run until SIGTERM or SIGINT and then exit 0, so a scheduler's
