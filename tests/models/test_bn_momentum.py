@@ -1,5 +1,5 @@
 """`model.bn_momentum`: every batch-norm layer of every family takes it, and its default lets a keras.applications
-ResNet-50 trained from scratch validate as the torchvision-layout one does.
+ResNet-50 trained from scratch validate well above chance (as the torchvision-layout one does: docs/models.md).
 
 keras.applications builds its batch norms with momentum 0.99: over a short run from scratch the moving statistics
 still hold mostly their initial values, and validation (which reads them) sits at chance while training accuracy
@@ -53,26 +53,23 @@ def op_determinism_restored():
 
 
 @pytest.mark.slow
-def test_a_keras_applications_resnet50_from_scratch_validates_as_the_torchvision_layout_does(
-        tmp_path, op_determinism_restored):
+def test_a_keras_applications_resnet50_from_scratch_validates_well_above_chance(tmp_path, op_determinism_restored):
     """Two epochs of 600 real photos (12 classes) at 32 px in batches of 32 (36 steps, what a 0.9 average needs to
-    forget its initial values; 0.99 keeps 70 % of them), deterministic. The same run with model.bn_momentum 0.99
-    (the architecture's own) trains identically and validates at chance (8.3 %, validation loss 1e7):
-    docs/models.md."""
+    forget its initial values; 0.99 keeps 70 % of them), deterministic: three times chance at least. The same run
+    with model.bn_momentum 0.99 (the architecture's own) trains identically and validates at chance (8.3 %,
+    validation loss 1e7), and resnet50_v1_5 beside it validates as the default does: docs/models.md (the reference
+    run is left to the docs, at half this test's cost)."""
     from support.photos import write_imagenet_tree
     write_imagenet_tree(str(tmp_path / "photos"), 12, 50, 10, "ilsvrc", size=(64, 48))
-    top1 = {}
-    for name in ("resnet50", "resnet50_v1_5"):
-        cfg = validate({
-            "model_dir": str(tmp_path / name),
-            "data": {"format": "imagenet", "dir": str(tmp_path / "photos"), "image_size": 32},
-            "model": {"name": name, "num_classes": 12},
-            "optimizer": {"lr": 0.1}, "schedule": {"warmup_epochs": 1},
-            "train": {"epochs": 2, "batch_size_per_replica": 32, "checkpoint_every_steps": 0, "deterministic": True,
-                      "label_smoothing": 0.1},
-            "log": {"tensorboard": False},
-            "distribute": {"strategy": "one_device"},
-        })
-        top1[name] = Trainer(cfg, make_runtime(cfg.distribute)).train()["val_top1"]
-    assert top1["resnet50"] >= 0.25, top1   # three times chance
-    assert abs(top1["resnet50"] - top1["resnet50_v1_5"]) <= 0.15, top1
+    cfg = validate({
+        "model_dir": str(tmp_path / "resnet50"),
+        "data": {"format": "imagenet", "dir": str(tmp_path / "photos"), "image_size": 32},
+        "model": {"name": "resnet50", "num_classes": 12},
+        "optimizer": {"lr": 0.1}, "schedule": {"warmup_epochs": 1},
+        "train": {"epochs": 2, "batch_size_per_replica": 32, "checkpoint_every_steps": 0, "deterministic": True,
+                  "label_smoothing": 0.1},
+        "log": {"tensorboard": False},
+        "distribute": {"strategy": "one_device"},
+    })
+    top1 = Trainer(cfg, make_runtime(cfg.distribute)).train()["val_top1"]
+    assert top1 >= 0.25, top1   # three times chance; 0.99 gives chance
