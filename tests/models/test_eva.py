@@ -20,6 +20,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import REPO
+from support.model_checks import trains_saves_and_compiles
 from support.shapes import shapes_only
 from tfdp.config import ModelConfig, validate
 from tfdp.errors import UserError
@@ -159,44 +160,10 @@ def test_rope_table_is_dinov3s():
 
 
 def test_trains_on_two_replicas_saves_and_runs_under_xla_and_bfloat16(tmp_path):
-    """The small DINOv3 (q/v biases, SwiGLU) under tfdp's 2-replica strategy: an AdamW step (eager, as
-    test_swin.py) moves every weight and stays finite; a .keras round trip gives the same outputs; XLA-compiled
-    inference equals eager; mixed_bfloat16 stays close."""
-    import tensorflow as tf
-    from tfdp.distribute.strategy import make_runtime
-    from tfdp.models import Standardize
-    strategy = make_runtime(validate({"distribute": {"strategy": "mirrored", "cpu_replicas": 2}}).distribute).strategy
+    """The small DINOv3 (q/v biases, SwiGLU): tests/support/model_checks.py's 2-replica AdamW step, .keras round
+    trip, XLA and bfloat16."""
     name, spec = ("vit_small_plus_patch16_dinov3_qkvb", small("vit_small_plus_patch16_dinov3_qkvb"))
-
-    def wrapped():
-        inputs = keras.Input((16, 16, 3), dtype="uint8")
-        logits = eva((16, 16, 3), 5, 0.0, spec, name)(Standardize((127.5,) * 3, (127.5,) * 3)(inputs))
-        return keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(logits))
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = wrapped()
-        model.compile(optimizer=keras.optimizers.AdamW(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=True)
-    images = np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3), dtype=np.uint8)
-    before = [w.numpy().copy() for w in model.trainable_weights]
-    history = model.fit(images, np.arange(8) % 5, batch_size=8, epochs=1, verbose=0).history["loss"]
-    assert np.all(np.isfinite(history))
-    assert all(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights))
-    eager = model.predict(images, verbose=0)
-    model.save(tmp_path / "dinov3.keras")
-    np.testing.assert_allclose(keras.models.load_model(tmp_path / "dinov3.keras").predict(images, verbose=0), eager,
-                               rtol=0, atol=1e-5)
-    plain = wrapped()
-    plain.set_weights(model.get_weights())
-    xla = tf.function(lambda x: plain(x, training=False), jit_compile=True)(images).numpy()
-    np.testing.assert_allclose(xla, eager, rtol=0, atol=1e-4)
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    try:
-        half = wrapped()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    half.set_weights(model.get_weights())
-    assert relative(half.predict(images, verbose=0), eager) < 0.1
+    trains_saves_and_compiles(lambda: eva((16, 16, 3), 5, 0.0, spec, name), 16, tmp_path / "dinov3.keras")
 
 
 def test_weights_of_another_architecture_are_one_line():
