@@ -48,7 +48,7 @@ from tfdp.errors import UserError
 from tfdp.models.registry import register
 from tfdp.models.vit import (LAYER_GROUPS, PositionEmbedding, PrefixTokens, branch_end, check_patch_divides,
                              dense)
-from tfdp.models.weights import Weights, by_module, register_torch_layout
+from tfdp.models.weights import Weights, by_module, register_torch_layout, torch_module_values
 
 HEAD = ("head",)
 
@@ -355,11 +355,9 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> dict[str, tuple
         return {layer: ([params[""]], [""])}
     if "q_bias" in params:
         return {layer: ([params["q_bias"], params["v_bias"]], ["q_bias", "v_bias"])}
-    weight = params["weight"]
-    if weight.ndim == 4:   # the patch embedding: OIHW → HWIO
-        return {layer: ([weight.transpose(2, 3, 1, 0), params["bias"]], ["weight", "bias"])}
-    names = ["weight", "bias"][:len(params)]
-    return {layer: ([weight.T if weight.ndim == 2 else weight] + [params[n] for n in names[1:]], names)}
+    if params["weight"].ndim > 1:   # the patch embedding (OIHW → HWIO), Linear ((out, in) → (in, out))
+        return {layer: torch_module_values(params, layer)}
+    return {layer: ([params["weight"], params["bias"]], ["weight", "bias"])}   # LayerNorm: gamma, beta
 
 
 @register_torch_layout(*SPECS)
