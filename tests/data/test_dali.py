@@ -197,8 +197,8 @@ def test_an_image_dali_stops_on_is_one_line_naming_the_tf_decoder(id_tree):
     broken = next(p for p in files if p.endswith(f"{BROKEN:04d}.jpg"))
     with tf.device("/cpu:0"):
         batches = tf.data.Dataset.from_tensors((tf.stack([tf.io.read_file(broken)] * 2), tf.zeros([2], tf.int32)))
-    iterator = iter(batches)
-    ds = dali.replica_pipeline(lambda: ((e.numpy(), l.numpy()) for e, l in iterator), DataConfig(image_size=8), 2,
+    iterator = iter(batches.map(dali.pack_batch))
+    ds = dali.replica_pipeline(lambda: ((v.numpy(), n.numpy()) for v, n in iterator), DataConfig(image_size=8), 2,
                                "/device:CPU:0", seed=0)
     with pytest.raises(tf.errors.OpError) as raised:
         next(iter(ds))
@@ -207,3 +207,13 @@ def test_an_image_dali_stops_on_is_one_line_naming_the_tf_decoder(id_tree):
                         r"\S[^\n]* \(data\.decoder: dali; with data\.decoder: tf an image that cannot be decoded "
                         r"is skipped and named\)", line), line
     assert dali.dali_stopped("some other error") == ""
+
+
+def test_dali_threads_are_the_setting_or_the_hosts_cores_shared_among_the_replicas():
+    cores = len(os.sched_getaffinity(0))
+    assert dali.pipeline_threads(DataConfig(dali_threads=3), on_gpu=True, replicas=8) == 3
+    assert dali.pipeline_threads(DataConfig(), on_gpu=False, replicas=1) == cores
+    assert dali.pipeline_threads(DataConfig(), on_gpu=False, replicas=cores + 1) == 1
+    assert dali.pipeline_threads(DataConfig(), on_gpu=True, replicas=1) == min(8, cores)
+    with pytest.raises(UserError, match="dali_hw_decoder_load"):
+        validate({"data": {"decoder": "dali", "dali_hw_decoder_load": 1.5}})

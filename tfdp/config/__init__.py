@@ -92,6 +92,13 @@ class DataConfig:
     # windows are DALI's: docs/data.md, decoders) or auto (dali where DALI is installed and every replica is a
     # GPU of its own, else tf). Evaluation and prediction always decode with tf.
     decoder: Literal["tf", "dali", "auto"] = "tf"
+    # data.decoder dali: CPU threads of each replica's DALI pipeline (they parse each JPEG and feed the GPU's
+    # decoders; on CPU replicas they decode); 0: auto, the host's cores shared among its replicas, at most 8 per
+    # GPU replica. The GPU measurement this was tuned against is in docs/benchmarks.md.
+    dali_threads: NonNegInt = 0
+    # data.decoder dali on a GPU: the share of the JPEGs sent to the card's hardware JPEG decoders (A100, H100 and
+    # later), the rest decoded on its CUDA cores after a Huffman pass on the host's CPUs (DALI's hw_decoder_load).
+    dali_hw_decoder_load: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.65
     # Repeated augmentation (DeiT's RASampler, torchvision's --ra-reps): every data epoch shows 1/k of
     # the images k times each, each copy cropped and augmented on its own, the copies of one image dealt
     # to different replicas of a step; an epoch keeps its length. 1: off.

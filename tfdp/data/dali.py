@@ -10,10 +10,12 @@ DALI it only checks that the bytes will decode (`encoded_transform`), so a
 per-replica batch leaves the stream as encoded bytes and labels, already
 counted. `distribute` deals each worker's batches to its replicas in the
 order the tf path's per-worker dataset gives them (batch k to local replica
-k mod n) and feeds each replica's batches, one image at a time, to a DALI
-pipeline on that replica's device (`DALIDatasetWithInputs`: decode with the
-random-resized crop, resize; "mixed" on a GPU, its CPU operators with
-`device_id=None`). DALI never reads a shard or a file itself, so it needs
+k mod n), each packed into one array (`pack_batch`), and feeds each
+replica's batches, one image at a time, to a DALI pipeline for that
+replica's device (`DALIDatasetWithInputs`: decode with the random-resized
+crop, resize; "mixed" on the replica's GPU, its CPU operators with
+`device_id=None`), whose batches TensorFlow prefetches to the replica's
+device. DALI never reads a shard or a file itself, so it needs
 no index files, and the flip, normalisation and batch augmentations still
 run on the device as the model's first layers.
 
@@ -140,7 +142,7 @@ DECODERS.update(tf=_TF, auto=_TF, dali=Decoder(encoded_transform, dealt=True))
 
 class Dealer:
     """One worker's stream of per-replica batches dealt to its `n` local replicas: batch k to replica k mod n,
-    as `distribute_datasets_from_function` deals a per-worker dataset's elements.
+    as `distribute_datasets_from_function` deals a per-worker dataset's elements, each packed (`pack_batch`).
 
     Each replica's DALI input asks for its own next batch; the stream is read
     once, and a batch read for another replica waits in that replica's queue
@@ -164,7 +166,8 @@ class Dealer:
                 self._calls[replica] += 1
                 if number not in self._rounds:
                     with tf.device("/cpu:0"):
-                        self._rounds[number] = _Round(iter(self.make()), [collections.deque() for _ in range(self.n)])
+                        packed = self.make().map(pack_batch, num_parallel_calls=tf.data.AUTOTUNE)
+                        self._rounds[number] = _Round(iter(packed), [collections.deque() for _ in range(self.n)])
                     for old in [g for g in self._rounds if g < min(self._calls) - 1]:
                         del self._rounds[old]
                 this = self._rounds[number]
@@ -187,10 +190,10 @@ class _Round:
         with self.lock:
             while not self.queues[replica]:
                 try:
-                    images, labels = next(self.iterator)
+                    element = next(self.iterator)
                 except StopIteration:
                     return None
-                self.queues[self.taken % n].append((images.numpy(), labels.numpy()))
+                self.queues[self.taken % n].append(tuple(t.numpy() for t in element))
                 self.taken += 1
             return self.queues[replica].popleft()
 
@@ -216,9 +219,8 @@ def _dali_reason(message: str) -> str:
 
 
 def input_options() -> tf.distribute.InputOptions:
-    """Each replica's dataset made on its own device and iterated there: DALI's outputs are already where the
-    replica computes (with the default options the per-worker prefetch to the devices crashes on a DALI dataset
-    when its iterator is deleted)."""
+    """Each replica's dataset iterated on its own device, where its last stage (`replica_pipeline`) has put
+    the batches."""
     return tf.distribute.InputOptions(experimental_place_dataset_on_device=True, experimental_fetch_to_device=False,
                                       experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
 
@@ -226,7 +228,8 @@ def input_options() -> tf.distribute.InputOptions:
 def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig, global_batch: int,
                num_workers: int, worker_index: int, seed: int):
     """The distributed training dataset: this worker's stream (`worker_dataset(input_context)`, the tf path's
-    per-worker dataset of checked batches of encoded bytes) decoded by one DALI pipeline per local replica."""
+    per-worker dataset of checked batches of encoded bytes), each batch packed into one array (`pack_batch`),
+    decoded by one DALI pipeline per local replica."""
     replicas = strategy.num_replicas_in_sync
     local = replicas // num_workers
     worker_ctx = tf.distribute.InputContext(num_input_pipelines=num_workers, input_pipeline_id=worker_index,
@@ -238,13 +241,22 @@ def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: 
     def replica_dataset(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         replica = ctx.input_pipeline_id % local
         return replica_pipeline(dealer.batches(replica), cfg, batch, devices[replica],
-                                seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31))
+                                seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local)
     return strategy.distribute_datasets_from_function(replica_dataset, options=input_options())
 
 
-def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: int) -> tf.data.Dataset:
-    """One replica's DALI dataset: `generator`'s (encoded [batch], labels [batch]) batches, each image decoded,
-    cropped and resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU: DALI's CPU operators)."""
+def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: int,
+                     replicas: int = 1) -> tf.data.Dataset:
+    """One replica's DALI dataset: `generator`'s packed batches (`pack_batch`), each image decoded, cropped and
+    resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU: DALI's CPU operators).
+
+    The DALI dataset lives on the host: on a GPU, DALI copies each finished batch back to it (uint8 pixels,
+    150 KB a 224 px image) and TensorFlow prefetches it to the replica's card, as the last stage of the
+    replica's dataset. A DALI dataset placed on the GPU would need its inputs there too, and TensorFlow moves
+    a dataset's elements to a device one call at a time (`copy_to_device`, about 2,000 elements/s here): one
+    call per image would cap the input, one per decoded batch does not (docs/benchmarks.md, DALI). TensorFlow's
+    own per-replica fetch (`InputOptions`) over a DALI dataset crashes when its iterator is deleted.
+    """
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin import tf as dali_tf
 
@@ -252,32 +264,54 @@ def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: 
     on_gpu = (spec.device_type or "").upper() == "GPU"
     with tf.device("/cpu:0"):
         packed = tf.data.Dataset.from_generator(generator, output_signature=(
-            tf.TensorSpec([batch], tf.string), tf.TensorSpec([batch], tf.int32))).unbatch().map(_packed)
-    if on_gpu:  # DALI takes its inputs on its own device (it copies them back for the host-side parse)
-        packed = packed.apply(tf.data.experimental.copy_to_device(device))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, min(8, cores)) if on_gpu else max(1, cores)
+            tf.TensorSpec([None], tf.uint8), tf.TensorSpec([batch], tf.int64))).map(tf.RaggedTensor.from_row_lengths)
+        # DALI takes one image at a time (they differ in length), as a tensor (a ragged row is one already, but
+        # its dataset says ragged, which the plugin cannot read)
+        packed = packed.unbatch().map(tf.convert_to_tensor)
+    threads = pipeline_threads(cfg, on_gpu, replicas)
+    device_id = spec.device_index if on_gpu else None
 
-    @pipeline_def(batch_size=batch, num_threads=threads, device_id=spec.device_index if on_gpu else None,
-                  seed=seed, prefetch_queue_depth=2)
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, seed=seed, prefetch_queue_depth=2,
+                  exec_dynamic=True)   # the dynamic executor: a GPU batch copied back to the host (`.cpu()`)
     def decode():
         element = fn.external_source(name="packed", dtype=types.UINT8, ndim=1)
         label = fn.reinterpret(element[0:LABEL_BYTES], dtype=types.INT32, shape=[1])
         image = fn.decoders.image_random_crop(
             element[LABEL_BYTES:], device="mixed" if on_gpu else "cpu", output_type=types.RGB,
             random_area=[cfg.min_crop_area, cfg.max_crop_area], random_aspect_ratio=list(ASPECT_RATIO_RANGE),
-            num_attempts=10)
+            num_attempts=10, **({"hw_decoder_load": cfg.dali_hw_decoder_load} if on_gpu else {}))
         image = fn.resize(image, resize_x=cfg.image_size, resize_y=cfg.image_size, interp_type=types.INTERP_LINEAR,
                           antialias=False, dtype=types.UINT8)
-        return image, label.gpu() if on_gpu else label
+        return (image.cpu() if on_gpu else image), label
 
-    with tf.device(device):
-        return dali_tf.experimental.DALIDatasetWithInputs(
+    with tf.device("/cpu:0"):
+        decoded = dali_tf.experimental.DALIDatasetWithInputs(
             pipeline=decode(), input_datasets={"packed": packed}, batch_size=batch, num_threads=threads,
-            device_id=spec.device_index if on_gpu else None, output_dtypes=(tf.uint8, tf.int32),
+            device_id=device_id, output_dtypes=(tf.uint8, tf.int32),
             output_shapes=((batch, cfg.image_size, cfg.image_size, 3), (batch,)))
+    return decoded.apply(tf.data.experimental.prefetch_to_device(device, 2))
 
 
-def _packed(encoded: tf.Tensor, label: tf.Tensor) -> tf.Tensor:
-    """One image for DALI's one input: its label's 4 bytes, then its encoded bytes (uint8 [4 + length])."""
-    return tf.concat([tf.bitcast(tf.cast(label, tf.int32), tf.uint8), tf.io.decode_raw(encoded, tf.uint8)], 0)
+def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:
+    """A replica's DALI CPU threads: `data.dali_threads`, or (0) the host's cores shared among its `replicas`
+    replicas, at most 8 for a GPU's (there they parse and feed the card's decoders, not decode)."""
+    if cfg.dali_threads:
+        return cfg.dali_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = max(1, cores // max(replicas, 1))
+    return min(8, share) if on_gpu else share
+
+
+def pack_batch(encoded: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """A batch of encoded images and labels as one array: each image is its int32 label's 4 bytes, then its
+    encoded bytes, one after the other (uint8 [4 x batch + bytes]), and their lengths (int64 [batch]).
+
+    A batch crosses to the replicas' inputs as these two arrays, not as one
+    Python object per image, and each replica's input cuts its images out of
+    the array in TensorFlow (`replica_pipeline`).
+    """
+    prefix = tf.RaggedTensor.from_tensor(tf.bitcast(tf.cast(labels, tf.int32), tf.uint8))
+    body = tf.RaggedTensor.from_row_lengths(tf.io.decode_raw(tf.strings.reduce_join(encoded), tf.uint8),
+                                            tf.cast(tf.strings.length(encoded), tf.int64))
+    packed = tf.concat([prefix, body], axis=1)
+    return packed.values, packed.row_lengths()
