@@ -31,9 +31,14 @@ wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
   python benchmarks/gpu.py --rows=decoders                      # tf vs DALI, ResNet-50 and ResNet-18, 224 px, bf16
   python benchmarks/gpu.py --rows=decoders --decoder_models=resnet18_small --size=32 --batch=32 --images=512 \
       --epochs=2 --precision=float32 --max_side=64              # its CPU smoke run (DALI's CPU operators)
+  python benchmarks/gpu.py --rows=decoders --decoder_models=resnet18 \
+      --decoder=dali,dali:dali_threads=16,dali:dali_hw_decoder_load=0.95   # DALI's settings side by side
 
 The real data (--images JPEGs and their shards) is made once per run, on first use: the JPEGs by one
 process per core, the shards converted with the GPU hidden (benchmarks/input_pipeline.py, make_data).
+With --workdir the data (and the decoders row's synthetic runs) stay there for later invocations, so a
+short lease can make the data while its packages are still arriving (--data_only) and measure after;
+each `tfdp train` run's output is kept beside its model_dir as DIR.log.
 
 Any registry model runs (a ViT takes image sizes its patch divides). `--optimizer=adamw` trains both sides
 with AdamW (weight decay 0.05; the transformers' and ConvNeXt's optimizer) instead of SGD with momentum. Every
@@ -43,6 +48,7 @@ with AdamW (weight decay 0.05; the transformers' and ConvNeXt's optimizer) inste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -134,18 +140,30 @@ def plain_keras_probe(args) -> None:
 
 def decoder_rows(args, work: str, shards: list[str], images: int) -> list[tuple[str, str]]:
     """Per model of --decoder_models: synthetic, then the full-size shards with each decoder of --decoder, on
-    as many images per epoch (so the runs' steps, start-up and compilation match)."""
+    as many images per epoch (so the runs' steps, start-up and compilation match). A model's synthetic run is
+    kept in --workdir and reused by a later invocation with the same settings (a lease split into calls)."""
     rows = []
     for model in [m for m in args.decoder_models.split(",") if m]:
         margs = argparse.Namespace(**{**vars(args), "model": model})
         synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={images}",
                      "--set=model.num_classes=1000"]
-        syn = timed_train(margs, os.path.join(work, f"dec-{model}-syn"), synthetic)
+        kept = os.path.join(work, f"dec-{model}-syn-{args.batch}-{args.size}-{args.precision}-{args.epochs}.json")
+        if os.path.exists(kept):
+            with open(kept, encoding="utf-8") as f:
+                syn = Timed(**json.load(f))
+        else:
+            syn = timed_train(margs, os.path.join(work, f"dec-{model}-syn"), synthetic)
+            if not syn.error:
+                with open(kept, "w", encoding="utf-8") as f:
+                    json.dump(vars(syn), f)
         rows.append((f"{model}: tfdp train, synthetic", syn.line()))
-        for decoder in [d for d in args.decoder.split(",") if d]:
-            run = timed_train(margs, os.path.join(work, f"dec-{model}-{decoder}"),
-                              [*shards, f"--set=data.decoder={decoder}"])
-            rows.append((f"{model}: tfdp train, shards, data.decoder {decoder}", run.line(syn)))
+        for entry in [d for d in args.decoder.split(",") if d]:
+            decoder, *settings = entry.split(":")   # dali:dali_threads=16 → data.dali_threads=16 on that row
+            name = "-".join([decoder, *(v.replace("=", "") for v in settings)])
+            run = timed_train(margs, os.path.join(work, f"dec-{model}-{name}"),
+                              [*shards, f"--set=data.decoder={decoder}", *(f"--set=data.{v}" for v in settings)])
+            rows.append((f"{model}: tfdp train, shards, data.decoder {' '.join([decoder, *settings])}",
+                         run.line(syn)))
     return rows
 
 
@@ -174,6 +192,8 @@ def timed_train(args, model_dir: str, data: list[str]) -> Timed:
                f"--set=train.precision={args.precision}", "--set=train.checkpoint_every_steps=0",
                "--strategy=mirrored", *OPTIMIZERS[args.optimizer]["flags"], *data)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(model_dir.rstrip("/") + ".log", "w", encoding="utf-8") as f:   # the run's own words, beside it
+        f.write(run.stdout + run.stderr)
     if run.returncode != 0:
         return Timed(failure(run))
     with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -238,6 +258,20 @@ def split_demo(model_dir: str) -> str:
     return f"{took:.0f} s, val top-1 {top1:.2%} ({strategy[:120]})" if top1 is not None else f"{took:.0f} s, no val top-1"
 
 
+def made_data(work: str, images: int, max_side: int) -> dict[str, str]:
+    """The real data in `work`: made by an earlier invocation with the same sizes (its record, written once
+    all of it was there), else now (`input_pipeline.make_data`)."""
+    record = os.path.join(work, f"data-{images}-{max_side}.json")
+    if os.path.exists(record):
+        with open(record, encoding="utf-8") as f:
+            return json.load(f)
+    from input_pipeline import make_data
+    made = make_data(work, images, max_side)
+    with open(record, "w", encoding="utf-8") as f:
+        json.dump(made, f)
+    return made
+
+
 def device_name() -> str:
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -263,11 +297,15 @@ def main() -> None:
     parser.add_argument("--skip_fp16", action="store_true", help="leave out the mixed_float16 row (emulated on CPUs)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
                         help="both sides' optimizer: sgd (momentum 0.9) or adamw (weight decay 0.05)")
-    parser.add_argument("--decoder", default="tf,dali", help="the decoders row's data.decoder values, in this order")
+    parser.add_argument("--decoder", default="tf,dali", help="the decoders row's data.decoder values, in this order; "
+                        "an entry may add data settings: dali:dali_threads=16:dali_hw_decoder_load=0.9")
     parser.add_argument("--decoder_models", default="resnet50,resnet18", help="the decoders row's models")
     parser.add_argument("--plain_keras_probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split_gpu", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--split_memory_mb", type=int, default=30_000, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default="", help="keep the real data (and the decoders row's synthetic runs) here "
+                        "and reuse them in later invocations; default: a temporary folder")
+    parser.add_argument("--data_only", action="store_true", help="make the real data in --workdir, then stop")
     args, rest = parser.parse_known_args()
     if args.plain_keras_probe:
         return plain_keras_probe(args)
@@ -280,7 +318,7 @@ def main() -> None:
 
     print(f"# {device_name()}, {os.cpu_count()} CPUs; {args.model}, batch {args.batch} per device, {args.size} px, "
           f"{args.precision}, {args.optimizer}\n\n| run | images/s |\n|---|---|", flush=True)
-    with tempfile.TemporaryDirectory() as work:
+    with (contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory()) as work:
         start = time.perf_counter()
         synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={args.batch * 60}",
                      "--set=model.num_classes=1000"]
@@ -292,8 +330,7 @@ def main() -> None:
         def data(kind: str) -> list[str]:
             """The real-data flags, the files written on first use."""
             if not real:
-                from input_pipeline import make_data
-                made = make_data(work, args.images, args.max_side)
+                made = made_data(work, args.images, args.max_side)
                 classes = f"--set=model.num_classes={len(os.listdir(os.path.join(made['tree'], 'train')))}"
                 real["files"] = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(made["tree"], "train")) for f in fs]
                 real["tree"] = [f"--data_dir={made['tree']}", "--data_format=imagenet", classes]
@@ -321,6 +358,11 @@ def main() -> None:
             "decode": lambda: [("full JPEG decode alone, same files", full_decode_rate(data("files"), args.batch))],
             "decoders": lambda: decoder_rows(args, work, data("shards"), len(data("files"))),
         }
+        if args.data_only:
+            data("shards")
+            print(f"data in {work}: {len(real['files']):,} JPEG files and their shards, "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)
+            return
         for row in wanted:
             for name, value in measure[row]():
                 print(f"| {name} | {value} |", flush=True)

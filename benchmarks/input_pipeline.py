@@ -69,7 +69,8 @@ def make_data(workdir: str, images: int, max_side: int, shards: bool = True) -> 
     """The JPEG tree (written by one process per core) and, with `shards`, its two shard conversions, each in a
     process of its own with the GPU hidden: a GPU host's time goes to the measurement, not to making data."""
     tree = os.path.join(workdir, "tree")
-    write_tree(tree, images)
+    if not os.path.exists(tree + ".written"):   # written before (a lease's data made in steps), else now
+        write_tree(tree, images)
     if not shards:
         return {"tree": tree}
     made = {"tree": tree, "shards": os.path.join(workdir, "shards"),
@@ -105,6 +106,8 @@ def write_tree(tree: str, images: int) -> None:
             for name in files:
                 os.replace(os.path.join(root, name), os.path.join(target, name if p == 0 else f"p{p}-{name}"))
     shutil.rmtree(tree + "-parts")
+    with open(tree + ".written", "w", encoding="utf-8") as f:
+        f.write(f"{images}\n")
 
 
 def _write_part(folder: str, classes: int, per_class: int, val_per_class: int, seed: int) -> None:
@@ -165,7 +168,7 @@ def dali_crop_and_resize_alone(files: list[str], size: int, batch: int):
     from tfdp.data import dali
     paths = tf.data.Dataset.from_tensor_slices(files).repeat()
     encoded = paths.map(tf.io.read_file, num_parallel_calls=tf.data.AUTOTUNE).batch(batch, drop_remainder=True)
-    batches = encoded.map(lambda data: (data, tf.zeros([batch], tf.int32)))
+    batches = encoded.map(lambda data: dali.pack_batch(data, tf.zeros([batch], tf.int32)))
     iterator = iter(batches)
     return dali.replica_pipeline(lambda: ((d.numpy(), l.numpy()) for d, l in iterator), DataConfig(image_size=size),
                                  batch, "/device:CPU:0", seed=0)

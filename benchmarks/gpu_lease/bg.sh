@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# A short GPU lease, step 2 (on the GPU host, from the repo root): started by the first device call with
+#   mkdir -p /tmp/p && mv .gpu/p?? /tmp/p/ && (setsid nohup bash benchmarks/gpu_lease/bg.sh >/dev/null 2>&1 </dev/null &)
+# then every further call only moves its piece in (`mv .gpu/p?? /tmp/p/; tail -n 2 /tmp/w/bg.log`), and the last
+# one runs final.sh. Beside the transfers this writes the JPEGs, unpacks TensorFlow once its pieces are in, then
+# DALI, makes the shards and runs benchmarks/gpu.py's decoders rows ($ROWS). Progress: /tmp/w/bg.log.
+# On 2026-11-28 (one H200): 15 pieces in 98 s of lease, JPEGs 16 s, shards 55 s, six rows 7.3 min.
+W=/tmp/w; P=/tmp/p; S=/tmp/site; R=/tmp/repo
+mkdir -p $W $S $P
+exec >>$W/bg.log 2>&1
+N=${N:-23600}; E=${E:-4}
+ROWS=${ROWS:---rows=decoders --decoder=dali,tf}
+# from pack.sh's last lines
+TF_BYTES=646200924; TF_SHA=69291cfc70e1573dbd8f9922598e6532934f79b39bdfaa76fee9ae8ed3cdef5b
+DALI_SHA=87a61aebd5c0a0dcaf14e530f46d837af5e8410a4001f62e01d1d4b2f3b9727b; PIECES=15
+TF_PIECES=$(( (TF_BYTES + 62914559) / 62914560 ))
+log() { echo "$(date +%T) $*"; }
+pieces() { ls $P 2>/dev/null | grep -c '^p[0-9][0-9]$'; }
+dec() { if command -v xz >/dev/null; then xz -dc -T0; else python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer, 1<<22)"; fi; }
+rm -rf $R && mkdir -p $R && tar -C "$(pwd)" --exclude=./.gpu -cf - . | tar -C $R -xf - && cd $R || exit 1
+log "start: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2); $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader); xz: $(command -v xz || echo none)"
+(nvidia-smi dmon -s u -o T -d 1 > $W/dmon.log 2>&1 &)
+t0=$(date +%s)
+CUDA_VISIBLE_DEVICES= python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import input_pipeline as ip; ip.write_tree('$W/tree', $N)" \
+  && log "JPEGs written in $(( $(date +%s) - t0 )) s: $(du -sh $W/tree | cut -f1)" || log "JPEG writing FAILED"
+while [ "$(pieces)" -lt $TF_PIECES ]; do sleep 1; done
+log "TensorFlow's pieces are in"
+cat $(ls $P/p?? | head -$TF_PIECES) | head -c $TF_BYTES | tee >(sha256sum | cut -d' ' -f1 > $W/tf.sha) | dec | tar -x --strip-components=1 -C $S \
+  && log "TensorFlow unpacked" || log "TensorFlow unpack FAILED"
+sleep 1; [ "$(cat $W/tf.sha)" = "$TF_SHA" ] && log "TensorFlow sha ok" || log "TensorFlow sha MISMATCH $(cat $W/tf.sha)"
+sp=$(python3 -c "import site; print(site.getsitepackages()[0])")
+mkdir -p /tmp/culibs && echo 'int tfdp_stub;' > /tmp/stub.c
+gcc -shared -fPIC -o /tmp/culibs/libcufft.so.11 -Wl,-soname,libcufft.so.11 /tmp/stub.c
+gcc -shared -fPIC -o /tmp/culibs/libcusolver.so.11 -Wl,-soname,libcusolver.so.11 /tmp/stub.c
+ln -sf "$sp/nvidia/cu13/lib/libcusparse.so.12" "$sp/nvidia/cu13/lib/libcurand.so.10" /tmp/culibs/
+cat > $W/env.sh <<EOT
+export PYTHONPATH=$R:$S
+export LD_LIBRARY_PATH=/tmp/culibs:$sp/nvidia/cudnn/lib:$sp/nvidia/cu13/lib
+export PATH=$S/bin:$S/nvidia/cuda_nvcc/bin:\$PATH
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2 TF_FORCE_GPU_ALLOW_GROWTH=true
+EOT
+. $W/env.sh
+python3 -c "import tensorflow as tf; print('tensorflow', tf.__version__, tf.config.list_physical_devices('GPU'))" 2>&1 | tail -1
+(
+  while [ "$(pieces)" -lt $PIECES ]; do sleep 1; done
+  log "DALI's pieces are in"
+  cat $(ls $P/p??) | tail -c +$((TF_BYTES + 1)) | tee >(sha256sum | cut -d' ' -f1 > $W/dali.sha) | dec | tar -x --strip-components=1 -C $S \
+    && log "DALI unpacked" || log "DALI unpack FAILED"
+  sleep 1; [ "$(cat $W/dali.sha)" = "$DALI_SHA" ] && log "DALI sha ok" || log "DALI sha MISMATCH"
+  python3 -c "from tfdp.data import dali; print('dali available:', repr(dali.available() or 'yes'))" 2>&1 | tail -1
+) &
+t0=$(date +%s)
+python3 benchmarks/gpu.py --workdir=$W --data_only --images=$N 2>&1 | tail -1
+log "shards made in $(( $(date +%s) - t0 )) s"
+wait
+log "rows start"
+python3 benchmarks/gpu.py --workdir=$W $ROWS --images=$N --epochs=$E > $W/rows.md 2>&1
+cat $W/rows.md
+log "bg done"
+touch $W/bg.done
