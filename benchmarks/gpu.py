@@ -147,7 +147,8 @@ def decoder_rows(args, work: str, shards: list[str], images: int) -> list[tuple[
         margs = argparse.Namespace(**{**vars(args), "model": model})
         synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={images}",
                      "--set=model.num_classes=1000"]
-        kept = os.path.join(work, f"dec-{model}-syn-{args.batch}-{args.size}-{args.precision}-{args.epochs}.json")
+        kept = os.path.join(work, f"dec-{model}-syn-{images}-{args.batch}-{args.size}-{args.precision}-"
+                                  f"{args.optimizer}-{args.epochs}.json")   # every setting the run depends on
         if os.path.exists(kept):
             with open(kept, encoding="utf-8") as f:
                 syn = Timed(**json.load(f))
@@ -307,6 +308,8 @@ def main() -> None:
                         "and reuse them in later invocations; default: a temporary folder")
     parser.add_argument("--data_only", action="store_true", help="make the real data in --workdir, then stop")
     args, rest = parser.parse_known_args()
+    if args.data_only and not args.workdir:
+        parser.error("--data_only needs --workdir: without it the data goes into a temporary folder and is deleted")
     if args.plain_keras_probe:
         return plain_keras_probe(args)
     if args.split_gpu:
