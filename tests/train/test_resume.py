@@ -170,12 +170,29 @@ def checkpoint_dirs(model_dir):
     return [p for p in os.listdir(root) if not p.startswith(".")] if root.exists() else []
 
 
+def test_a_run_resumed_inside_epoch_0_drops_the_killed_runs_epoch_0_from_tensorboard(tmp_path):
+    """A run killed after logging epoch 0 but before its epoch checkpoint resumes inside epoch 0 (initial epoch 0)
+    and logs epoch 0 again: TensorBoard must show it once. (The random-kill test above met this race.)"""
+    from tfdp.train.callbacks import tensorboard
+
+    def log_epoch_0(value):
+        with tf.summary.create_file_writer(str(tmp_path / "train")).as_default():
+            tf.summary.scalar("epoch_loss", value, step=0)
+    log_epoch_0(2.0)                         # the killed run's point
+    time.sleep(1.1)                          # event files sort by their names' whole seconds
+    tensorboard(str(tmp_path), (0, 0), initial_epoch=0)
+    time.sleep(1.1)
+    log_epoch_0(1.0)                         # the resumed run's
+    assert tensorboard_steps(tmp_path / "train", "epoch_loss") == [0]
+
+
 def tensorboard_steps(run_dir, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """The steps TensorBoard's server shows for `tag` (its plugin accumulator, the one that purges tf.summary's
+    tensor events at a restart; the legacy `EventAccumulator` purges only TF1 scalars)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     events = EventAccumulator(str(run_dir), purge_orphaned_data=True)
     events.Reload()
-    return sorted(e.step for e in events.Scalars(tag)) if tag in events.Tags()["scalars"] else \
-        sorted(e.step for e in events.Tensors(tag))
+    return sorted(e.step for e in events.Tensors(tag))
 
 
 def test_resuming_with_a_model_that_does_not_fit_is_one_line_alone(tmp_path, small_dir):

@@ -292,12 +292,13 @@ class WandbLog(keras.callbacks.Callback):
 def tensorboard(log_dir: str, profile_steps: tuple[int, int], initial_epoch: int = 0) -> keras.callbacks.Callback:
     """Keras' TensorBoard writer: per-epoch scalars (every key in the logs) and an optional profile.
 
-    A resumed run first marks a restart at its first epoch, so TensorBoard
-    drops whatever a killed run had logged from that epoch on (its
-    'orphaned data' purge) and every epoch shows once.
+    A run that finds runs logged before it (a resume) first marks a restart
+    at its first epoch, so TensorBoard drops whatever a killed run had logged
+    from that epoch on (its 'orphaned data' purge) and every epoch shows once.
+    Epoch 0 too: a run killed after logging epoch 0 but before its epoch
+    checkpoint resumes inside epoch 0 and logs it again.
     """
-    if initial_epoch:
-        mark_restart(log_dir, initial_epoch)
+    mark_restart(log_dir, initial_epoch)   # nothing to mark in a new run
     return FlushingTensorBoard(log_dir=log_dir, update_freq="epoch", write_graph=False,
                                profile_batch=tuple(profile_steps) if profile_steps[0] else 0)
 
@@ -316,8 +317,11 @@ KERAS_RUNS = ("train", "validation")   # the run folders Keras' TensorBoard call
 
 
 def mark_restart(log_dir: str, step: int) -> None:
-    """Writes a SessionLog START event at `step` into each existing run folder Keras writes (train/,
-    validation/); the evaluator's eval/ is its own (tfdp/commands/continuous_eval.py)."""
+    """Writes a restart at `step` into each existing run folder Keras writes (train/, validation/); the
+    evaluator's eval/ is its own (tfdp/commands/continuous_eval.py).
+
+    TensorBoard takes the first SessionLog START of a run for its session's start and purges at the later
+    ones only, and Keras' writers write none: so a restart is two STARTs, the second of which purges."""
     from tensorboard.compat.proto import event_pb2
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
     if not os.path.isdir(log_dir):
@@ -326,6 +330,7 @@ def mark_restart(log_dir: str, step: int) -> None:
         run = os.path.join(log_dir, name)
         if os.path.isdir(run):   # a bucket run's copy has the folders of the run's events, not the files
             writer = EventFileWriter(run, filename_suffix=".restart")
-            writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
-                                             session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+            for _ in range(2):
+                writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, session_log=event_pb2.SessionLog(
+                    status=event_pb2.SessionLog.START)))
             writer.close()
