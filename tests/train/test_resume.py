@@ -172,27 +172,54 @@ def checkpoint_dirs(model_dir):
 
 def test_a_run_resumed_inside_epoch_0_drops_the_killed_runs_epoch_0_from_tensorboard(tmp_path):
     """A run killed after logging epoch 0 but before its epoch checkpoint resumes inside epoch 0 (initial epoch 0)
-    and logs epoch 0 again: TensorBoard must show it once. (The random-kill test above met this race.)"""
+    and logs epoch 0 again: TensorBoard must show it once, the resumed run's. As the random-kill test above met
+    it twice: the resumed run opens its writers in the second it marks the restart (one for the rest of epoch 0,
+    one for the epochs after), in a process whose TensorFlow writers are numbered 1x and whose TensorBoard writers
+    (tensorboard's own counter) are numbered 2 and up: an event file counted '2' sorts after one counted '1x'."""
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
     from tfdp.train.callbacks import tensorboard
+    scratch = (tmp_path / "scratch" / str(i) for i in range(10**6))
+    while not re.fullmatch(r"1\d+", writer_count(lambda run: tf.summary.create_file_writer(run).close(), next(scratch))):
+        pass
+    while writer_count(lambda run: EventFileWriter(run).close(), next(scratch)) < "2":
+        pass
 
-    def log_epoch_0(value):
-        with tf.summary.create_file_writer(str(tmp_path / "train")).as_default():
-            tf.summary.scalar("epoch_loss", value, step=0)
-    log_epoch_0(2.0)                         # the killed run's point
-    time.sleep(1.1)                          # event files sort by their names' whole seconds
-    tensorboard(str(tmp_path), (0, 0), initial_epoch=0)
-    time.sleep(1.1)
-    log_epoch_0(1.0)                         # the resumed run's
-    assert tensorboard_steps(tmp_path / "train", "epoch_loss") == [0]
+    def log(run, step_values):
+        with tf.summary.create_file_writer(str(run)).as_default():
+            for step, value in step_values:
+                tf.summary.scalar("epoch_loss", value, step=step)
+    for attempt in range(5):   # until the mark and the resumed run's writers share their second
+        root = tmp_path / f"run{attempt}"
+        log(root / "train", [(0, 2.0)])                                  # the killed run's epoch 0
+        time.sleep(1.01 - time.time() % 1)                               # the start of a second
+        tensorboard(str(root), (0, 0), initial_epoch=0)
+        log(root / "train", [(0, 1.0)])                                  # the resumed run's epoch 0 ...
+        log(root / "train", [(1, 0.5), (2, 0.25)])                       # ... and the epochs after
+        if len({name.split(".")[3][:10] for name in os.listdir(root / "train")}) == 2:
+            break
+    assert len({name.split(".")[3][:10] for name in os.listdir(root / "train")}) == 2, os.listdir(root / "train")
+    assert tensorboard_values(root / "train", "epoch_loss") == [(0, 1.0), (1, 0.5), (2, 0.25)]
+
+
+def writer_count(open_writer, run):
+    """The process-wide count a new event file writer puts in its file's name (TensorFlow's: `.<count>.v2`,
+    tensorboard's own: `.<count>`)."""
+    open_writer(str(run))
+    return re.search(r"\.(\d+)(\.v2)?$", os.listdir(run)[0]).group(1)
 
 
 def tensorboard_steps(run_dir, tag):
     """The steps TensorBoard's server shows for `tag` (its plugin accumulator, the one that purges tf.summary's
     tensor events at a restart; the legacy `EventAccumulator` purges only TF1 scalars)."""
+    return [step for step, _ in tensorboard_values(run_dir, tag)]
+
+
+def tensorboard_values(run_dir, tag):
+    """(step, value) of each point TensorBoard's server shows for `tag`."""
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     events = EventAccumulator(str(run_dir), purge_orphaned_data=True)
     events.Reload()
-    return sorted(e.step for e in events.Tensors(tag))
+    return sorted((e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag))
 
 
 def test_resuming_with_a_model_that_does_not_fit_is_one_line_alone(tmp_path, small_dir):

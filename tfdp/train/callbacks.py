@@ -321,16 +321,25 @@ def mark_restart(log_dir: str, step: int) -> None:
     evaluator's eval/ is its own (tfdp/commands/continuous_eval.py).
 
     TensorBoard takes the first SessionLog START of a run for its session's start and purges at the later
-    ones only, and Keras' writers write none: so a restart is two STARTs, the second of which purges."""
+    ones only, and Keras' writers write none: so a restart is two STARTs, the second of which purges.
+    TensorBoard reads a run's event files in name order, and a name holds its second, host, pid and a
+    per-writer counter: the file is named to sort before every file this run's writers open in the same
+    second (a counter of '12' would sort before one of '2'), so the restart precedes the run's events."""
+    import socket
     from tensorboard.compat.proto import event_pb2
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    from tensorboard.summary.writer.record_writer import RecordWriter
     if not os.path.isdir(log_dir):
         return
+    now = time.time()
+    events = [event_pb2.Event(wall_time=now, file_version="brain.Event:2")] + [
+        event_pb2.Event(wall_time=now, step=step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+        for _ in range(2)]
     for name in KERAS_RUNS:
         run = os.path.join(log_dir, name)
         if os.path.isdir(run):   # a bucket run's copy has the folders of the run's events, not the files
-            writer = EventFileWriter(run, filename_suffix=".restart")
-            for _ in range(2):
-                writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, session_log=event_pb2.SessionLog(
-                    status=event_pb2.SessionLog.START)))
-            writer.close()
+            # '-' sorts before the '.' that follows the second in the names TensorFlow's writers give.
+            path = os.path.join(run, f"events.out.tfevents.{int(now):010d}-restart.{socket.gethostname()}.{os.getpid()}")
+            with open(path, "wb") as f:
+                writer = RecordWriter(f)
+                for event in events:
+                    writer.write(event.SerializeToString())
