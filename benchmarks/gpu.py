@@ -17,7 +17,9 @@ process), on the same model, per-device batch and precision:
                        (tf: the host's CPUs decode; dali: DALI on the GPU): images/s, its ratio to the
                        model's synthetic rate, and the host CPU seconds per image (the process's user +
                        system time over the images it trained, and that minus the synthetic run's:
-                       the input's own cost, start-up and compilation cancelled out)
+                       the input's own cost, start-up and compilation cancelled out), and that CPU time
+                       by thread name (the busiest five: tf.data's pools, DALI's workers, Python, XLA),
+                       read from /proc while the run goes
 
 The JPEGs are cut from the real photos in the scikit-image/scikit-learn
 wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
@@ -52,11 +54,13 @@ import contextlib
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,11 +68,61 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))   # support.photos
 
 
-def tfdp(*args: str, split: int = 0, timeout: int = 3600) -> subprocess.CompletedProcess:
-    """`tfdp ARGS` in its own process; `split`: on the first GPU split into that many logical GPUs."""
+def tfdp(*args: str, split: int = 0, timeout: int = 3600, threads: dict | None = None) -> subprocess.CompletedProcess:
+    """`tfdp ARGS` in its own process; `split`: on the first GPU split into that many logical GPUs; `threads`, if
+    given, is filled with the process's CPU seconds by thread name (`thread_cpu`)."""
     command = [os.path.abspath(__file__), f"--split_gpu={split}", "--"] if split else ["-m", "tfdp"]
-    return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    if threads is None:
+        return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout)
+    with subprocess.Popen([sys.executable, *command, *args], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        sampled = {}
+        sampler = threading.Thread(target=sample_threads, args=(proc, sampled), daemon=True)
+        sampler.start()
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        sampler.join()
+    threads.update(thread_cpu(sampled, proc.pid))
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def sample_threads(proc: subprocess.Popen, sampled: dict, every: float = 0.25) -> None:
+    """Until `proc` ends, reads each of its threads' name and CPU ticks (user + system, /proc/PID/task/TID/stat)
+    into `sampled` (tid → (name, ticks)): a thread's last reading stands for it, so a thread that ends between
+    two readings loses at most `every` seconds of its time."""
+    root = f"/proc/{proc.pid}/task"
+    while proc.poll() is None:
+        try:
+            tids = os.listdir(root)
+        except OSError:
+            break
+        for tid in tids:
+            try:
+                with open(f"{root}/{tid}/stat", encoding="utf-8", errors="replace") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            sampled[tid] = (name, int(fields[11]) + int(fields[12]))   # utime, stime: fields 14 and 15 of stat
+        time.sleep(every)
+
+
+def thread_cpu(sampled: dict, pid: int) -> dict[str, float]:
+    """CPU seconds by thread name, numbers dropped (TensorFlow's and DALI's pools number their threads). The
+    process's first thread is "main"; threads that kept its name (nobody named them: Eigen's and some of
+    TensorFlow's pools) are "unnamed"."""
+    tick, main = os.sysconf("SC_CLK_TCK"), sampled.get(str(pid), ("", 0))[0]
+    groups: dict[str, float] = {}
+    for tid, (name, ticks) in sampled.items():
+        key = re.sub(r"[\d_#:.-]+$", "", re.sub(r"\d+", "", name)) or name
+        if name == main:
+            key = "main" if tid == str(pid) else "unnamed"
+        groups[key] = groups.get(key, 0.0) + ticks / tick
+    return dict(sorted(groups.items(), key=lambda item: -item[1]))
 
 
 def failure(run: subprocess.CompletedProcess) -> str:
@@ -171,8 +225,10 @@ def decoder_rows(args, work: str, shards: list[str], images: int) -> list[tuple[
 class Timed:
     """One `tfdp train` run's median images/s (epochs 2..) and host CPU seconds per image trained."""
 
-    def __init__(self, error: str = "", rate: float = 0.0, cpu_per_image: float = 0.0):
+    def __init__(self, error: str = "", rate: float = 0.0, cpu_per_image: float = 0.0,
+                 threads: dict[str, float] | None = None):
         self.error, self.rate, self.cpu_per_image = error, rate, cpu_per_image
+        self.threads = threads or {}   # CPU seconds per image trained, by thread name (`thread_cpu`)
 
     def line(self, synthetic: "Timed | None" = None) -> str:
         if self.error:
@@ -181,17 +237,20 @@ class Timed:
         if synthetic is not None and not synthetic.error and synthetic.rate:
             text += (f" ({self.rate / synthetic.rate:.2f}x synthetic; input "
                      f"{1e3 * (self.cpu_per_image - synthetic.cpu_per_image):.2f} ms/image above it)")
+        if self.threads:   # where the host's time went: the busiest thread names, ms/image
+            text += "; by thread: " + ", ".join(f"{name} {1e3 * seconds:.2f}"
+                                                for name, seconds in list(self.threads.items())[:5])
         return text
 
 
 def timed_train(args, model_dir: str, data: list[str]) -> Timed:
     """`tfdp train` as `train_rate` runs it, with its CPU time (user + system, from the kernel's accounting of
     the finished child) over the images it trained."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before, threads = resource.getrusage(resource.RUSAGE_CHILDREN), {}
     run = tfdp("train", f"--model={args.model}", f"--model_dir={model_dir}", f"--epochs={args.epochs}",
                f"--batch_size_per_replica={args.batch}", f"--set=data.image_size={args.size}",
                f"--set=train.precision={args.precision}", "--set=train.checkpoint_every_steps=0",
-               "--strategy=mirrored", *OPTIMIZERS[args.optimizer]["flags"], *data)
+               "--strategy=mirrored", *OPTIMIZERS[args.optimizer]["flags"], *data, threads=threads)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(model_dir.rstrip("/") + ".log", "w", encoding="utf-8") as f:   # the run's own words, beside it
         f.write(run.stdout + run.stderr)
@@ -202,7 +261,8 @@ def timed_train(args, model_dir: str, data: list[str]) -> Timed:
     trained = sum(r["images_per_sec"] * r["seconds"] for r in rows)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return Timed(rate=statistics.median([r["images_per_sec"] for r in rows[1:] or rows]),
-                 cpu_per_image=cpu / max(trained, 1))
+                 cpu_per_image=cpu / max(trained, 1),
+                 threads={name: seconds / max(trained, 1) for name, seconds in threads.items()})
 
 
 def benchmark_rows(args, model_dir: str, data: list[str]) -> list[tuple[str, str]]:
@@ -281,6 +341,13 @@ def device_name() -> str:
         return f"no GPU ({platform.processor() or platform.machine()})"
 
 
+def allocator() -> str:
+    """The malloc every `tfdp` process of this run gets (tfdp.startup.allocator preloads TCMalloc if installed)."""
+    from input_pipeline import allocator as of_environment
+    from tfdp.startup.allocator import with_tcmalloc
+    return of_environment(with_tcmalloc(os.environ) or os.environ)
+
+
 ROWS = ("keras", "syn", "split", "demo", "nojit", "fp16", "files", "shards", "small", "benchmark", "decode", "decoders")
 
 
@@ -319,8 +386,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown rows {sorted(unknown)}: choose from {','.join(ROWS)}")
 
-    print(f"# {device_name()}, {os.cpu_count()} CPUs; {args.model}, batch {args.batch} per device, {args.size} px, "
-          f"{args.precision}, {args.optimizer}\n\n| run | images/s |\n|---|---|", flush=True)
+    print(f"# {device_name()}, {os.cpu_count()} CPUs, {allocator()}; {args.model}, batch {args.batch} per device, "
+          f"{args.size} px, {args.precision}, {args.optimizer}\n\n| run | images/s |\n|---|---|", flush=True)
     with (contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory()) as work:
         start = time.perf_counter()
         synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={args.batch * 60}",

@@ -38,6 +38,8 @@ decoders of `data.decoder` on the host's CPU, side by side in the same rounds:
   crop + resize alone (tf)        as above
   crop + resize alone (DALI CPU)  the same bytes, read by tf.data, decoded, cropped and
                                   resized by DALI's CPU operators (`device_id=None`)
+  tfdp stream (files), decoder dali, to DALI's input   the same stream as far as DALI: checked,
+                                  dealt, packed and cut into images again, nothing decoded
   tfdp train (files), decoder tf / dali (CPU)   tfdp's training pipeline on the files, its
                                   transform and batches as `data.decoder` makes them
                                   (tfdp.data.dali), on one CPU device
@@ -115,6 +117,13 @@ def _write_part(folder: str, classes: int, per_class: int, val_per_class: int, s
     write_imagenet_tree(folder, classes, per_class, val_per_class, "ilsvrc", seed=seed)
 
 
+def allocator(environ=os.environ) -> str:
+    """The malloc a process with `environ` runs on (this one: tfdp's TCMalloc where installed, as `main` preloads
+    it; else glibc's): host CPU figures depend on it, glibc's page-faulting on large buffers TCMalloc reuses."""
+    preloaded = environ.get("LD_PRELOAD", "")
+    return f"allocator {os.path.basename(preloaded.split()[0])}" if "malloc" in preloaded else "allocator glibc"
+
+
 def rate(dataset, batch: int, batches: int) -> tuple[float, float]:
     """(images/s, CPU microseconds of this process per image) over `batches` batches after three."""
     iterator = iter(dataset)
@@ -161,6 +170,24 @@ def tfdp_train(data_format: str, directory: str, size: int, batch: int, cache_di
     return dali.replica_pipeline(dali.Dealer(stream, 1).batches(0), cfg, batch, "/device:CPU:0", seed=0)
 
 
+def dali_feed_alone(data_format: str, directory: str, size: int, batch: int):
+    """tfdp's stream under `data.decoder: dali` as far as DALI's input: checked encoded batches, dealt to one
+    replica, packed (`dali.pack_batch`), cut into images by the replica's input; nothing decoded. The host work
+    the DALI path adds before DALI, on a GPU as here."""
+    import tensorflow as tf
+    from tfdp.config import DataConfig
+    from tfdp.data import build_source, dali
+    from tfdp.data.pipeline import Bookkeeping, train_dataset
+    cfg = DataConfig(format=data_format, dir=directory, image_size=size, shuffle_buffer=1024, decoder="dali")
+    stream = lambda: train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0,  # noqa: E731
+                                   books=Bookkeeping(num_classes=1000))
+    with tf.device("/cpu:0"):
+        packed = tf.data.Dataset.from_generator(dali.Dealer(stream, 1).batches(0), output_signature=(
+            tf.TensorSpec([None], tf.uint8), tf.TensorSpec([batch], tf.int64))).map(tf.RaggedTensor.from_row_lengths)
+        images = packed.unbatch().map(tf.convert_to_tensor)   # as `dali.replica_pipeline` hands them to DALI
+    return images.map(tf.size).batch(batch)
+
+
 def dali_crop_and_resize_alone(files: list[str], size: int, batch: int):
     """Each file read by tf.data, decoded, cropped and resized by DALI's CPU operators, and nothing else."""
     import tensorflow as tf
@@ -185,6 +212,8 @@ def decoder_rows(args) -> None:
         variants = {
             "crop + resize alone (tf)": lambda: crop_and_resize_alone(files, args.size, args.batch),
             "crop + resize alone (DALI CPU)": lambda: dali_crop_and_resize_alone(files, args.size, args.batch),
+            "tfdp stream (files), decoder dali, to DALI's input": lambda: dali_feed_alone("imagenet", tree, args.size,
+                                                                                         args.batch),
             "tfdp train (files), decoder tf": lambda: tfdp_train("imagenet", tree, args.size, args.batch),
             "tfdp train (files), decoder dali (CPU)":
                 lambda: tfdp_train("imagenet", tree, args.size, args.batch, decoder="dali"),
@@ -196,12 +225,13 @@ def decoder_rows(args) -> None:
             for name, timed in timers.items():
                 images_per_sec, cpu_us = timed()
                 best[name], cpu[name] = max(best[name], images_per_sec), min(cpu[name], cpu_us)
-    print(f"{len(files)} JPEGs; {args.size}x{args.size} crops, batch {args.batch}, {os.cpu_count()} CPU cores; best "
+    print(f"{len(files)} JPEGs; {args.size}x{args.size} crops, batch {args.batch}, {os.cpu_count()} CPU cores, "
+          f"{allocator()}; best "
           f"of {args.rounds} rounds; 1-minute load average {load_at_start:.2f} at the start, {os.getloadavg()[0]:.2f} "
           f"after")
-    print(f"{'pipeline':42s} {'images/s':>9s} {'CPU us/image':>13s}")
+    print(f"{'pipeline':52s} {'images/s':>9s} {'CPU us/image':>13s}")
     for name, value in best.items():
-        print(f"{name:42s} {value:9.0f} {cpu[name]:13.0f}")
+        print(f"{name:52s} {value:9.0f} {cpu[name]:13.0f}")
 
 
 class Baseline:
@@ -265,6 +295,8 @@ def main() -> None:
     parser.add_argument("--decoders", action="store_true", help="only data.decoder's rows: tf and DALI (CPU)")
     parser.add_argument("--serve", default="", help=argparse.SUPPRESS)   # the --baseline child: shard folder
     args = parser.parse_args()
+    from tfdp.startup.allocator import preload_tcmalloc
+    preload_tcmalloc()   # the allocator `tfdp` runs on (this process starts again with it, where installed)
     if args.serve:
         return serve(args.serve, args)
     if args.decoders:
@@ -318,7 +350,7 @@ def main() -> None:
     print(f"cold read from the bucket: {shard_mb:.0f} MB of shards copied to the local cache in {cold_seconds:.1f} s "
           f"(GCS emulator on loopback)")
     print(f"{len(files)} JPEGs, mean {mean_kb:.0f} KB; {args.size}x{args.size} crops, batch {args.batch}, "
-          f"{os.cpu_count()} CPU cores; best of {args.rounds} rounds; 1-minute load average {load_at_start:.2f} "
+          f"{os.cpu_count()} CPU cores, {allocator()}; best of {args.rounds} rounds; 1-minute load average {load_at_start:.2f} "
           f"at the start, {load_before:.2f} before the rounds, {os.getloadavg()[0]:.2f} after")
     print(f"{'pipeline':42s} {'images/s':>9s} {'vs full decode':>15s} {'CPU us/image':>13s}")
     for name, value in best.items():

@@ -53,7 +53,10 @@ t0=$(date +%s)
 python3 benchmarks/gpu.py --workdir=$W --data_only --images=$N 2>&1 | tail -1
 log "shards made in $(( $(date +%s) - t0 )) s"
 wait
-log "rows start"
+if ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc*.so.4 >/dev/null 2>&1 && [ -f $S/tcmalloc/libtcmalloc_minimal.so.4 ]; then
+  export LD_PRELOAD=$S/tcmalloc/libtcmalloc_minimal.so.4   # the host has none: the one pack.sh brought
+fi
+log "rows start (LD_PRELOAD=${LD_PRELOAD:-none}; tfdp preloads a system TCMalloc itself)"
 python3 benchmarks/gpu.py --workdir=$W $ROWS --images=$N --epochs=$E > $W/rows.md 2>&1
 cat $W/rows.md
 log "bg done"

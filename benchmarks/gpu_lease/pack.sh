@@ -33,6 +33,9 @@ mkdir -p "$work/site-dali/nvidia/dali_tf_plugin"
 cp "$plugin"/{__init__.py,dali_tf_plugin.py,libdali_tf_current.so} "$work/site-dali/nvidia/dali_tf_plugin/"
 (cd "$work" && python3 -m pip download -q --no-deps --no-binary=:all: nvidia-dali-tf-plugin-cuda120==2.4.0 -d sdist \
   && tar xzf sdist/*.tar.gz && cp nvidia_dali_tf_plugin_cuda120-2.4.0/prebuilt/libdali_tf_2_21.so site-dali/nvidia/dali_tf_plugin/)
+# TCMalloc, which every tfdp process preloads where the system has it (tfdp/startup/allocator.py); a PyTorch
+# image's host may not: without it the host CPU figures include glibc's page faults on every large buffer
+mkdir -p "$work/site-dali/tcmalloc" && cp /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "$work/site-dali/tcmalloc/"
 (cd "$work" && tar -cf - site-tf | xz -T0 -6 > tf.tar.xz && tar -cf - site-dali | xz -T0 -6 > dali.tar.xz)
 mkdir -p "$out" && rm -f "$out"/p??
 cat "$work/tf.tar.xz" "$work/dali.tar.xz" | split -b 60M -d -a 2 - "$out/p"

@@ -308,10 +308,15 @@ def pack_batch(encoded: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Ten
 
     A batch crosses to the replicas' inputs as these two arrays, not as one
     Python object per image, and each replica's input cuts its images out of
-    the array in TensorFlow (`replica_pipeline`).
+    the array in TensorFlow (`replica_pipeline`). The labels become 4-byte
+    strings laid between the images and the whole is joined once: the bytes
+    are copied twice, where a ragged concatenation cost 4x the CPU
+    (docs/benchmarks.md, DALI).
     """
-    prefix = tf.RaggedTensor.from_tensor(tf.bitcast(tf.cast(labels, tf.int32), tf.uint8))
-    body = tf.RaggedTensor.from_row_lengths(tf.io.decode_raw(tf.strings.reduce_join(encoded), tf.uint8),
-                                            tf.cast(tf.strings.length(encoded), tf.int64))
-    packed = tf.concat([prefix, body], axis=1)
-    return packed.values, packed.row_lengths()
+    one_byte = tf.constant([bytes([b]) for b in range(256)])   # byte value → that one-byte string
+    label_bytes = tf.gather(one_byte, tf.cast(tf.bitcast(tf.cast(labels, tf.int32), tf.uint8), tf.int32))
+    prefixes = tf.strings.reduce_join(label_bytes, axis=1)
+    joined = tf.strings.reduce_join(tf.reshape(tf.stack([prefixes, encoded], axis=1), [-1]))
+    lengths = tf.cast(tf.strings.length(encoded), tf.int64) + LABEL_BYTES
+    return tf.io.decode_raw(joined, tf.uint8), lengths
+
