@@ -160,7 +160,10 @@ def test_tfdp_trains_the_demo_with_dali(tmp_path, tiny_dir):
 
 
 @pytest.mark.slow
-def test_shards_train_with_dali_and_a_run_killed_mid_epoch_resumes_at_its_position(tmp_path):
+def test_shards_train_with_dali_and_a_run_killed_mid_epoch_resumes_at_its_position_on_fewer_replicas(tmp_path):
+    """Killed on 2 replicas after a step checkpoint, resumed by the same command on 1 (the checkpoint's global
+    batch of 8 as 1 replica x 4 x 2 micro-batches, DALI's pipeline now on the one replica): the resumed run
+    goes on from the killed run's stream position, and every epoch ends where the uninterrupted run's does."""
     from test_data_faults import write_shards
     data, model_dir = tmp_path / "shards", tmp_path / "run"
     write_shards(str(data))  # 24 training records in 2 shards: 3 steps of 8 per epoch
@@ -183,8 +186,11 @@ def test_shards_train_with_dali_and_a_run_killed_mid_epoch_resumes_at_its_positi
         saved = json.load(f)
     assert saved["input"] == [[8 * steps[-1], 0]]  # records consumed: 8 per step on the one stream
 
-    _, final = train_in_process(*args[1:])   # the resumed run in this process: its exit status is not the point
+    # the resumed run in this process (its exit status is not the point), on one of its CPU devices
+    _, final = train_in_process(*args[1:], "--set=distribute.cpu_replicas=1")
     assert f"resuming at epoch 1 of 2, step {steps[-1] + 1} of 3" in final, final
+    assert ("resuming at the checkpoint's global batch 8: 1 replica x 4 x 2 micro-batches (the checkpoint's: "
+            "2 replicas x 4 x 1 micro-batch)") in final, final
     assert [r["epoch"] for r in read_jsonl(model_dir / "metrics.jsonl")] == [1, 2]
     for epoch, records in ((1, 24), (2, 48)):
         with open(checkpoints / f"epoch-{epoch:04d}" / "state.json", encoding="utf-8") as f:
