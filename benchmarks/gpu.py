@@ -12,6 +12,8 @@ process), on the same model, per-device batch and precision:
   tfdp benchmark       `tfdp benchmark` on the same shards: synthetic and real training rates,
                        the input pipeline alone and beside training, and its verdict
   full JPEG decode     tf.io.decode_jpeg of the whole image, every core, as fast as tf.data goes
+  scaling              the input alone, GPU hidden, on 1, 4, 16, ... cores: the stream DALI is fed from, from
+                       the shards and from memory (data.cache), beside the tf training pipeline
   decoders             `tfdp train` per model of --decoder_models (ResNet-50 and ResNet-18 by default),
                        synthetic and on the full-size shards with each `data.decoder` of --decoder
                        (tf: the host's CPUs decode; dali: DALI on the GPU): images/s, its ratio to the
@@ -35,6 +37,7 @@ wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
       --epochs=2 --precision=float32 --max_side=64              # its CPU smoke run (DALI's CPU operators)
   python benchmarks/gpu.py --rows=decoders --decoder_models=resnet18 \
       --decoder=dali,dali:dali_threads=16,dali:dali_hw_decoder_load=0.95   # DALI's settings side by side
+  python benchmarks/gpu.py --rows=scaling        # the input alone on 1, 4, 16, ... cores (GPU hidden)
 
 The real data (--images JPEGs and their shards) is made once per run, on first use: the JPEGs by one
 process per core, the shards converted with the GPU hidden (benchmarks/input_pipeline.py, make_data).
@@ -333,6 +336,28 @@ def made_data(work: str, images: int, max_side: int) -> dict[str, str]:
     return made
 
 
+def scaling_rows(args, shards: str) -> list[tuple[str, str]]:
+    """The input alone with the GPU hidden, pinned to 1, 4, 16, ... of the host's cores, each count in a process
+    of its own (benchmarks/input_pipeline.py --streams): does the stream DALI is fed from scale with the cores,
+    and does what does not scale lie in the reads or between them."""
+    cores = sorted(os.sched_getaffinity(0))
+    counts = sorted({n for n in (1, 4, 16, 64, len(cores)) if n <= len(cores)})
+    rows = []
+    for n in counts:
+        run = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "input_pipeline.py"), f"--streams={shards}",
+                              f"--size={args.size}", f"--batch={args.batch}", "--batches=20", "--rounds=2"],
+                             cwd=REPO, capture_output=True, text=True, timeout=1800,
+                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                             preexec_fn=lambda n=n: os.sched_setaffinity(0, cores[:n]))
+        line = next((x for x in run.stdout.splitlines() if x.startswith("streams: ")), "")
+        if not line:
+            rows.append((f"input alone on {n} core(s)", failure(run)))
+            continue
+        for name, (images_per_sec, cpu_us) in json.loads(line.removeprefix("streams: ")).items():
+            rows.append((f"input alone on {n} core(s): {name}", f"{images_per_sec:,} ({cpu_us} us CPU/image)"))
+    return rows
+
+
 def device_name() -> str:
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -348,7 +373,8 @@ def allocator() -> str:
     return of_environment(with_tcmalloc(os.environ) or os.environ)
 
 
-ROWS = ("keras", "syn", "split", "demo", "nojit", "fp16", "files", "shards", "small", "benchmark", "decode", "decoders")
+ROWS = ("keras", "syn", "split", "demo", "nojit", "fp16", "files", "shards", "small", "benchmark", "decode", "decoders",
+        "scaling")
 
 
 def main() -> None:
@@ -427,6 +453,7 @@ def main() -> None:
             "benchmark": lambda: benchmark_rows(args, os.path.join(work, "bench"), data("shards")),
             "decode": lambda: [("full JPEG decode alone, same files", full_decode_rate(data("files"), args.batch))],
             "decoders": lambda: decoder_rows(args, work, data("shards"), len(data("files"))),
+            "scaling": lambda: scaling_rows(args, data("shards")[0].removeprefix("--data_dir=")),
         }
         if args.data_only:
             data("shards")

@@ -155,19 +155,29 @@ def crop_and_resize_alone(files: list[str], size: int, batch: int):
     return per_file(files, lambda data: random_crop(data, cfg), batch)
 
 
-def tfdp_train(data_format: str, directory: str, size: int, batch: int, cache_dir: str = "~/.cache/tfdp/remote",
-               **data):
+def tfdp_stream(data_format: str, directory: str, size: int, batch: int, cache_dir: str = "~/.cache/tfdp/remote",
+                **data):
+    """tfdp's training pipeline (`train_dataset`) as a run with these `data` settings builds it: under
+    `data.decoder: dali`, its checked batches of encoded images, before DALI."""
     from tfdp.config import DataConfig
     from tfdp.data import build_source
     from tfdp.data.pipeline import Bookkeeping, train_dataset
     cfg = DataConfig(format=data_format, dir=directory, image_size=size, shuffle_buffer=1024, cache_dir=cache_dir,
                      **data)
-    stream = lambda: train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0,  # noqa: E731
-                                   books=Bookkeeping(num_classes=1000))
-    if cfg.decoder != "dali":
+    return train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0, books=Bookkeeping(num_classes=1000))
+
+
+def tfdp_train(data_format: str, directory: str, size: int, batch: int, cache_dir: str = "~/.cache/tfdp/remote",
+               **data):
+    """tfdp's training input: the pipeline, and under `data.decoder: dali` its batches decoded by DALI on this
+    process's CPU."""
+    from tfdp.config import DataConfig
+    stream = lambda: tfdp_stream(data_format, directory, size, batch, cache_dir, **data)  # noqa: E731
+    if data.get("decoder", "tf") != "dali":
         return stream()
-    from tfdp.data import dali   # the stream's checked bytes, decoded by DALI on this process's CPU
-    return dali.replica_pipeline(dali.Dealer(stream, 1).batches(0), cfg, batch, "/device:CPU:0", seed=0)
+    from tfdp.data import dali
+    return dali.replica_pipeline(dali.Dealer(stream, 1).batches(0), DataConfig(image_size=size, **data), batch,
+                                 "/device:CPU:0", seed=0)
 
 
 def dali_feed_alone(data_format: str, directory: str, size: int, batch: int):
@@ -175,12 +185,8 @@ def dali_feed_alone(data_format: str, directory: str, size: int, batch: int):
     replica, packed (`dali.pack_batch`), cut into images by the replica's input; nothing decoded. The host work
     the DALI path adds before DALI, on a GPU as here."""
     import tensorflow as tf
-    from tfdp.config import DataConfig
-    from tfdp.data import build_source, dali
-    from tfdp.data.pipeline import Bookkeeping, train_dataset
-    cfg = DataConfig(format=data_format, dir=directory, image_size=size, shuffle_buffer=1024, decoder="dali")
-    stream = lambda: train_dataset(build_source(cfg).split("train"), cfg, batch, seed=0,  # noqa: E731
-                                   books=Bookkeeping(num_classes=1000))
+    from tfdp.data import dali
+    stream = lambda: tfdp_stream(data_format, directory, size, batch, decoder="dali")  # noqa: E731
     with tf.device("/cpu:0"):
         packed = tf.data.Dataset.from_generator(dali.Dealer(stream, 1).batches(0), output_signature=(
             tf.TensorSpec([None], tf.uint8), tf.TensorSpec([batch], tf.int64))).map(tf.RaggedTensor.from_row_lengths)
@@ -274,6 +280,34 @@ class Baseline:
         self.child.wait()
 
 
+STREAMS = {   # --streams' pipelines on shards: (data.decoder, data.cache)
+    "dali stream, from the shards": ("dali", False),
+    "dali stream, records in memory": ("dali", True),
+    "tf train pipeline, from the shards": ("tf", False),
+}
+
+
+def stream_rates(shards: str, args) -> None:
+    """--streams: each of STREAMS on the shards, on the cores this process may use (its parent pins it), as one
+    JSON line {name: [images/s, CPU us/image]}. The dali stream is what the DALI path's replicas are fed from
+    (checked encoded batches, nothing decoded); with the records in memory (`data.cache`, after one pass that
+    fills it) it reads no file and checks no CRC, so it is the stream's own work between the reads. Beside the
+    tf pipeline, where the host's time goes as cores are added."""
+    out = {}
+    for name, (decoder, cache) in STREAMS.items():
+        ds = tfdp_stream("tfrecord", shards, args.size, args.batch, decoder=decoder, cache=cache)
+        if cache:   # one whole pass fills the cache: later batches come from memory
+            iterator = iter(ds)
+            from tfdp.data import build_source
+            from tfdp.config import DataConfig
+            for _ in range(build_source(DataConfig(format="tfrecord", dir=shards)).split("train").num_examples
+                           // args.batch + 1):
+                next(iterator)
+            del iterator
+        out[name] = [round(v) for v in max(rate(ds, args.batch, args.batches) for _ in range(args.rounds))]
+    print("streams: " + json.dumps(out), flush=True)
+
+
 def serve(shards: str, args) -> None:
     """The --baseline child: one shard-pipeline measurement per line read from stdin."""
     ds = tfdp_train("tfrecord", shards, args.size, args.batch)
@@ -294,11 +328,14 @@ def main() -> None:
     parser.add_argument("--baseline", default="", help="also time the shard pipeline of this git revision")
     parser.add_argument("--decoders", action="store_true", help="only data.decoder's rows: tf and DALI (CPU)")
     parser.add_argument("--serve", default="", help=argparse.SUPPRESS)   # the --baseline child: shard folder
+    parser.add_argument("--streams", default="", help=argparse.SUPPRESS)   # benchmarks/gpu.py's scaling row: shards
     args = parser.parse_args()
     from tfdp.startup.allocator import preload_tcmalloc
     preload_tcmalloc()   # the allocator `tfdp` runs on (this process starts again with it, where installed)
     if args.serve:
         return serve(args.serve, args)
+    if args.streams:
+        return stream_rates(args.streams, args)
     if args.decoders:
         return decoder_rows(args)
     load_at_start = os.getloadavg()[0]   # before this script's own work (making the data) adds to it

@@ -9,7 +9,8 @@ W=/tmp/w; P=/tmp/p; S=/tmp/site; R=/tmp/repo
 mkdir -p $W $S $P
 exec >>$W/bg.log 2>&1
 N=${N:-23600}; E=${E:-4}
-ROWS=${ROWS:---rows=decoders --decoder=dali,tf}
+# The next lease's rows (#44): the input alone on 1/4/16 cores, then ResNet-18 with DALI's settings side by side
+ROWS=${ROWS:---rows=scaling,decoders --decoder_models=resnet18 --decoder=dali,dali:dali_hw_decoder_load=0.95,dali:dali_threads=16:dali_hw_decoder_load=0.95,tf}
 # from pack.sh's last lines
 TF_BYTES=646200924; TF_SHA=69291cfc70e1573dbd8f9922598e6532934f79b39bdfaa76fee9ae8ed3cdef5b
 DALI_SHA=87a61aebd5c0a0dcaf14e530f46d837af5e8410a4001f62e01d1d4b2f3b9727b; PIECES=15
