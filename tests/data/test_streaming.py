@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp.config import DataConfig
-from tfdp.data import streaming
+from tfdp.data import dali, streaming
 from tfdp.data.pipeline import Bookkeeping, eval_dataset, train_dataset
 from tfdp.data.layouts import Split
 from tfdp.data.layouts.tfrecord import IMAGENET_RECORDS, IMAGE_KEY, LABEL_KEY, LABEL_OFFSET
@@ -147,6 +147,25 @@ def test_a_stream_four_times_the_limit_stays_within_it_and_reads_what_a_full_cop
     assert sorted(streamed[:epoch]) == list(range(epoch))
     assert 0 < disk.peak <= limit and stream.high_water <= limit
     assert len(stream.fetched) >= EPOCHS * len(split.files) - len(split.files) // 2   # files fetched again
+
+
+@pytest.mark.skipif(bool(dali.available()), reason="NVIDIA DALI's TensorFlow plugin does not import here")
+def test_dali_decodes_a_stream_four_times_the_limit_in_a_full_copys_order(datasets, tmp_path):
+    """data.decoder: dali on shards in a bucket four times data.cache_limit: DALI (its CPU operators, one replica)
+    decodes what the bounded stream hands it, so its batches hold a whole copy's examples in the tf path's
+    order, and the cache stays within its limit."""
+    split, total = datasets["records"]
+    limit, batches = total // 4, EPOCHS * split.num_examples // BATCH
+    full = _labels(split, dataclasses.replace(_config(tmp_path / "full", "1GB"), deterministic=False), batches)
+    cfg = dataclasses.replace(_config(tmp_path / "bounded", limit), deterministic=False, decoder="dali")
+    stream = lambda: train_dataset(split, cfg, BATCH, seed=7, books=Bookkeeping())  # noqa: E731
+    decoded = dali.replica_pipeline(dali.Dealer(stream, 1).batches(0), cfg, BATCH, "/device:CPU:0", seed=0)
+    with DiskPeak(tmp_path / "bounded") as disk:
+        steps = list(decoded.take(batches).as_numpy_iterator())
+    labels = [int(v) for _, batch in steps for v in batch]
+    assert {images.shape for images, _ in steps} == {(BATCH, 8, 8, 3)}
+    assert labels == full and sorted(labels[:split.num_examples]) == list(range(split.num_examples))
+    assert 0 < disk.peak <= limit and _stream(cfg).high_water <= limit
 
 
 @pytest.mark.parametrize("kind", ["images", "records"])
