@@ -309,9 +309,9 @@ def pack_batch(encoded: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Ten
     A batch crosses to the replicas' inputs as these two arrays, not as one
     Python object per image, and each replica's input cuts its images out of
     the array in TensorFlow (`replica_pipeline`). The labels become 4-byte
-    strings laid between the images and the whole is joined once: the bytes
-    are copied twice, where a ragged concatenation cost 4x the CPU
-    (docs/benchmarks.md, DALI).
+    strings laid between the images and the whole is joined once; a ragged
+    concatenation, which copied the bytes element by element, cost about 4x
+    the CPU (docs/benchmarks.md, DALI).
     """
     one_byte = tf.constant([bytes([b]) for b in range(256)])   # byte value → that one-byte string
     label_bytes = tf.gather(one_byte, tf.cast(tf.bitcast(tf.cast(labels, tf.int32), tf.uint8), tf.int32))
