@@ -187,11 +187,7 @@ def dali_feed_alone(data_format: str, directory: str, size: int, batch: int):
     import tensorflow as tf
     from tfdp.data import dali
     stream = lambda: tfdp_stream(data_format, directory, size, batch, decoder="dali")  # noqa: E731
-    with tf.device("/cpu:0"):
-        packed = tf.data.Dataset.from_generator(dali.Dealer(stream, 1).batches(0), output_signature=(
-            tf.TensorSpec([None], tf.uint8), tf.TensorSpec([batch], tf.int64))).map(tf.RaggedTensor.from_row_lengths)
-        images = packed.unbatch().map(tf.convert_to_tensor)   # as `dali.replica_pipeline` hands them to DALI
-    return images.map(tf.size).batch(batch)
+    return dali.replica_input(dali.Dealer(stream, 1).batches(0), batch).map(tf.size).batch(batch)
 
 
 def dali_crop_and_resize_alone(files: list[str], size: int, batch: int):

@@ -37,7 +37,7 @@ from typing import Callable
 import tensorflow as tf
 
 from tfdp.config import DataConfig
-from tfdp.data.preprocess import ASPECT_RATIO_RANGE, train_transform
+from tfdp.data.preprocess import ASPECT_RATIO_RANGE, host_cores, train_transform
 from tfdp.errors import UserError
 
 INSTALL = ('pip install "tfdp[dali]" && pip install --no-build-isolation nvidia-dali-tf-plugin-cuda120==2.4.0')
@@ -262,12 +262,7 @@ def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: 
 
     spec = tf.DeviceSpec.from_string(device)
     on_gpu = (spec.device_type or "").upper() == "GPU"
-    with tf.device("/cpu:0"):
-        packed = tf.data.Dataset.from_generator(generator, output_signature=(
-            tf.TensorSpec([None], tf.uint8), tf.TensorSpec([batch], tf.int64))).map(tf.RaggedTensor.from_row_lengths)
-        # DALI takes one image at a time (they differ in length), as a tensor (a ragged row is one already, but
-        # its dataset says ragged, which the plugin cannot read)
-        packed = packed.unbatch().map(tf.convert_to_tensor)
+    packed = replica_input(generator, batch)
     threads = pipeline_threads(cfg, on_gpu, replicas)
     device_id = spec.device_index if on_gpu else None
 
@@ -292,13 +287,22 @@ def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: 
     return decoded.apply(tf.data.experimental.prefetch_to_device(device, 2))
 
 
+def replica_input(generator, batch: int) -> tf.data.Dataset:
+    """`generator`'s packed batches (`pack_batch`) cut into their images, on the host: what a replica's DALI
+    pipeline takes, one image at a time (they differ in length), each its label's 4 bytes and its encoded bytes,
+    as a tensor (a ragged row is one already, but its dataset says ragged, which DALI's plugin cannot read)."""
+    with tf.device("/cpu:0"):
+        packed = tf.data.Dataset.from_generator(generator, output_signature=(
+            tf.TensorSpec([None], tf.uint8), tf.TensorSpec([batch], tf.int64))).map(tf.RaggedTensor.from_row_lengths)
+        return packed.unbatch().map(tf.convert_to_tensor)
+
+
 def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:
     """A replica's DALI CPU threads: `data.dali_threads`, or (0) the host's cores shared among its `replicas`
     replicas, at most 8 for a GPU's (there they parse and feed the card's decoders, not decode)."""
     if cfg.dali_threads:
         return cfg.dali_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = max(1, cores // max(replicas, 1))
+    share = max(1, host_cores() // max(replicas, 1))
     return min(8, share) if on_gpu else share
 
 

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 import re
 import sys
 
@@ -31,7 +30,7 @@ from tfdp.config import DataConfig
 from tfdp.data import readers, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.dali import DECODERS, dali_stopped
-from tfdp.data.preprocess import eval_transform
+from tfdp.data.preprocess import eval_transform, host_cores
 from tfdp.data.layouts import Split
 from tfdp.errors import StorageLost, UserError
 from tfdp.config.image_sizes import eval_image_size
@@ -43,8 +42,7 @@ def decode_calls() -> int:
     """Decodes in flight. The map keeps element order (corrupt images are counted from gaps in it), so
     one slow image holds back finished ones; with AUTOTUNE's limit of one call per core a core then
     idles. Three per core keeps both busy (the gain is in docs/benchmarks.md, input pipeline)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return 3 * cores
+    return 3 * host_cores()
 
 
 class CorruptCounter:

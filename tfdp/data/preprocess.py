@@ -11,6 +11,7 @@ the model's first layers, so the host stays at JPEG-decode speed.
 from __future__ import annotations
 
 import functools
+import os
 
 import tensorflow as tf
 
@@ -18,6 +19,12 @@ from tfdp.config import DataConfig
 from tfdp.config.image_sizes import eval_image_size
 
 ASPECT_RATIO_RANGE = (3 / 4, 4 / 3)
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity, as a container's CPU set or `taskset` limits it), which
+    the per-image work is sized to: decodes in flight, DALI's threads."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def train_transform(cfg: DataConfig, seed: int):
