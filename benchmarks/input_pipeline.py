@@ -39,7 +39,7 @@ decoders of `data.decoder` on the host's CPU, side by side in the same rounds:
   crop + resize alone (DALI CPU)  the same bytes, read by tf.data, decoded, cropped and
                                   resized by DALI's CPU operators (`device_id=None`)
   tfdp stream (files), decoder dali, to DALI's input   the same stream as far as DALI: checked,
-                                  dealt, packed and cut into images again, nothing decoded
+                                  each batch one array (`dali.pad_batch`), nothing decoded
   tfdp train (files), decoder tf / dali (CPU)   tfdp's training pipeline on the files, its
                                   transform and batches as `data.decoder` makes them
                                   (tfdp.data.dali), on one CPU device
@@ -176,18 +176,16 @@ def tfdp_train(data_format: str, directory: str, size: int, batch: int, cache_di
     if data.get("decoder", "tf") != "dali":
         return stream()
     from tfdp.data import dali
-    return dali.replica_pipeline(dali.Dealer(stream, 1).batches(0), DataConfig(image_size=size, **data), batch,
-                                 "/device:CPU:0", seed=0)
+    return dali.replica_pipeline(dali.padded(stream()), DataConfig(image_size=size, **data), batch, "/device:CPU:0",
+                                 seed=0)
 
 
 def dali_feed_alone(data_format: str, directory: str, size: int, batch: int):
-    """tfdp's stream under `data.decoder: dali` as far as DALI's input: checked encoded batches, dealt to one
-    replica, packed (`dali.pack_batch`), cut into images by the replica's input; nothing decoded. The host work
-    the DALI path adds before DALI, on a GPU as here."""
-    import tensorflow as tf
+    """tfdp's stream under `data.decoder: dali` as far as DALI's input: checked encoded batches, each one array
+    (`dali.pad_batch`), as one replica's DALI pipeline reads them; nothing decoded. The host work the DALI path
+    does before DALI, on a GPU as here."""
     from tfdp.data import dali
-    stream = lambda: tfdp_stream(data_format, directory, size, batch, decoder="dali")  # noqa: E731
-    return dali.replica_input(dali.Dealer(stream, 1).batches(0), batch).map(tf.size).batch(batch)
+    return dali.padded(tfdp_stream(data_format, directory, size, batch, decoder="dali"))
 
 
 def dali_crop_and_resize_alone(files: list[str], size: int, batch: int):
@@ -197,10 +195,8 @@ def dali_crop_and_resize_alone(files: list[str], size: int, batch: int):
     from tfdp.data import dali
     paths = tf.data.Dataset.from_tensor_slices(files).repeat()
     encoded = paths.map(tf.io.read_file, num_parallel_calls=tf.data.AUTOTUNE).batch(batch, drop_remainder=True)
-    batches = encoded.map(lambda data: dali.pack_batch(data, tf.zeros([batch], tf.int32)))
-    iterator = iter(batches)
-    return dali.replica_pipeline(lambda: ((d.numpy(), l.numpy()) for d, l in iterator), DataConfig(image_size=size),
-                                 batch, "/device:CPU:0", seed=0)
+    batches = encoded.map(lambda data: (data, tf.zeros([batch], tf.int32)))
+    return dali.replica_pipeline(dali.padded(batches), DataConfig(image_size=size), batch, "/device:CPU:0", seed=0)
 
 
 def decoder_rows(args) -> None:
@@ -276,30 +272,62 @@ class Baseline:
         self.child.wait()
 
 
-STREAMS = {   # --streams' pipelines on shards: (data.decoder, data.cache)
-    "dali stream, from the shards": ("dali", False),
-    "dali stream, records in memory": ("dali", True),
-    "tf train pipeline, from the shards": ("tf", False),
+def records_alone(shards: str, batch: int, whole: bool):
+    """The shards' records as tfdp locates and reads them (`read_record` in one parallel, ordered map), batched,
+    nothing else; `whole`: each also parsed and checked as under data.decoder dali, in the same map. No
+    shuffle, no bookkeeping: the stream's parallel part, beside the stream itself."""
+    import tensorflow as tf
+    from tfdp.config import DataConfig
+    from tfdp.data import build_source, dali, readers
+    from tfdp.data.layouts.tfrecord import parse_record, read_record
+    cfg = DataConfig(format="tfrecord", dir=shards, decoder="dali")
+    share = build_source(cfg).split("train")
+    check = dali.encoded_transform(cfg, 0)
+
+    def one(path, offset):
+        record = read_record(path, offset)
+        return check(parse_record(record, share.records)[0], 0) if whole else tf.strings.length(record)
+    locations = readers.payloads(share, cfg, tf.distribute.InputContext(), False).repeat()
+    return locations.map(one, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(batch)
+
+
+def filled(ds, shards: str, batch: int):
+    """`ds` (a data.cache stream) after one whole pass, which fills its cache: later batches come from memory."""
+    from tfdp.config import DataConfig
+    from tfdp.data import build_source
+    iterator = iter(ds)
+    for _ in range(build_source(DataConfig(format="tfrecord", dir=shards)).split("train").num_examples // batch + 1):
+        next(iterator)
+    del iterator
+    return ds
+
+
+def dali_rows(shards: str, size: int, batch: int):
+    from tfdp.data import dali
+    return dali.padded(tfdp_stream("tfrecord", shards, size, batch, decoder="dali"))
+
+
+STREAMS = {   # --streams' pipelines on shards: (shards, size, batch) → dataset of batches
+    "records read alone": lambda d, size, b: records_alone(d, b, whole=False),
+    "records read, parsed, checked, batched": lambda d, size, b: records_alone(d, b, whole=True),
+    "dali stream, from the shards": lambda d, size, b: tfdp_stream("tfrecord", d, size, b, decoder="dali"),
+    "dali stream as DALI takes it (one array a batch)": dali_rows,
+    "dali stream, records in memory": lambda d, size, b: filled(
+        tfdp_stream("tfrecord", d, size, b, decoder="dali", cache=True), d, b),
+    "tf train pipeline, from the shards": lambda d, size, b: tfdp_stream("tfrecord", d, size, b),
 }
 
 
 def stream_rates(shards: str, args) -> None:
     """--streams: each of STREAMS on the shards, on the cores this process may use (its parent pins it), as one
     JSON line {name: [images/s, CPU us/image]}. The dali stream is what the DALI path's replicas are fed from
-    (checked encoded batches, nothing decoded); with the records in memory (`data.cache`, after one pass that
-    fills it) it reads no file and checks no CRC, so it is the stream's own work between the reads. Beside the
-    tf pipeline, where the host's time goes as cores are added."""
+    (checked encoded batches, nothing decoded); its parts without the shuffle and the bookkeeping (the reads
+    alone; the reads, parsing and checks) say what scales with the cores, and with the records in memory
+    (`data.cache`, after one pass that fills it) it reads no file and checks no CRC, so it is the stream's own
+    work between the reads. Beside the tf pipeline, where the host's time goes as cores are added."""
     out = {}
-    for name, (decoder, cache) in STREAMS.items():
-        ds = tfdp_stream("tfrecord", shards, args.size, args.batch, decoder=decoder, cache=cache)
-        if cache:   # one whole pass fills the cache: later batches come from memory
-            iterator = iter(ds)
-            from tfdp.data import build_source
-            from tfdp.config import DataConfig
-            for _ in range(build_source(DataConfig(format="tfrecord", dir=shards)).split("train").num_examples
-                           // args.batch + 1):
-                next(iterator)
-            del iterator
+    for name, stream in STREAMS.items():
+        ds = stream(shards, args.size, args.batch)
         out[name] = [round(v) for v in max(rate(ds, args.batch, args.batches) for _ in range(args.rounds))]
     print("streams: " + json.dumps(out), flush=True)
 

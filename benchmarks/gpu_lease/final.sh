@@ -4,5 +4,5 @@
 W=/tmp/w; deadline=$(( $(date +%s) + ${1:-300} ))
 while [ ! -f $W/bg.done ] && [ $(date +%s) -lt $deadline ]; do sleep 2; done
 tail -n 40 $W/bg.log
-cd $W && tar czf $OUT/results.tgz bg.log *.md dmon.log dec-*.log dec-*/metrics.jsonl 2>/dev/null; cp bg.log $OUT/
+cd $W && tar czf $OUT/results.tgz bg.log *.md dmon.log dec-*.log dec-*/metrics.jsonl demo-dali.log 2>/dev/null; cp bg.log $OUT/
 ls -la $OUT

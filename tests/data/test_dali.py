@@ -61,9 +61,9 @@ def id_tree(tmp_path_factory) -> str:
     return str(root)
 
 
-def replica_batches(split, cfg: DataConfig, start: tuple[int, int], steps: int):
+def replica_batches(split, cfg: DataConfig, start: tuple[int, int], steps: int, replicas: int = 2):
     """`steps` steps of (ids, labels) per replica, the corrupt count and the stream position after each step."""
-    strategy = tf.distribute.MirroredStrategy(CPU_DEVICES)
+    strategy = tf.distribute.MirroredStrategy(CPU_DEVICES[:replicas])
     position, corrupt = StreamPosition(), CorruptCounter()
 
     def worker(ctx):
@@ -75,21 +75,22 @@ def replica_batches(split, cfg: DataConfig, start: tuple[int, int], steps: int):
     for step in range(steps):
         images, labels = (strategy.experimental_local_results(t) for t in next(iterator))
         steps_seen.append([(image_ids(i.numpy()), l.numpy().tolist()) for i, l in zip(images, labels)])
-        positions.append(position.after(2 * (step + 1)))
+        positions.append(position.after(replicas * (step + 1)))
     del iterator
     return steps_seen, corrupt.value(), positions
 
 
-@pytest.mark.parametrize("repeated", [1, 2])
-def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_position(id_tree, repeated):
+@pytest.mark.parametrize("replicas, repeated", [(2, 1), (2, 2), (1, 1)])
+def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_position(id_tree, replicas, repeated):
+    """Two replicas are dealt the stream's batches (`dali.Dealer`); one reads the stream itself."""
     cfg = DataConfig(format="image_folder", dir=id_tree, image_size=8, shuffle_buffer=16, max_bad_fraction=0.2,
                      repeated_augmentation=repeated)
     split = build_source(cfg).split("train")
     LOG.clear()
-    tf_steps, tf_bad, tf_positions = replica_batches(split, cfg, (0, 0), 8)
+    tf_steps, tf_bad, tf_positions = replica_batches(split, cfg, (0, 0), 8, replicas)
     LOG.clear()
     dali_cfg = dataclasses.replace(cfg, decoder="dali")
-    dali_steps, dali_bad, dali_positions = replica_batches(split, dali_cfg, (0, 0), 8)
+    dali_steps, dali_bad, dali_positions = replica_batches(split, dali_cfg, (0, 0), 8, replicas)
 
     assert dali_steps == tf_steps  # per step, per replica: the same files, labels and order
     assert all(ids and all(i % CLASSES == label for i, label in zip(ids, labels))
@@ -105,7 +106,7 @@ def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_po
         assert dali_positions[-1][1] >= 1 and "Invalid JPEG data" in LOG.entries[broken[0]]
 
     # A stream started at a checkpoint's position goes on with the uninterrupted stream's examples.
-    resumed, _, _ = replica_batches(split, dali_cfg, dali_positions[2], 3)
+    resumed, _, _ = replica_batches(split, dali_cfg, dali_positions[2], 3, replicas)
     assert resumed == dali_steps[3:6]
 
 
@@ -203,9 +204,7 @@ def test_an_image_dali_stops_on_is_one_line_naming_the_tf_decoder(id_tree):
     broken = next(p for p in files if p.endswith(f"{BROKEN:04d}.jpg"))
     with tf.device("/cpu:0"):
         batches = tf.data.Dataset.from_tensors((tf.stack([tf.io.read_file(broken)] * 2), tf.zeros([2], tf.int32)))
-    iterator = iter(batches.map(dali.pack_batch))
-    ds = dali.replica_pipeline(lambda: ((v.numpy(), n.numpy()) for v, n in iterator), DataConfig(image_size=8), 2,
-                               "/device:CPU:0", seed=0)
+    ds = dali.replica_pipeline(dali.padded(batches), DataConfig(image_size=8), 2, "/device:CPU:0", seed=0)
     with pytest.raises(tf.errors.OpError) as raised:
         next(iter(ds))
     line = dali.dali_stopped(raised.value.message)

@@ -159,7 +159,7 @@ def test_dali_decodes_a_stream_four_times_the_limit_in_a_full_copys_order(datase
     full = _labels(split, dataclasses.replace(_config(tmp_path / "full", "1GB"), deterministic=False), batches)
     cfg = dataclasses.replace(_config(tmp_path / "bounded", limit), deterministic=False, decoder="dali")
     stream = lambda: train_dataset(split, cfg, BATCH, seed=7, books=Bookkeeping())  # noqa: E731
-    decoded = dali.replica_pipeline(dali.Dealer(stream, 1).batches(0), cfg, BATCH, "/device:CPU:0", seed=0)
+    decoded = dali.replica_pipeline(dali.padded(stream()), cfg, BATCH, "/device:CPU:0", seed=0)
     with DiskPeak(tmp_path / "bounded") as disk:
         steps = list(decoded.take(batches).as_numpy_iterator())
     labels = [int(v) for _, batch in steps for v in batch]

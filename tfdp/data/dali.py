@@ -8,16 +8,16 @@ position recorded. Only the per-image work moves: on the tf path the stream's
 transform decodes and crops (`tfdp.data.preprocess.train_transform`); with
 DALI it only checks that the bytes will decode (`encoded_transform`), so a
 per-replica batch leaves the stream as encoded bytes and labels, already
-counted. `distribute` deals each worker's batches to its replicas in the
-order the tf path's per-worker dataset gives them (batch k to local replica
-k mod n), each packed into one array (`pack_batch`), and feeds each
-replica's batches, one image at a time, to a DALI pipeline for that
-replica's device (`DALIDatasetWithInputs`: decode with the random-resized
-crop, resize; "mixed" on the replica's GPU, its CPU operators with
-`device_id=None`), whose batches TensorFlow prefetches to the replica's
-device. DALI never reads a shard or a file itself, so it needs
-no index files, and the flip, normalisation and batch augmentations still
-run on the device as the model's first layers.
+counted. Each batch becomes one dense array (`pad_batch`), and `distribute`
+hands each worker's arrays to its replicas in the order the tf path's
+per-worker dataset gives them (batch k to local replica k mod n; one replica
+takes the stream itself), each replica's to a DALI pipeline for that
+replica's device, a batch at a time (`DALIDatasetWithInputs`: cut the images
+out, decode with the random-resized crop, resize; "mixed" on the replica's
+GPU, its CPU operators with `device_id=None`), whose batches TensorFlow
+prefetches to the replica's device. DALI never reads a shard or a file
+itself, so it needs no index files, and the flip, normalisation and batch
+augmentations still run on the device as the model's first layers.
 
 What is not the tf path's: DALI draws its own crop windows (so
 `data.deterministic` refuses it) and it stops on an image it cannot decode
@@ -41,7 +41,7 @@ from tfdp.data.preprocess import ASPECT_RATIO_RANGE, host_cores, train_transform
 from tfdp.errors import UserError
 
 INSTALL = ('pip install "tfdp[dali]" && pip install --no-build-isolation nvidia-dali-tf-plugin-cuda120==2.4.0')
-LABEL_BYTES = 4   # each image travels to DALI as its int32 label's bytes, then its encoded bytes
+HEADER = 8   # a row of a batch's array (`pad_batch`): the int32 label, the int32 length, then the encoded bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +142,7 @@ DECODERS.update(tf=_TF, auto=_TF, dali=Decoder(encoded_transform, dealt=True))
 
 class Dealer:
     """One worker's stream of per-replica batches dealt to its `n` local replicas: batch k to replica k mod n,
-    as `distribute_datasets_from_function` deals a per-worker dataset's elements, each packed (`pack_batch`).
+    as `distribute_datasets_from_function` deals a per-worker dataset's elements, each one array (`pad_batch`).
 
     Each replica's DALI input asks for its own next batch; the stream is read
     once, and a batch read for another replica waits in that replica's queue
@@ -158,6 +158,12 @@ class Dealer:
         self._calls = [0] * n
         self._rounds: dict[int, _Round] = {}
 
+    def rows(self, replica: int, batch: int) -> tf.data.Dataset:
+        """`replica`'s batches, each a [batch, width] array (`pad_batch`), as a dataset on the host."""
+        with tf.device("/cpu:0"):
+            return tf.data.Dataset.from_generator(self.batches(replica),
+                                                  output_signature=tf.TensorSpec([batch, None], tf.uint8))
+
     def batches(self, replica: int):
         """The generator function of `replica`'s batches (for `Dataset.from_generator`)."""
         def generator():
@@ -165,9 +171,8 @@ class Dealer:
                 number = self._calls[replica]
                 self._calls[replica] += 1
                 if number not in self._rounds:
-                    with tf.device("/cpu:0"):
-                        packed = self.make().map(pack_batch, num_parallel_calls=tf.data.AUTOTUNE)
-                        self._rounds[number] = _Round(iter(packed), [collections.deque() for _ in range(self.n)])
+                    rows = iter(padded(self.make()))
+                    self._rounds[number] = _Round(rows, [collections.deque() for _ in range(self.n)])
                     for old in [g for g in self._rounds if g < min(self._calls) - 1]:
                         del self._rounds[old]
                 this = self._rounds[number]
@@ -193,7 +198,7 @@ class _Round:
                     element = next(self.iterator)
                 except StopIteration:
                     return None
-                self.queues[self.taken % n].append(tuple(t.numpy() for t in element))
+                self.queues[self.taken % n].append(element.numpy())
                 self.taken += 1
             return self.queues[replica].popleft()
 
@@ -228,8 +233,14 @@ def input_options() -> tf.distribute.InputOptions:
 def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig, global_batch: int,
                num_workers: int, worker_index: int, seed: int):
     """The distributed training dataset: this worker's stream (`worker_dataset(input_context)`, the tf path's
-    per-worker dataset of checked batches of encoded bytes), each batch packed into one array (`pack_batch`),
-    decoded by one DALI pipeline per local replica."""
+    per-worker dataset of checked batches of encoded bytes), each batch one array (`pad_batch`), decoded by one
+    DALI pipeline per local replica.
+
+    With one local replica its DALI pipeline reads the stream itself; with
+    more, a `Dealer` reads it once and deals its batches through Python,
+    which costs a copy of each batch (a generator's output is copied into a
+    tensor) but none of it per image.
+    """
     replicas = strategy.num_replicas_in_sync
     local = replicas // num_workers
     worker_ctx = tf.distribute.InputContext(num_input_pipelines=num_workers, input_pipeline_id=worker_index,
@@ -240,15 +251,17 @@ def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: 
 
     def replica_dataset(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         replica = ctx.input_pipeline_id % local
-        return replica_pipeline(dealer.batches(replica), cfg, batch, devices[replica],
+        rows = padded(worker_dataset(worker_ctx)) if local == 1 else dealer.rows(replica, batch)
+        return replica_pipeline(rows, cfg, batch, devices[replica],
                                 seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local)
     return strategy.distribute_datasets_from_function(replica_dataset, options=input_options())
 
 
-def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: int,
+def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device: str, seed: int,
                      replicas: int = 1) -> tf.data.Dataset:
-    """One replica's DALI dataset: `generator`'s packed batches (`pack_batch`), each image decoded, cropped and
-    resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU: DALI's CPU operators).
+    """One replica's DALI dataset: the batches of `rows` (a host dataset of `pad_batch` arrays), each image cut
+    out of its row, decoded, cropped and resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU:
+    DALI's CPU operators).
 
     The DALI dataset lives on the host: on a GPU, DALI copies each finished batch back to it (uint8 pixels,
     150 KB a 224 px image) and TensorFlow prefetches it to the replica's card, as the last stage of the
@@ -262,17 +275,17 @@ def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: 
 
     spec = tf.DeviceSpec.from_string(device)
     on_gpu = (spec.device_type or "").upper() == "GPU"
-    packed = replica_input(generator, batch)
     threads = pipeline_threads(cfg, on_gpu, replicas)
     device_id = spec.device_index if on_gpu else None
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, seed=seed, prefetch_queue_depth=2,
                   exec_dynamic=True)   # the dynamic executor: a GPU batch copied back to the host (`.cpu()`)
     def decode():
-        element = fn.external_source(name="packed", dtype=types.UINT8, ndim=1)
-        label = fn.reinterpret(element[0:LABEL_BYTES], dtype=types.INT32, shape=[1])
+        row = fn.external_source(name="rows", dtype=types.UINT8, ndim=1, batch=True)
+        label = fn.reinterpret(row[0:4], dtype=types.INT32, shape=[1])
+        length = fn.reinterpret(row[4:HEADER], dtype=types.INT32, shape=[])
         image = fn.decoders.image_random_crop(
-            element[LABEL_BYTES:], device="mixed" if on_gpu else "cpu", output_type=types.RGB,
+            row[HEADER:HEADER + length], device="mixed" if on_gpu else "cpu", output_type=types.RGB,
             random_area=[cfg.min_crop_area, cfg.max_crop_area], random_aspect_ratio=list(ASPECT_RATIO_RANGE),
             num_attempts=10, **({"hw_decoder_load": cfg.dali_hw_decoder_load} if on_gpu else {}))
         image = fn.resize(image, resize_x=cfg.image_size, resize_y=cfg.image_size, interp_type=types.INTERP_LINEAR,
@@ -281,20 +294,10 @@ def replica_pipeline(generator, cfg: DataConfig, batch: int, device: str, seed: 
 
     with tf.device("/cpu:0"):
         decoded = dali_tf.experimental.DALIDatasetWithInputs(
-            pipeline=decode(), input_datasets={"packed": packed}, batch_size=batch, num_threads=threads,
-            device_id=device_id, output_dtypes=(tf.uint8, tf.int32),
+            pipeline=decode(), input_datasets={"rows": dali_tf.experimental.Input(rows, batch=True)},
+            batch_size=batch, num_threads=threads, device_id=device_id, output_dtypes=(tf.uint8, tf.int32),
             output_shapes=((batch, cfg.image_size, cfg.image_size, 3), (batch,)))
     return decoded.apply(tf.data.experimental.prefetch_to_device(device, 2))
-
-
-def replica_input(generator, batch: int) -> tf.data.Dataset:
-    """`generator`'s packed batches (`pack_batch`) cut into their images, on the host: what a replica's DALI
-    pipeline takes, one image at a time (they differ in length), each its label's 4 bytes and its encoded bytes,
-    as a tensor (a ragged row is one already, but its dataset says ragged, which DALI's plugin cannot read)."""
-    with tf.device("/cpu:0"):
-        packed = tf.data.Dataset.from_generator(generator, output_signature=(
-            tf.TensorSpec([None], tf.uint8), tf.TensorSpec([batch], tf.int64))).map(tf.RaggedTensor.from_row_lengths)
-        return packed.unbatch().map(tf.convert_to_tensor)
 
 
 def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:
@@ -306,21 +309,32 @@ def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:
     return min(8, share) if on_gpu else share
 
 
-def pack_batch(encoded: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """A batch of encoded images and labels as one array: each image is its int32 label's 4 bytes, then its
-    encoded bytes, one after the other (uint8 [4 x batch + bytes]), and their lengths (int64 [batch]).
+def padded(stream: tf.data.Dataset) -> tf.data.Dataset:
+    """A worker's stream of checked (encoded images, labels) batches as DALI takes them (`pad_batch`), on the host."""
+    with tf.device("/cpu:0"):
+        return stream.map(pad_batch, num_parallel_calls=tf.data.AUTOTUNE)
 
-    A batch crosses to the replicas' inputs as these two arrays, not as one
-    Python object per image, and each replica's input cuts its images out of
-    the array in TensorFlow (`replica_pipeline`). The labels become 4-byte
-    strings laid between the images and the whole is joined once; a ragged
-    concatenation, which copied the bytes element by element, cost about 4x
-    the CPU (docs/benchmarks.md, DALI).
+
+def pad_batch(encoded: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    """A batch of encoded images and their labels as one uint8 array [batch, HEADER + the longest image]: row i
+    holds label i and image i's length in bytes (int32 each, the host's byte order), then the image's bytes,
+    then zeros.
+
+    DALI's plugin takes a batch whole only as one dense array (its batch
+    mode), and a batch taken whole crosses to DALI in one step: the images
+    are cut out of their rows inside DALI, on its threads. Taken image by
+    image, each image was one more tf.data element on its way (cut out,
+    converted, fetched by DALI in series), each hop a copy of its bytes on
+    a single thread (docs/benchmarks.md, DALI). The padding costs memory,
+    not copies: the rows are written once.
     """
-    one_byte = tf.constant([bytes([b]) for b in range(256)])   # byte value → that one-byte string
-    label_bytes = tf.gather(one_byte, tf.cast(tf.bitcast(tf.cast(labels, tf.int32), tf.uint8), tf.int32))
-    prefixes = tf.strings.reduce_join(label_bytes, axis=1)
-    joined = tf.strings.reduce_join(tf.reshape(tf.stack([prefixes, encoded], axis=1), [-1]))
-    lengths = tf.cast(tf.strings.length(encoded), tf.int64) + LABEL_BYTES
-    return tf.io.decode_raw(joined, tf.uint8), lengths
+    lengths = tf.strings.length(encoded)
+    rows = tf.strings.join([_int32_bytes(labels), _int32_bytes(lengths), encoded])
+    return tf.io.decode_raw(rows, tf.uint8, fixed_length=HEADER + tf.reduce_max(lengths))
 
+
+def _int32_bytes(values: tf.Tensor) -> tf.Tensor:
+    """Each value as the 4-byte string of its int32."""
+    one_byte = tf.constant([bytes([b]) for b in range(256)])   # byte value → that one-byte string
+    return tf.strings.reduce_join(tf.gather(one_byte, tf.cast(tf.bitcast(tf.cast(values, tf.int32), tf.uint8),
+                                                              tf.int32)), axis=1)
