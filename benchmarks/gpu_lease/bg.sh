@@ -2,16 +2,19 @@
 # A short GPU lease, step 2 (on the GPU host, from the repo root): started by the first device call with
 #   mkdir -p /tmp/p && mv .gpu/p?? /tmp/p/ && (setsid nohup bash benchmarks/gpu_lease/bg.sh >/dev/null 2>&1 </dev/null &)
 # then every further call only moves its piece in (`mv .gpu/p?? /tmp/p/; tail -n 2 /tmp/w/bg.log`), and the last
-# one runs final.sh. Beside the transfers this writes the JPEGs, unpacks TensorFlow once its pieces are in, then
+# one runs final.sh; between them, calls that sleep and tail the log keep the machine (idle, it goes back in 30 s).
+# A call carries the working tree and one 60 MiB piece within 64 MiB: move tests/fixtures (19 MB) out meanwhile.
+# Beside the transfers this writes the JPEGs, unpacks TensorFlow once its pieces are in, then
 # DALI, makes the shards and runs benchmarks/gpu.py's decoders rows ($ROWS). Progress: /tmp/w/bg.log.
-# On 2026-11-28 (one H200): 15 pieces in 98 s of lease, JPEGs 16 s, shards 55 s, six rows 7.3 min.
+# On 2026-11-28 (one H200): 15 pieces in 98 s of lease, JPEGs 16 s, shards 55 s, six rows 7.3 min; the second
+# lease: pieces in 120 s, JPEGs 21 s, shards 76 s, the scaling row and five ResNet-18 rows 7.5 min.
 W=/tmp/w; P=/tmp/p; S=/tmp/site; R=/tmp/repo
 mkdir -p $W $S $P
 exec >>$W/bg.log 2>&1
 N=${N:-23600}; E=${E:-4}
-# The next lease's rows (#44): the input alone on 1/4/16 cores, then ResNet-18 with DALI's settings side by side,
-# and with the records in memory (data.cache: no reads), then tf
-ROWS=${ROWS:---rows=scaling,decoders --decoder_models=resnet18 --decoder=dali,dali:dali_threads=16:dali_hw_decoder_load=0.95,dali:cache=true:dali_threads=16:dali_hw_decoder_load=0.95,tf}
+# The next lease's rows (#44): DALI's load and thread count side by side (the second lease compared 0.65 and 0.95
+# in separate runs, and tried only 16 threads beside 8), ResNet-50 too, then tf
+ROWS=${ROWS:---rows=decoders --decoder_models=resnet18,resnet50 --decoder=dali,dali:dali_hw_decoder_load=0.65,dali:dali_threads=4,tf}
 # from pack.sh's last lines
 TF_BYTES=646207044; TF_SHA=21311c7cef244cb0e57164c49559401215c75df43df3c075b7a57e5035ea80a0
 DALI_SHA=a2a1e75e66dee28539fa5f1aee9863d14feb1a91056e1af982853b4ccf886332; PIECES=15

@@ -98,7 +98,9 @@ class DataConfig:
     dali_threads: NonNegInt = 0
     # data.decoder dali on a GPU: the share of the JPEGs sent to the card's hardware JPEG decoders (A100, H100 and
     # later), the rest decoded on its CUDA cores after a Huffman pass on the host's CPUs (DALI's hw_decoder_load).
-    dali_hw_decoder_load: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.65
+    # 0.95, not DALI's 0.65: on one H200 ResNet-18 trained at 8,099 images/s against 7,132, with less host CPU
+    # (docs/benchmarks.md); a card with slower engines (A100, not measured) may want DALI's 0.65.
+    dali_hw_decoder_load: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.95
     # Repeated augmentation (DeiT's RASampler, torchvision's --ra-reps): every data epoch shows 1/k of
     # the images k times each, each copy cropped and augmented on its own, the copies of one image dealt
     # to different replicas of a step; an epoch keeps its length. 1: off.
