@@ -14,6 +14,8 @@ process), on the same model, per-device batch and precision:
   full JPEG decode     tf.io.decode_jpeg of the whole image, every core, as fast as tf.data goes
   scaling              the input alone, GPU hidden, on 1, 4, 16, ... cores: the stream DALI is fed from, from
                        the shards and from memory (data.cache), beside the tf training pipeline
+  dali_alone           each dali entry of --decoder as DALI alone on the GPU, its input batches held in memory:
+                       images/s and host CPU per image, by thread (DALI's own cost, apart from the stream)
   decoders             `tfdp train` per model of --decoder_models (ResNet-50 and ResNet-18 by default),
                        synthetic and on the full-size shards with each `data.decoder` of --decoder
                        (tf: the host's CPUs decode; dali: DALI on the GPU): images/s, its ratio to the
@@ -38,6 +40,8 @@ wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
   python benchmarks/gpu.py --rows=decoders --decoder_models=resnet18 \
       --decoder=dali,dali:dali_threads=16,dali:dali_hw_decoder_load=0.95   # DALI's settings side by side
   python benchmarks/gpu.py --rows=scaling        # the input alone on 1, 4, 16, ... cores (GPU hidden)
+  python benchmarks/gpu.py --rows=dali_alone --decoder=dali:dali_threads=4,dali:dali_hw_decoder_load=0.65
+                                                 # DALI alone with each setting, its input in memory
 
 The real data (--images JPEGs and their shards) is made once per run, on first use: the JPEGs by one
 process per core, the shards converted with the GPU hidden (benchmarks/input_pipeline.py, make_data).
@@ -358,6 +362,35 @@ def scaling_rows(args, shards: str) -> list[tuple[str, str]]:
     return rows
 
 
+def dali_alone_rows(args, shards: str) -> list[tuple[str, str]]:
+    """Each dali entry of --decoder as DALI alone, on the GPU, fed from memory (benchmarks/input_pipeline.py
+    --dali_alone), each in its own process: its images/s and host CPU per image, by thread. What DALI's own
+    threads cost apart from tfdp's stream and from training."""
+    rows = []
+    for entry in [d for d in args.decoder.split(",") if d.split(":")[0] == "dali"]:
+        settings = ":".join(entry.split(":")[1:])
+        command = [sys.executable, os.path.join(REPO, "benchmarks", "input_pipeline.py"), f"--dali_alone={shards}",
+                   f"--dali_settings={settings}", f"--size={args.size}", f"--batch={args.batch}", "--batches=20",
+                   "--rounds=2"]
+        with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            sampled = {}
+            sampler = threading.Thread(target=sample_threads, args=(proc, sampled), daemon=True)
+            sampler.start()
+            stdout, stderr = proc.communicate(timeout=1800)
+            sampler.join()
+        name = f"DALI alone, rows in memory, {settings or 'defaults'}"
+        line = next((x for x in stdout.splitlines() if x.startswith("dali_alone: ")), "")
+        if not line:
+            rows.append((name, failure(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr))))
+            continue
+        images_per_sec, cpu_us = json.loads(line.removeprefix("dali_alone: "))
+        busiest = list(thread_cpu(sampled, proc.pid).items())[:5]
+        rows.append((name, f"{images_per_sec:,} ({cpu_us} us CPU/image over the timed batches); the whole "
+                           f"process's CPU s by thread, start-up included: " +
+                           ", ".join(f"{k} {v:.1f}" for k, v in busiest)))
+    return rows
+
+
 def device_name() -> str:
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -374,7 +407,7 @@ def allocator() -> str:
 
 
 ROWS = ("keras", "syn", "split", "demo", "nojit", "fp16", "files", "shards", "small", "benchmark", "decode", "decoders",
-        "scaling")
+        "scaling", "dali_alone")
 
 
 def main() -> None:
@@ -454,6 +487,7 @@ def main() -> None:
             "decode": lambda: [("full JPEG decode alone, same files", full_decode_rate(data("files"), args.batch))],
             "decoders": lambda: decoder_rows(args, work, data("shards"), len(data("files"))),
             "scaling": lambda: scaling_rows(args, data("shards")[0].removeprefix("--data_dir=")),
+            "dali_alone": lambda: dali_alone_rows(args, data("shards")[0].removeprefix("--data_dir=")),
         }
         if args.data_only:
             data("shards")

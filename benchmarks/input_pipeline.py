@@ -332,6 +332,28 @@ def stream_rates(shards: str, args) -> None:
     print("streams: " + json.dumps(out), flush=True)
 
 
+def dali_alone(shards: str, args) -> None:
+    """--dali_alone: one replica's DALI pipeline on this process's first GPU (else its CPU) with nothing before
+    it: --batches distinct batches of the shards' images, padded as the stream hands them to DALI
+    (`dali.pad_batch`), held in memory and repeated, each decoded, cropped and resized by DALI with the data
+    settings of --dali_settings ("dali_threads=4:dali_hw_decoder_load=0.65"). One JSON line [images/s, CPU
+    us/image]: what DALI itself costs the host per image, apart from tfdp's stream."""
+    import dataclasses
+    import tensorflow as tf
+    from tfdp.config import DataConfig
+    from tfdp.data import dali
+    settings = dict(kv.split("=") for kv in args.dali_settings.split(":") if kv)
+    fields = {f.name: f.type for f in dataclasses.fields(DataConfig)}
+    cfg = DataConfig(image_size=args.size, **{k: (float if "load" in k else int)(v) for k, v in settings.items()
+                                               if k in fields})
+    stream = tfdp_stream("tfrecord", shards, args.size, args.batch, decoder="dali")
+    rows = dali.padded(stream).take(args.batches).cache().repeat()
+    device = "/device:GPU:0" if tf.config.list_physical_devices("GPU") else "/device:CPU:0"
+    decoded = dali.replica_pipeline(rows, cfg, args.batch, device, seed=0)
+    print("dali_alone: " + json.dumps([round(v) for v in max(rate(decoded, args.batch, args.batches)
+                                                             for _ in range(args.rounds))]), flush=True)
+
+
 def serve(shards: str, args) -> None:
     """The --baseline child: one shard-pipeline measurement per line read from stdin."""
     ds = tfdp_train("tfrecord", shards, args.size, args.batch)
@@ -353,6 +375,8 @@ def main() -> None:
     parser.add_argument("--decoders", action="store_true", help="only data.decoder's rows: tf and DALI (CPU)")
     parser.add_argument("--serve", default="", help=argparse.SUPPRESS)   # the --baseline child: shard folder
     parser.add_argument("--streams", default="", help=argparse.SUPPRESS)   # benchmarks/gpu.py's scaling row: shards
+    parser.add_argument("--dali_alone", default="", help=argparse.SUPPRESS)   # gpu.py's dali_alone row: shards
+    parser.add_argument("--dali_settings", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from tfdp.startup.allocator import preload_tcmalloc
     preload_tcmalloc()   # the allocator `tfdp` runs on (this process starts again with it, where installed)
@@ -360,6 +384,8 @@ def main() -> None:
         return serve(args.serve, args)
     if args.streams:
         return stream_rates(args.streams, args)
+    if args.dali_alone:
+        return dali_alone(args.dali_alone, args)
     if args.decoders:
         return decoder_rows(args)
     load_at_start = os.getloadavg()[0]   # before this script's own work (making the data) adds to it

@@ -14,7 +14,8 @@ exec >>$W/bg.log 2>&1
 N=${N:-23600}; E=${E:-4}
 # The next lease's rows (#44): DALI's load and thread count side by side (the second lease compared 0.65 and 0.95
 # in separate runs, and tried only 16 threads beside 8), ResNet-50 too, then tf
-ROWS=${ROWS:---rows=decoders --decoder_models=resnet18,resnet50 --decoder=dali,dali:dali_hw_decoder_load=0.65,dali:dali_threads=4,tf}
+# (dali_alone first: DALI's own host cost per image with each setting, its input in memory)
+ROWS=${ROWS:---rows=dali_alone,decoders --decoder_models=resnet18,resnet50 --decoder=dali,dali:dali_hw_decoder_load=0.65,dali:dali_threads=4,tf}
 # from pack.sh's last lines
 TF_BYTES=646207044; TF_SHA=21311c7cef244cb0e57164c49559401215c75df43df3c075b7a57e5035ea80a0
 DALI_SHA=a2a1e75e66dee28539fa5f1aee9863d14feb1a91056e1af982853b4ccf886332; PIECES=15
