@@ -82,8 +82,13 @@ def tfdp(*args: str, split: int = 0, timeout: int = 3600, threads: dict | None =
     if threads is None:
         return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True,
                               timeout=timeout)
-    with subprocess.Popen([sys.executable, *command, *args], cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
+    return run_sampled([sys.executable, *command, *args], timeout, threads)
+
+
+def run_sampled(command: list[str], timeout: int, threads: dict) -> subprocess.CompletedProcess:
+    """`command` in its own process (from the repository root), `threads` filled with its CPU seconds by thread
+    name (`thread_cpu`)."""
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         sampled = {}
         sampler = threading.Thread(target=sample_threads, args=(proc, sampled), daemon=True)
         sampler.start()
@@ -372,19 +377,15 @@ def dali_alone_rows(args, shards: str) -> list[tuple[str, str]]:
         command = [sys.executable, os.path.join(REPO, "benchmarks", "input_pipeline.py"), f"--dali_alone={shards}",
                    f"--dali_settings={settings}", f"--size={args.size}", f"--batch={args.batch}", "--batches=20",
                    "--rounds=2"]
-        with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-            sampled = {}
-            sampler = threading.Thread(target=sample_threads, args=(proc, sampled), daemon=True)
-            sampler.start()
-            stdout, stderr = proc.communicate(timeout=1800)
-            sampler.join()
+        threads = {}
+        run = run_sampled(command, 1800, threads)
         name = f"DALI alone, rows in memory, {settings or 'defaults'}"
-        line = next((x for x in stdout.splitlines() if x.startswith("dali_alone: ")), "")
+        line = next((x for x in run.stdout.splitlines() if x.startswith("dali_alone: ")), "")
         if not line:
-            rows.append((name, failure(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr))))
+            rows.append((name, failure(run)))
             continue
         images_per_sec, cpu_us = json.loads(line.removeprefix("dali_alone: "))
-        busiest = list(thread_cpu(sampled, proc.pid).items())[:5]
+        busiest = list(threads.items())[:5]
         rows.append((name, f"{images_per_sec:,} ({cpu_us} us CPU/image over the timed batches); the whole "
                            f"process's CPU s by thread, start-up included: " +
                            ", ".join(f"{k} {v:.1f}" for k, v in busiest)))
