@@ -171,7 +171,8 @@ class Dealer:
                 number = self._calls[replica]
                 self._calls[replica] += 1
                 if number not in self._rounds:
-                    rows = iter(padded(self.make()))
+                    with tf.device("/cpu:0"):
+                        rows = iter(padded(self.make()))
                     self._rounds[number] = _Round(rows, [collections.deque() for _ in range(self.n)])
                     for old in [g for g in self._rounds if g < min(self._calls) - 1]:
                         del self._rounds[old]
@@ -251,7 +252,8 @@ def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: 
 
     def replica_dataset(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         replica = ctx.input_pipeline_id % local
-        rows = padded(worker_dataset(worker_ctx)) if local == 1 else dealer.rows(replica, batch)
+        with tf.device("/cpu:0"):   # the stream on the host, as the tf path's (this runs under the replica's device)
+            rows = padded(worker_dataset(worker_ctx)) if local == 1 else dealer.rows(replica, batch)
         return replica_pipeline(rows, cfg, batch, devices[replica],
                                 seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local)
     return strategy.distribute_datasets_from_function(replica_dataset, options=input_options())
