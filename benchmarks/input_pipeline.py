@@ -302,16 +302,11 @@ def filled(ds, shards: str, batch: int):
     return ds
 
 
-def dali_rows(shards: str, size: int, batch: int):
-    from tfdp.data import dali
-    return dali.padded(tfdp_stream("tfrecord", shards, size, batch, decoder="dali"))
-
-
 STREAMS = {   # --streams' pipelines on shards: (shards, size, batch) → dataset of batches
     "records read alone": lambda d, size, b: records_alone(d, b, whole=False),
     "records read, parsed, checked, batched": lambda d, size, b: records_alone(d, b, whole=True),
     "dali stream, from the shards": lambda d, size, b: tfdp_stream("tfrecord", d, size, b, decoder="dali"),
-    "dali stream as DALI takes it (one array a batch)": dali_rows,
+    "dali stream as DALI takes it (one array a batch)": lambda d, size, b: dali_feed_alone("tfrecord", d, size, b),
     "dali stream, records in memory": lambda d, size, b: filled(
         tfdp_stream("tfrecord", d, size, b, decoder="dali", cache=True), d, b),
     "tf train pipeline, from the shards": lambda d, size, b: tfdp_stream("tfrecord", d, size, b),
@@ -338,16 +333,13 @@ def dali_alone(shards: str, args) -> None:
     (`dali.pad_batch`), held in memory and repeated, each decoded, cropped and resized by DALI with the data
     settings of --dali_settings ("dali_threads=4:dali_hw_decoder_load=0.65"). One JSON line [images/s, CPU
     us/image]: what DALI itself costs the host per image, apart from tfdp's stream."""
-    import dataclasses
     import tensorflow as tf
+    import yaml
     from tfdp.config import DataConfig
     from tfdp.data import dali
     settings = dict(kv.split("=") for kv in args.dali_settings.split(":") if kv)
-    fields = {f.name: f.type for f in dataclasses.fields(DataConfig)}
-    cfg = DataConfig(image_size=args.size, **{k: (float if "load" in k else int)(v) for k, v in settings.items()
-                                               if k in fields})
-    stream = tfdp_stream("tfrecord", shards, args.size, args.batch, decoder="dali")
-    rows = dali.padded(stream).take(args.batches).cache().repeat()
+    cfg = DataConfig(image_size=args.size, **{k: yaml.safe_load(v) for k, v in settings.items()})
+    rows = dali_feed_alone("tfrecord", shards, args.size, args.batch).take(args.batches).cache().repeat()
     device = "/device:GPU:0" if tf.config.list_physical_devices("GPU") else "/device:CPU:0"
     decoded = dali.replica_pipeline(rows, cfg, args.batch, device, seed=0)
     print("dali_alone: " + json.dumps([round(v) for v in max(rate(decoded, args.batch, args.batches)
