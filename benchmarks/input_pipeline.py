@@ -50,6 +50,7 @@ decoders of `data.decoder` on the host's CPU, side by side in the same rounds:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -331,17 +332,21 @@ def dali_alone(shards: str, args) -> None:
     """--dali_alone: one replica's DALI pipeline on this process's first GPU (else its CPU) with nothing before
     it: --batches distinct batches of the shards' images, padded as the stream hands them to DALI
     (`dali.pad_batch`), held in memory and repeated, each decoded, cropped and resized by DALI with the data
-    settings of --dali_settings ("dali_threads=4:dali_hw_decoder_load=0.65"). One JSON line [images/s, CPU
+    settings of --dali_settings ("dali_threads=4:dali_hw_decoder_load=0.65"); a key there that is no data
+    setting is one of DALI's own decoder arguments, on a GPU ("preallocate_width_hint=5980": NVIDIA's ImageNet
+    pipelines preallocate the decoder's buffers for the largest image). One JSON line [images/s, CPU
     us/image]: what DALI itself costs the host per image, apart from tfdp's stream."""
     import tensorflow as tf
     import yaml
     from tfdp.config import DataConfig
     from tfdp.data import dali
-    settings = dict(kv.split("=") for kv in args.dali_settings.split(":") if kv)
-    cfg = DataConfig(image_size=args.size, **{k: yaml.safe_load(v) for k, v in settings.items()})
+    settings = {k: yaml.safe_load(v) for k, v in (kv.split("=") for kv in args.dali_settings.split(":") if kv)}
+    fields = {f.name for f in dataclasses.fields(DataConfig)}
+    cfg = DataConfig(image_size=args.size, **{k: v for k, v in settings.items() if k in fields})
     rows = dali_feed_alone("tfrecord", shards, args.size, args.batch).take(args.batches).cache().repeat()
     device = "/device:GPU:0" if tf.config.list_physical_devices("GPU") else "/device:CPU:0"
-    decoded = dali.replica_pipeline(rows, cfg, args.batch, device, seed=0)
+    decoded = dali.replica_pipeline(rows, cfg, args.batch, device, seed=0,
+                                    decoder_options={k: v for k, v in settings.items() if k not in fields})
     print("dali_alone: " + json.dumps([round(v) for v in max(rate(decoded, args.batch, args.batches)
                                                              for _ in range(args.rounds))]), flush=True)
 

@@ -12,10 +12,14 @@ W=/tmp/w; P=/tmp/p; S=/tmp/site; R=/tmp/repo
 mkdir -p $W $S $P
 exec >>$W/bg.log 2>&1
 N=${N:-23600}; E=${E:-4}
-# The next lease's rows (#44): DALI's load and thread count side by side (the second lease compared 0.65 and 0.95
-# in separate runs, and tried only 16 threads beside 8), ResNet-50 too, then tf
-# (dali_alone first: DALI's own host cost per image with each setting, its input in memory)
-ROWS=${ROWS:---rows=dali_alone,decoders --decoder_models=resnet18,resnet50 --decoder=dali,dali:dali_hw_decoder_load=0.65,dali:dali_threads=4,tf}
+# The next lease's rows (#44). First DALI alone, its input in memory: its own host cost per image with each
+# setting, and with NVIDIA's preallocation for ImageNet (its ResNet-50 pipelines: the HW decoder's buffers for
+# the largest image, then also nvJPEG's device and pinned pools), which tfdp does not set (DALI's CPU stage cost
+# 0.6 ms/image in the second lease, unexplained). Then training: DALI's load and thread count side by side (the
+# second lease compared 0.65 and 0.95 in separate runs, and tried only 16 threads beside 8), ResNet-50 too, and tf.
+PREALLOC=preallocate_width_hint=5980:preallocate_height_hint=6430
+ALONE=${ALONE:---rows=dali_alone --decoder=dali,dali:$PREALLOC,dali:$PREALLOC:device_memory_padding=211025920:host_memory_padding=140544512,dali:dali_hw_decoder_load=0.65,dali:dali_threads=4}
+ROWS=${ROWS:---rows=decoders --decoder_models=resnet18,resnet50 --decoder=dali,dali:dali_hw_decoder_load=0.65,dali:dali_threads=4,tf}
 # from pack.sh's last lines
 TF_BYTES=646207044; TF_SHA=21311c7cef244cb0e57164c49559401215c75df43df3c075b7a57e5035ea80a0
 DALI_SHA=a2a1e75e66dee28539fa5f1aee9863d14feb1a91056e1af982853b4ccf886332; PIECES=15
@@ -63,6 +67,8 @@ if ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc*.so.4 >/dev/null 2>&1 && [ -f $S/t
   export LD_PRELOAD=$S/tcmalloc/libtcmalloc_minimal.so.4   # the host has none: the one pack.sh brought
 fi
 log "rows start (LD_PRELOAD=${LD_PRELOAD:-none}; tfdp preloads a system TCMalloc itself)"
+python3 benchmarks/gpu.py --workdir=$W $ALONE --images=$N > $W/alone.md 2>&1
+cat $W/alone.md
 python3 benchmarks/gpu.py --workdir=$W $ROWS --images=$N --epochs=$E > $W/rows.md 2>&1
 cat $W/rows.md
 # tests/test_gpu.py's DALI test, its command as the test runs it (the host may have no pytest; the demo's digits

@@ -260,7 +260,7 @@ def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: 
 
 
 def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device: str, seed: int,
-                     replicas: int = 1) -> tf.data.Dataset:
+                     replicas: int = 1, decoder_options: dict | None = None) -> tf.data.Dataset:
     """One replica's DALI dataset: the batches of `rows` (a host dataset of `pad_batch` arrays), each image cut
     out of its row, decoded, cropped and resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU:
     DALI's CPU operators).
@@ -271,6 +271,10 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
     a dataset's elements to a device one call at a time (`copy_to_device`, about 2,000 elements/s here): one
     call per image would cap the input, one per decoded batch does not (docs/benchmarks.md, DALI). TensorFlow's
     own per-replica fetch (`InputOptions`) over a DALI dataset crashes when its iterator is deleted.
+
+    `decoder_options`: more of DALI's own decoder arguments, on a GPU only
+    (`benchmarks/input_pipeline.py --dali_alone` tries NVIDIA's buffer
+    preallocation for ImageNet with them).
     """
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin import tf as dali_tf
@@ -289,7 +293,8 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
         image = fn.decoders.image_random_crop(
             row[HEADER:HEADER + length], device="mixed" if on_gpu else "cpu", output_type=types.RGB,
             random_area=[cfg.min_crop_area, cfg.max_crop_area], random_aspect_ratio=list(ASPECT_RATIO_RANGE),
-            num_attempts=10, **({"hw_decoder_load": cfg.dali_hw_decoder_load} if on_gpu else {}))
+            num_attempts=10, **({"hw_decoder_load": cfg.dali_hw_decoder_load, **(decoder_options or {})}
+                                if on_gpu else {}))
         image = fn.resize(image, resize_x=cfg.image_size, resize_y=cfg.image_size, interp_type=types.INTERP_LINEAR,
                           antialias=False, dtype=types.UINT8)
         return (image.cpu() if on_gpu else image), label
