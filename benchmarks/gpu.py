@@ -123,6 +123,11 @@ def sample_threads(proc: subprocess.Popen, sampled: dict, every: float = 0.25) -
         time.sleep(every)
 
 
+def busiest(threads: dict[str, float], number: str, scale: float = 1.0) -> str:
+    """The five busiest thread names of `thread_cpu`'s answer (busiest first), each with its value x `scale`."""
+    return ", ".join(f"{name} {number.format(scale * value)}" for name, value in list(threads.items())[:5])
+
+
 def thread_cpu(sampled: dict, pid: int) -> dict[str, float]:
     """CPU seconds by thread name, numbers dropped (TensorFlow's and DALI's pools number their threads). The
     process's first thread is "main"; threads that kept its name (nobody named them: Eigen's and some of
@@ -250,8 +255,7 @@ class Timed:
             text += (f" ({self.rate / synthetic.rate:.2f}x synthetic; input "
                      f"{1e3 * (self.cpu_per_image - synthetic.cpu_per_image):.2f} ms/image above it)")
         if self.threads:   # where the host's time went: the busiest thread names, ms/image
-            text += "; by thread: " + ", ".join(f"{name} {1e3 * seconds:.2f}"
-                                                for name, seconds in list(self.threads.items())[:5])
+            text += "; by thread: " + busiest(self.threads, "{:.2f}", scale=1e3)
         return text
 
 
@@ -385,10 +389,8 @@ def dali_alone_rows(args, shards: str) -> list[tuple[str, str]]:
             rows.append((name, failure(run)))
             continue
         images_per_sec, cpu_us = json.loads(line.removeprefix("dali_alone: "))
-        busiest = list(threads.items())[:5]
         rows.append((name, f"{images_per_sec:,} ({cpu_us} us CPU/image over the timed batches); the whole "
-                           f"process's CPU s by thread, start-up included: " +
-                           ", ".join(f"{k} {v:.1f}" for k, v in busiest)))
+                           f"process's CPU s by thread, start-up included: " + busiest(threads, "{:.1f}")))
     return rows
 
 
@@ -468,6 +470,9 @@ def main() -> None:
                 real["small"] = [f"--data_dir={made['small']}", "--data_format=tfrecord", classes]
             return real[kind]
 
+        def shard_dir() -> str:
+            return data("shards")[0].removeprefix("--data_dir=")
+
         measure = {
             "keras": lambda: [("plain Keras fit, jit_compile=True, one device, synthetic",
                                plain_keras_rate(args, measured))],
@@ -487,8 +492,8 @@ def main() -> None:
             "benchmark": lambda: benchmark_rows(args, os.path.join(work, "bench"), data("shards")),
             "decode": lambda: [("full JPEG decode alone, same files", full_decode_rate(data("files"), args.batch))],
             "decoders": lambda: decoder_rows(args, work, data("shards"), len(data("files"))),
-            "scaling": lambda: scaling_rows(args, data("shards")[0].removeprefix("--data_dir=")),
-            "dali_alone": lambda: dali_alone_rows(args, data("shards")[0].removeprefix("--data_dir=")),
+            "scaling": lambda: scaling_rows(args, shard_dir()),
+            "dali_alone": lambda: dali_alone_rows(args, shard_dir()),
         }
         if args.data_only:
             data("shards")
