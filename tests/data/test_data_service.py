@@ -299,14 +299,17 @@ def test_training_through_the_service_matches_the_local_pipeline(service, small_
     # In this process (the exit status is not the point here: the other service tests check it): no TensorFlow
     # start-up per run.
     args = [*LEARNS, f"--data_dir={small_dir}", "--epochs=8"]
-    train_in_process(*args, f"--model_dir={tmp_path}/local")
-    _, served = train_in_process(*args, f"--model_dir={tmp_path}/served", f"--data_service={service.address}")
+    theirs, _ = train_in_process(*args, f"--model_dir={tmp_path}/local")
+    ours, served = train_in_process(*args, f"--model_dir={tmp_path}/served", f"--data_service={service.address}")
     assert (f"tfdp: data: training input from the tf.data service at {service.address} (distributed_epoch: the whole "
             f"training split, one job shared by 1 trainer(s)); evaluation reads locally") in served
-    ours, theirs = (read_jsonl(tmp_path / run / "metrics.jsonl")[-1] for run in ("served", "local"))
-    assert theirs["val_top1"] > 0.75, theirs
-    assert ours["val_top1"] >= theirs["val_top1"] - 0.125, (ours, theirs)   # 5 of the 40 validation images
-    assert ours["top1"] >= theirs["top1"] - 0.1, (ours, theirs)
+    # The best epoch's accuracy on the 40 validation images, not the last's: the last epoch alone swings by up
+    # to 6 images between identical local runs (0.725-0.925). Over 8 local and 8 served runs here the best
+    # was 0.875-0.95 for each; an input that does not learn stays near 0.1.
+    assert theirs["best_val_top1"] >= 0.8, theirs
+    assert ours["best_val_top1"] >= theirs["best_val_top1"] - 0.1, (ours, theirs)   # 4 of the 40 images
+    ours_last, theirs_last = (read_jsonl(tmp_path / run / "metrics.jsonl")[-1] for run in ("served", "local"))
+    assert ours_last["top1"] >= theirs_last["top1"] - 0.1, (ours_last, theirs_last)   # over 320 training images
 
 
 @pytest.mark.slow
