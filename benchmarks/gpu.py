@@ -15,7 +15,8 @@ process), on the same model, per-device batch and precision:
   scaling              the input alone, GPU hidden, on 1, 4, 16, ... cores: the stream DALI is fed from, from
                        the shards and from memory (data.cache), beside the tf training pipeline
   dali_alone           each dali entry of --decoder as DALI alone on the GPU, its input batches held in memory:
-                       images/s and host CPU per image, by thread (DALI's own cost, apart from the stream)
+                       images/s and host CPU per image, by thread (DALI's own cost, apart from the stream);
+                       dali:decode=false: DALI's feed alone, each image cut out and its header read
   decoders             `tfdp train` per model of --decoder_models (ResNet-50 and ResNet-18 by default),
                        synthetic and on the full-size shards with each `data.decoder` of --decoder
                        (tf: the host's CPUs decode; dali: DALI on the GPU): images/s, its ratio to the

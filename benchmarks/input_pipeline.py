@@ -334,21 +334,52 @@ def dali_alone(shards: str, args) -> None:
     (`dali.pad_batch`), held in memory and repeated, each decoded, cropped and resized by DALI with the data
     settings of --dali_settings ("dali_threads=4:dali_hw_decoder_load=0.65"); a key there that is no data
     setting is one of DALI's own decoder arguments, on a GPU ("preallocate_width_hint=5980": NVIDIA's ImageNet
-    pipelines preallocate the decoder's buffers for the largest image). One JSON line [images/s, CPU
-    us/image]: what DALI itself costs the host per image, apart from tfdp's stream."""
+    pipelines preallocate the decoder's buffers for the largest image), but "decode=false": DALI's feed alone
+    (`dali_feed_only`). One JSON line [images/s, CPU us/image]: what DALI itself costs the host per image,
+    apart from tfdp's stream."""
     import tensorflow as tf
     import yaml
     from tfdp.config import DataConfig
     from tfdp.data import dali
     settings = {k: yaml.safe_load(v) for k, v in (kv.split("=") for kv in args.dali_settings.split(":") if kv)}
+    decode = settings.pop("decode", True)
     fields = {f.name for f in dataclasses.fields(DataConfig)}
     cfg = DataConfig(image_size=args.size, **{k: v for k, v in settings.items() if k in fields})
     rows = dali_feed_alone("tfrecord", shards, args.size, args.batch).take(args.batches).cache().repeat()
-    device = "/device:GPU:0" if tf.config.list_physical_devices("GPU") else "/device:CPU:0"
-    decoded = dali.replica_pipeline(rows, cfg, args.batch, device, seed=0,
-                                    decoder_options={k: v for k, v in settings.items() if k not in fields})
+    on_gpu = bool(tf.config.list_physical_devices("GPU"))
+    if decode:
+        decoded = dali.replica_pipeline(rows, cfg, args.batch, "/device:GPU:0" if on_gpu else "/device:CPU:0",
+                                        seed=0, decoder_options={k: v for k, v in settings.items() if k not in fields})
+    else:
+        decoded = dali_feed_only(rows, args.batch, dali.pipeline_threads(cfg, on_gpu))
     print("dali_alone: " + json.dumps([round(v) for v in max(rate(decoded, args.batch, args.batches)
                                                              for _ in range(args.rounds))]), flush=True)
+
+
+def dali_feed_only(rows, batch: int, threads: int):
+    """DALI's side of the feed without the decoder: the CPU operators before it in `dali.replica_pipeline` (each
+    row's label and length read, its image cut out), with as many threads as a replica's pipeline gets; then
+    only each image's header read (`peek_image_shape`). Beside the full pipeline on a GPU host, what DALI's
+    executor costs per image apart from the decoder's host work (which the mixed decoder partly does on the
+    executor's thread)."""
+    import tensorflow as tf
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin import tf as dali_tf
+    from tfdp.data.dali import HEADER
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, seed=0, prefetch_queue_depth=2,
+                  exec_dynamic=True)
+    def feed():
+        row = fn.external_source(name="rows", dtype=types.UINT8, ndim=1, batch=True)
+        label = fn.reinterpret(row[0:4], dtype=types.INT32, shape=[1])
+        length = fn.reinterpret(row[4:HEADER], dtype=types.INT32, shape=[])
+        return fn.peek_image_shape(row[HEADER:HEADER + length]), label
+
+    with tf.device("/cpu:0"):
+        return dali_tf.experimental.DALIDatasetWithInputs(
+            pipeline=feed(), input_datasets={"rows": dali_tf.experimental.Input(rows, batch=True)},
+            batch_size=batch, num_threads=threads, device_id=None, output_dtypes=(tf.int64, tf.int32),
+            output_shapes=((batch, 3), (batch,)))
 
 
 def serve(shards: str, args) -> None:
