@@ -305,9 +305,9 @@ def test_training_through_the_service_matches_the_local_pipeline(service, small_
             f"training split, one job shared by 1 trainer(s)); evaluation reads locally") in served
     # The best epoch's accuracy on the 40 validation images, not the last's: the last epoch alone swings by up
     # to 6 images between identical local runs (0.725-0.925). Over 8 local and 8 served runs here the best
-    # was 0.875-0.95 for each; an input that does not learn stays near 0.1.
+    # was 0.875-0.95 for each (0.975 once); a served run at a hundredth of the learning rate: 0.2.
     assert theirs["best_val_top1"] >= 0.8, theirs
-    assert ours["best_val_top1"] >= theirs["best_val_top1"] - 0.1, (ours, theirs)   # 4 of the 40 images
+    assert ours["best_val_top1"] >= theirs["best_val_top1"] - 0.15, (ours, theirs)   # 6 of the 40 images
     ours_last, theirs_last = (read_jsonl(tmp_path / run / "metrics.jsonl")[-1] for run in ("served", "local"))
     assert ours_last["top1"] >= theirs_last["top1"] - 0.1, (ours_last, theirs_last)   # over 320 training images
 
