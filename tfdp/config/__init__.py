@@ -87,10 +87,10 @@ class DataConfig:
     shuffle_buffer: PosInt = 10_000   # examples in the training shuffle buffer
     cache: Bool = False   # keep the encoded training images in memory after the first epoch
     deterministic: Bool = False   # crop windows from train.seed and the stream position: runs repeat them
-    # Who decodes and crops the training images: tf (TensorFlow, on the host's CPUs), dali (NVIDIA DALI on each
-    # replica's GPU, or its CPU operators on CPU replicas; the examples and their order stay tfdp's, the crop
-    # windows are DALI's: docs/data.md, decoders) or auto (dali where DALI is installed and every replica is a
-    # GPU of its own, else tf). Evaluation and prediction always decode with tf.
+    # Who decodes and crops the training and validation images: tf (TensorFlow, on the host's CPUs), dali (NVIDIA
+    # DALI on each replica's GPU, or its CPU operators on CPU replicas; the examples and their order stay tfdp's,
+    # the training crop windows are DALI's: docs/data.md, decoders) or auto (dali where DALI is installed and every
+    # replica is a GPU of its own, else tf). Prediction always decodes with tf.
     decoder: Literal["tf", "dali", "auto"] = "tf"
     # data.decoder dali: CPU threads of each replica's DALI pipeline (they parse each JPEG and feed the GPU's
     # decoders; on CPU replicas they decode); 0: auto, the host's cores shared among its replicas, at most 8 per

@@ -19,10 +19,13 @@ prefetches to the replica's device. DALI never reads a shard or a file
 itself, so it needs no index files, and the flip, normalisation and batch
 augmentations still run on the device as the model's first layers.
 
-What is not the tf path's: DALI draws its own crop windows (so
-`data.deterministic` refuses it) and it stops on an image it cannot decode
-rather than skipping it, hence the check before it. Evaluation and
-prediction keep the tf decoder.
+Evaluation goes the same way (`distribute_evaluation`): tfdp's validation
+stream, its shares, padding and corrupt images as on the tf path, the
+central crop decoded by DALI (`central_crop`: the tf path's window). What is
+not the tf path's: DALI draws its own training crop windows (so
+`data.deterministic` refuses it), resizes with its own rounding, and stops
+on an image it cannot decode rather than skipping it, hence the check before
+it. Prediction keeps the tf decoder.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from typing import Callable
 import tensorflow as tf
 
 from tfdp.config import DataConfig
-from tfdp.data.preprocess import ASPECT_RATIO_RANGE, host_cores, train_transform
+from tfdp.config.image_sizes import eval_image_size
+from tfdp.data.preprocess import ASPECT_RATIO_RANGE, eval_transform, host_cores, train_transform
 from tfdp.errors import UserError
 
 INSTALL = ('pip install "tfdp[dali]" && pip install --no-build-isolation nvidia-dali-tf-plugin-cuda120==2.4.0')
@@ -49,6 +53,9 @@ class Decoder:
     """What the training stream's transform hands on, and how its checked batches become training batches."""
     # (data config, seed) → (encoded, record index) → what a batch carries: the crop, or the checked bytes
     transform: Callable
+    # (data config at its evaluation size) → (the validation stream's transform, as `transform`; the image that
+    # pads its last steps, weight 0)
+    evaluation: Callable
     # whether the per-replica batches go through `distribute` (DALI) or straight to the replicas
     dealt: bool
 
@@ -135,9 +142,16 @@ def encoded_transform(cfg: DataConfig, seed: int):
     return transform
 
 
-_TF = Decoder(train_transform, dealt=False)
+def blank_jpeg() -> tf.Tensor:
+    """A small black JPEG: the image that pads the validation stream's last steps for DALI, which decodes it."""
+    return tf.io.encode_jpeg(tf.zeros([32, 32, 3], tf.uint8))
+
+
+_TF = Decoder(train_transform, lambda cfg: (eval_transform(cfg), tf.zeros([cfg.image_size, cfg.image_size, 3],
+                                                                          tf.uint8)), dealt=False)
 # auto reaches the pipeline only where no run chose (`choose`): a benchmark's or a test's bare pipeline, the tf path.
-DECODERS.update(tf=_TF, auto=_TF, dali=Decoder(encoded_transform, dealt=True))
+DECODERS.update(tf=_TF, auto=_TF, dali=Decoder(encoded_transform, lambda cfg: (encoded_transform(cfg, 0), blank_jpeg()),
+                                               dealt=True))
 
 
 class Dealer:
@@ -211,7 +225,7 @@ def dali_stopped(message: str) -> str:
         return ""
     operator = re.search(r"Error in (?:CPU|GPU|MIXED) operator `([^`]+)`", message)
     where = f" in {operator.group(1)}" if operator else ""
-    return (f"DALI stopped the training input{where}: {_dali_reason(message)} (data.decoder: dali; with "
+    return (f"DALI stopped the input{where}: {_dali_reason(message)} (data.decoder: dali; with "
             f"data.decoder: tf an image that cannot be decoded is skipped and named)")
 
 
@@ -232,10 +246,10 @@ def input_options() -> tf.distribute.InputOptions:
 
 
 def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig, global_batch: int,
-               num_workers: int, worker_index: int, seed: int):
+               num_workers: int, worker_index: int, seed: int, evaluation: bool = False):
     """The distributed training dataset: this worker's stream (`worker_dataset(input_context)`, the tf path's
     per-worker dataset of checked batches of encoded bytes), each batch one array (`pad_batch`), decoded by one
-    DALI pipeline per local replica.
+    DALI pipeline per local replica (`evaluation`: the central crop, as `distribute_evaluation`).
 
     With one local replica its DALI pipeline reads the stream itself; with
     more, a `Dealer` reads it once and deals its batches through Python,
@@ -255,15 +269,34 @@ def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: 
         with tf.device("/cpu:0"):   # the stream on the host, as the tf path's (this runs under the replica's device)
             rows = padded(worker_dataset(worker_ctx)) if local == 1 else dealer.rows(replica, batch)
         return replica_pipeline(rows, cfg, batch, devices[replica],
-                                seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local)
+                                seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local,
+                                evaluation=evaluation)
     return strategy.distribute_datasets_from_function(replica_dataset, options=input_options())
 
 
+def distribute_evaluation(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig,
+                          global_batch: int, num_workers: int, worker_index: int):
+    """The distributed validation dataset: this worker's validation stream (`worker_dataset(input_context)`, the tf
+    path's per-worker batches of (checked encoded bytes, label, weight)) dealt and decoded as `distribute` does
+    the training stream's, each image's central crop at `data.eval_image_size`.
+
+    Validation is decoded on the replicas' devices too: on a host that
+    trains a light model on several GPUs, a whole validation split decoded on
+    the CPUs each epoch would cost a large part of the epoch. A padding image
+    (weight 0) crosses DALI as label -1, and its weight is made again after.
+    """
+    def rows(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        return worker_dataset(ctx).map(lambda encoded, label, weight: (encoded, tf.where(weight > 0, label, -1)))
+    return distribute(strategy, rows, cfg, global_batch, num_workers, worker_index, seed=0, evaluation=True)
+
+
 def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device: str, seed: int,
-                     replicas: int = 1, decoder_options: dict | None = None) -> tf.data.Dataset:
+                     replicas: int = 1, decoder_options: dict | None = None,
+                     evaluation: bool = False) -> tf.data.Dataset:
     """One replica's DALI dataset: the batches of `rows` (a host dataset of `pad_batch` arrays), each image cut
     out of its row, decoded, cropped and resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU:
-    DALI's CPU operators).
+    DALI's CPU operators). Training: (image, label), a random-resized crop; `evaluation`: (image, label, weight),
+    the central crop, at the evaluation size, label -1 a padding image (weight 0).
 
     The DALI dataset lives on the host: on a GPU, DALI copies each finished batch back to it (uint8 pixels,
     150 KB a 224 px image) and TensorFlow prefetches it to the replica's card, as the last stage of the
@@ -283,6 +316,9 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
     on_gpu = (spec.device_type or "").upper() == "GPU"
     threads = pipeline_threads(cfg, on_gpu, replicas)
     device_id = spec.device_index if on_gpu else None
+    size = eval_image_size(cfg) if evaluation else cfg.image_size
+    crop = central_crop if evaluation else random_crop
+    options = {"hw_decoder_load": cfg.dali_hw_decoder_load, **(decoder_options or {})} if on_gpu else {}
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, seed=seed, prefetch_queue_depth=2,
                   exec_dynamic=True)   # the dynamic executor: a GPU batch copied back to the host (`.cpu()`)
@@ -290,21 +326,39 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
         row = fn.external_source(name="rows", dtype=types.UINT8, ndim=1, batch=True)
         label = fn.reinterpret(row[0:4], dtype=types.INT32, shape=[1])
         length = fn.reinterpret(row[4:HEADER], dtype=types.INT32, shape=[])
-        image = fn.decoders.image_random_crop(
-            row[HEADER:HEADER + length], device="mixed" if on_gpu else "cpu", output_type=types.RGB,
-            random_area=[cfg.min_crop_area, cfg.max_crop_area], random_aspect_ratio=list(ASPECT_RATIO_RANGE),
-            num_attempts=10, **({"hw_decoder_load": cfg.dali_hw_decoder_load, **(decoder_options or {})}
-                                if on_gpu else {}))
-        image = fn.resize(image, resize_x=cfg.image_size, resize_y=cfg.image_size, interp_type=types.INTERP_LINEAR,
-                          antialias=False, dtype=types.UINT8)
+        image = crop(row[HEADER:HEADER + length], cfg, "mixed" if on_gpu else "cpu", options)
+        image = fn.resize(image, resize_x=size, resize_y=size, interp_type=types.INTERP_LINEAR, antialias=False,
+                          dtype=types.UINT8)
         return (image.cpu() if on_gpu else image), label
 
     with tf.device("/cpu:0"):
         decoded = dali_tf.experimental.DALIDatasetWithInputs(
             pipeline=decode(), input_datasets={"rows": dali_tf.experimental.Input(rows, batch=True)},
             batch_size=batch, num_threads=threads, device_id=device_id, output_dtypes=(tf.uint8, tf.int32),
-            output_shapes=((batch, cfg.image_size, cfg.image_size, 3), (batch,)))
+            output_shapes=((batch, size, size, 3), (batch,)))
+        if evaluation:
+            decoded = decoded.map(lambda image, label: (image, tf.maximum(label, 0), tf.cast(label >= 0, tf.float32)))
     return decoded.apply(tf.data.experimental.prefetch_to_device(device, 2))
+
+
+def random_crop(encoded, cfg: DataConfig, device: str, options: dict):
+    """DALI's random-resized crop (Inception-style window, `data.min_crop_area`..`data.max_crop_area`, aspect
+    3/4..4/3, 10 attempts), decoding only the window; its windows are DALI's own, not tfdp's."""
+    from nvidia.dali import fn, types
+    return fn.decoders.image_random_crop(encoded, device=device, output_type=types.RGB,
+                                         random_area=[cfg.min_crop_area, cfg.max_crop_area],
+                                         random_aspect_ratio=list(ASPECT_RATIO_RANGE), num_attempts=10, **options)
+
+
+def central_crop(encoded, cfg: DataConfig, device: str, options: dict):
+    """The tf path's evaluation window (`tfdp.data.preprocess.center_crop`): a square of `data.eval_crop_fraction`
+    of the shorter side, rounded down, at ((height - side) // 2, (width - side) // 2), decoding only the window
+    (the shape read from the image's header)."""
+    from nvidia.dali import fn, math, types
+    shape = fn.peek_image_shape(encoded, dtype=types.FLOAT)
+    side = math.floor(math.min(shape[0], shape[1]) * cfg.eval_crop_fraction)
+    return fn.decoders.image_crop(encoded, device=device, output_type=types.RGB, crop_h=side, crop_w=side,
+                                  crop_pos_x=0.5, crop_pos_y=0.5, rounding="truncate", **options)
 
 
 def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:

@@ -313,7 +313,9 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     leave multi-worker collectives waiting on a worker with fewer steps), and
     metrics weighted by `weight` count each real image exactly once. A corrupt
     image is counted and replaced by such a padding image. Images come at
-    `data.eval_image_size` (0: `data.image_size`). A share in a bucket larger
+    `data.eval_image_size` (0: `data.image_size`); with `data.decoder: dali`
+    they come as their checked encoded bytes, for DALI to decode
+    (`tfdp.data.dali.distribute_evaluation`). A share in a bucket larger
     than its `cache_part` of `data.cache_limit` is streamed through the
     bounded cache (`tfdp.data.streaming`), in the same order.
     """
@@ -327,13 +329,12 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     ds, stream = streaming.payloads(share, cfg, True, lambda: readers.payloads(share, cfg, ctx, data_shard),
                                     endless=False, part=cache_part)
     ds = readers.cached(ds, share) if cfg.cache else ds
-    transform = eval_transform(cfg)
+    transform, blank = DECODERS[cfg.decoder].evaluation(cfg)   # dali: checked bytes, decoded after (tfdp.data.dali)
     ds = stream.examples(decoded_examples(ds, share, stream.decoding(cfg), transform, num_classes)).batch(batch)
     names = StreamNames.of_evaluation(share, ctx, data_shard)
     on_gap = corrupt_namer(names, cfg, transform, stream)
     ds = _counted(ds, Tally(num_classes, cfg.max_bad_fraction, sizes[ctx.input_pipeline_id], corrupt,
                             named=on_gap is not None), on_gap=on_gap)
-    blank = tf.zeros([cfg.image_size, cfg.image_size, 3], tf.uint8)
     padding = tf.data.Dataset.from_tensors((blank, 0, 0.0)).repeat()
     ds = ds.unbatch().map(lambda image, label: (image, label, 1.0)).concatenate(padding).take(padded)
     return ds.batch(batch, drop_remainder=True).prefetch(AUTOTUNE)

@@ -79,7 +79,7 @@ class Run:
 
     def validation(self):
         """Per-worker validation pipelines at the run's micro-batch per replica."""
-        return self.task.build_validation_inputs(self.plan.layout)
+        return self.task.build_validation_inputs(self.plan.layout, self.plan.decoder)
 
     def replica_snapshot(self) -> ReplicaSnapshot:
         """Each replica's own non-trained state, put back as the checkpoint saved it when its layout fits."""

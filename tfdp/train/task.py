@@ -102,10 +102,17 @@ class ClassificationTask:
         """This worker's training pipeline over the input `streams` it reads, startable at any position."""
         return TrainStream(self.cfg, self._source(), self._runtime(), plan, corrupt, streams)
 
-    def build_validation_inputs(self, layout: BatchLayout | None = None):
-        """Per-worker validation pipelines (`validation_dataset`): at a training run's `layout`, or, for
-        `tfdp evaluate` (None), at the replicas found."""
-        return validation_dataset(self.cfg, self._source(), self._runtime(), layout)
+    def build_validation_inputs(self, layout: BatchLayout | None = None, decoder: str = ""):
+        """Per-worker validation pipelines (`validation_dataset`): at a training run's `layout` and with its
+        decoder (`Plan.decoder`), or, for `tfdp evaluate` (None, ''), at the replicas found, with data.decoder
+        resolved on them."""
+        runtime = self._runtime()
+        if not decoder:
+            decoder = dali.choose(self.cfg.data, list(runtime.devices), runtime.per_replica_datasets, runtime.kind)
+            if decoder == "dali":
+                say("tfdp: data: validation images decoded and cropped by DALI on each replica's device "
+                    "(data.decoder)")
+        return validation_dataset(self.cfg, self._source(), runtime, layout, decoder)
 
     def build_predict_inputs(self, files: list[str], global_batch: int):
         """`files` as per-replica batches of (image number, uint8 image) for `tfdp predict`
@@ -264,11 +271,13 @@ def cache_parts(cfg: Config, source: Source) -> tuple[streaming.Part, streaming.
     return streaming.run_parts(any(map(is_remote_url, train.files[:1])), any(map(is_remote_url, val.files[:1])))
 
 
-def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: BatchLayout | None = None):
+def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: BatchLayout | None = None,
+                       decoder: str = "tf"):
     """Per-worker validation pipelines: each worker builds (and reads) only its own share, a training
     micro-batch per replica at a time (what fits in memory). `layout`: the training run's (`Plan.layout`);
-    None for `tfdp evaluate`, which derives it and has the whole data.cache_limit to itself."""
-    val, data = source.split(cfg.data.val_split), cfg.data
+    None for `tfdp evaluate`, which derives it and has the whole data.cache_limit to itself. `decoder`: who
+    decodes (tf, or dali: a DALI pipeline per replica, `tfdp.data.dali.distribute_evaluation`)."""
+    val, data = source.split(cfg.data.val_split), dataclasses.replace(cfg.data, decoder=decoder)
     part = cache_parts(cfg, source)[1] if layout is not None else streaming.WHOLE
     if layout is not None and val.files == source.split(cfg.data.train_split).files:
         # Validation on the training split: its copies kept apart from the training stream's, which deletes
@@ -279,8 +288,13 @@ def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: Ba
     except UserError:  # `tfdp evaluate` on replicas that could not train this global batch: it need not divide
         per_replica = cfg.train.batch_size_per_replica
     global_batch = per_replica * runtime.num_replicas
-    return runtime.strategy.distribute_datasets_from_function(
-        lambda ctx: eval_dataset(val, data, global_batch, ctx, num_classes=cfg.model.num_classes, cache_part=part))
+
+    def worker_dataset(ctx):
+        return eval_dataset(val, data, global_batch, ctx, num_classes=cfg.model.num_classes, cache_part=part)
+    if dali.DECODERS[decoder].dealt:
+        return dali.distribute_evaluation(runtime.strategy, worker_dataset, data, global_batch, runtime.num_workers,
+                                          runtime.worker_index)
+    return runtime.strategy.distribute_datasets_from_function(worker_dataset)
 
 
 class TrainStream:
@@ -309,8 +323,8 @@ class TrainStream:
         self._run_id: int | None = None
         self._jobs = 0
         if plan.decoder == "dali":
-            say("tfdp: data: training images decoded and cropped by DALI on each replica's device "
-                "(data.decoder); evaluation decodes with TensorFlow")
+            say("tfdp: data: training and validation images decoded and cropped by DALI on each replica's device "
+                "(data.decoder)")
         if cfg.data.service_address:
             train = source.split(cfg.data.train_split)
             say(service_line(cfg, runtime.num_workers, any(map(is_remote_url, train.files))))
