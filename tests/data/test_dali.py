@@ -101,7 +101,9 @@ def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_po
     assert dali_positions == tf_positions
     assert dali_bad >= dali_positions[-1][1] and tf_bad >= tf_positions[-1][1]
     broken = [p for p in split.files if p.endswith(f"{BROKEN:04d}.jpg")]
-    assert list(LOG.entries) == (broken if dali_bad else [])
+    # Only the broken image is ever named; the stream names it as it decodes the next image, a stage before it
+    # counts it, so a stream deleted in between has named it in its read-ahead without counting it.
+    assert list(LOG.entries) in ([], broken) and (list(LOG.entries) == broken or not dali_bad)
     if repeated == 1:  # with every image once per epoch, 8 steps of 8 pass image 13
         assert dali_positions[-1][1] >= 1 and "Invalid JPEG data" in LOG.entries[broken[0]]
 

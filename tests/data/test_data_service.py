@@ -33,9 +33,11 @@ from tfdp.errors import UserError
 
 # The demo's recipe (its learning rate and warmup: a higher rate makes single runs diverge now and then)
 # with the small model, at 8 px (the digits' own size); LEARNS, at the demo's 16 px, for the one test that
-# compares accuracies.
+# compares accuracies, at half the demo's rate: at the demo's, 5 steps an epoch on 320 images swung up after
+# the warmup in 2 of 16 runs on a loaded host (2 fresh-clone runs of the suite failed on such a local run,
+# 0.725 and 0.675); at half, 8 runs on the same loaded host fell alike (epoch 2: 1.79-1.84) to 0.875-0.95.
 FAST = ["--config=configs/digits.yaml", "--data_format=image_folder", "--model=simple_cnn", "--set=data.image_size=8"]
-LEARNS = [*FAST[:-1], "--set=data.image_size=16"]
+LEARNS = [*FAST[:-1], "--set=data.image_size=16", "--set=optimizer.lr=0.1"]
 
 
 class Service:
@@ -303,9 +305,8 @@ def test_training_through_the_service_matches_the_local_pipeline(service, small_
     ours, served = train_in_process(*args, f"--model_dir={tmp_path}/served", f"--data_service={service.address}")
     assert (f"tfdp: data: training input from the tf.data service at {service.address} (distributed_epoch: the whole "
             f"training split, one job shared by 1 trainer(s)); evaluation reads locally") in served
-    # The best epoch's accuracy on the 40 validation images, not the last's: the last epoch alone swings by up
-    # to 6 images between identical local runs (0.725-0.925). Over 8 local and 8 served runs here the best
-    # was 0.875-0.95 for each (0.975 once); a served run at a hundredth of the learning rate: 0.2.
+    # The best epoch's accuracy on the 40 validation images, not the last's: the last epoch alone swings by
+    # several images between identical local runs. A served run at a fiftieth of the learning rate: 0.2.
     assert theirs["best_val_top1"] >= 0.8, theirs
     assert ours["best_val_top1"] >= theirs["best_val_top1"] - 0.15, (ours, theirs)   # 6 of the 40 images
     ours_last, theirs_last = (read_jsonl(tmp_path / run / "metrics.jsonl")[-1] for run in ("served", "local"))

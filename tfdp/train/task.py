@@ -106,13 +106,13 @@ class ClassificationTask:
         """Per-worker validation pipelines (`validation_dataset`): at a training run's `layout` and with its
         decoder (`Plan.decoder`), or, for `tfdp evaluate` (None, ''), at the replicas found, with data.decoder
         resolved on them."""
-        runtime = self._runtime()
+        source, runtime = self._source(), self._runtime()
         if not decoder:
             decoder = dali.choose(self.cfg.data, list(runtime.devices), runtime.per_replica_datasets, runtime.kind)
             if decoder == "dali":
                 say("tfdp: data: validation images decoded and cropped by DALI on each replica's device "
                     "(data.decoder)")
-        return validation_dataset(self.cfg, self._source(), runtime, layout, decoder)
+        return validation_dataset(self.cfg, source, runtime, layout, decoder)
 
     def build_predict_inputs(self, files: list[str], global_batch: int):
         """`files` as per-replica batches of (image number, uint8 image) for `tfdp predict`
