@@ -365,15 +365,13 @@ def dali_feed_only(rows, batch: int, threads: int):
     import tensorflow as tf
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin import tf as dali_tf
-    from tfdp.data.dali import HEADER
+    from tfdp.data.dali import row_fields
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, seed=0, prefetch_queue_depth=2,
                   exec_dynamic=True)
     def feed():
-        row = fn.external_source(name="rows", dtype=types.UINT8, ndim=1, batch=True)
-        label = fn.reinterpret(row[0:4], dtype=types.INT32, shape=[1])
-        length = fn.reinterpret(row[4:HEADER], dtype=types.INT32, shape=[])
-        return fn.peek_image_shape(row[HEADER:HEADER + length]), label
+        encoded, label = row_fields(fn.external_source(name="rows", dtype=types.UINT8, ndim=1, batch=True))
+        return fn.peek_image_shape(encoded), label
 
     with tf.device("/cpu:0"):
         return dali_tf.experimental.DALIDatasetWithInputs(

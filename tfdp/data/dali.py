@@ -323,10 +323,8 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, seed=seed, prefetch_queue_depth=2,
                   exec_dynamic=True)   # the dynamic executor: a GPU batch copied back to the host (`.cpu()`)
     def decode():
-        row = fn.external_source(name="rows", dtype=types.UINT8, ndim=1, batch=True)
-        label = fn.reinterpret(row[0:4], dtype=types.INT32, shape=[1])
-        length = fn.reinterpret(row[4:HEADER], dtype=types.INT32, shape=[])
-        image = crop(row[HEADER:HEADER + length], cfg, "mixed" if on_gpu else "cpu", options)
+        encoded, label = row_fields(fn.external_source(name="rows", dtype=types.UINT8, ndim=1, batch=True))
+        image = crop(encoded, cfg, "mixed" if on_gpu else "cpu", options)
         image = fn.resize(image, resize_x=size, resize_y=size, interp_type=types.INTERP_LINEAR, antialias=False,
                           dtype=types.UINT8)
         return (image.cpu() if on_gpu else image), label
@@ -339,6 +337,15 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
         if evaluation:
             decoded = decoded.map(lambda image, label: (image, tf.maximum(label, 0), tf.cast(label >= 0, tf.float32)))
     return decoded.apply(tf.data.experimental.prefetch_to_device(device, 2))
+
+
+def row_fields(row):
+    """A `pad_batch` row in a DALI pipeline: its image's encoded bytes, cut out of the row on DALI's threads, and
+    its label."""
+    from nvidia.dali import fn, types
+    label = fn.reinterpret(row[0:4], dtype=types.INT32, shape=[1])
+    length = fn.reinterpret(row[4:HEADER], dtype=types.INT32, shape=[])
+    return row[HEADER:HEADER + length], label
 
 
 def random_crop(encoded, cfg: DataConfig, device: str, options: dict):
