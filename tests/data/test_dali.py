@@ -27,70 +27,46 @@ from support.inprocess import evaluate_in_process, train_in_process
 from tfdp.config import DataConfig, validate
 from tfdp.data import build_source, dali
 from tfdp.data.corrupt import LOG
-from tfdp.data.pipeline import Bookkeeping, CorruptCounter, StreamPosition, eval_dataset, train_dataset
+from tfdp.data.pipeline import eval_dataset
+from tfdp.distribute.cluster import free_ports
+from tfdp.distribute.strategy import Runtime
 from tfdp.errors import UserError
+from support.dali_batches import BROKEN, CLASSES, image_ids, replica_batches, write_id_tree
 
 pytestmark = pytest.mark.skipif(bool(dali.available()), reason=f"NVIDIA DALI's TensorFlow plugin does not import "
                                                                f"here ({dali.available()}): pip install tfdp[dali]")
-
-CLASSES, IMAGES, BROKEN = 4, 46, 13
-
-
-def colour(i: int) -> tuple[int, int, int]:
-    return 16 + 16 * (i % 14), 16 + 16 * (i // 14 % 14), 16 + 16 * (i // 196)
-
-
-def image_ids(images: np.ndarray) -> list[int]:
-    """The id each (cropped, resized) flat-colour image was written with."""
-    q = np.round((np.median(images.reshape(len(images), -1, 3), axis=1) - 16) / 16).astype(int)
-    return [int(i) for i in q[:, 0] + 14 * q[:, 1] + 196 * q[:, 2]]
-
 
 @pytest.fixture(scope="module")
 def id_tree(tmp_path_factory) -> str:
     """46 flat-colour JPEGs of 4 classes (image i in class i mod 4) of assorted sizes; image 13 cut short."""
     root = tmp_path_factory.mktemp("ids")
-    for split, n in (("train", IMAGES), ("val", 8)):
-        for i in range(n):
-            folder = root / split / f"c{i % CLASSES}"
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"{i:04d}.jpg"
-            Image.fromarray(np.full((24 + i % 5, 30 - i % 3, 3), colour(i), np.uint8)).save(path, quality=95)
-            if split == "train" and i == BROKEN:
-                path.write_bytes(path.read_bytes()[:200])  # as an interrupted copy leaves it
+    write_id_tree(root)
     return str(root)
 
 
-def replica_batches(split, cfg: DataConfig, start: tuple[int, int], steps: int, replicas: int = 2):
-    """`steps` steps of (ids, labels) per replica, the corrupt count and the stream position after each step."""
-    strategy = tf.distribute.MirroredStrategy(CPU_DEVICES[:replicas])
-    position, corrupt = StreamPosition(), CorruptCounter()
-
-    def worker(ctx):
-        return train_dataset(split, cfg, 8, 3, ctx, Bookkeeping(start, position, corrupt, CLASSES))
-    ds = (strategy.distribute_datasets_from_function(worker) if cfg.decoder == "tf"
-          else dali.distribute(strategy, worker, cfg, 8, 1, 0, 3))
-    steps_seen, positions = [], []
-    iterator = iter(ds)
-    for step in range(steps):
-        images, labels = (strategy.experimental_local_results(t) for t in next(iterator))
-        steps_seen.append([(image_ids(i.numpy()), l.numpy().tolist()) for i, l in zip(images, labels)])
-        positions.append(position.after(replicas * (step + 1)))
-    del iterator
-    return steps_seen, corrupt.value(), positions
+def runtime_of(kind: str, replicas: int) -> Runtime:
+    """A one-host runtime on the first `replicas` of conftest's logical CPUs."""
+    devices = CPU_DEVICES[:replicas]
+    strategy = (tf.distribute.OneDeviceStrategy(devices[0]) if kind == "one_device"
+                else tf.distribute.MirroredStrategy(devices))
+    return Runtime(strategy, kind, tuple(devices))
 
 
-@pytest.mark.parametrize("replicas, repeated", [(2, 1), (2, 2), (1, 1)])
-def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_position(id_tree, replicas, repeated):
-    """Two replicas are dealt the stream's batches (`dali.Dealer`); one reads the stream itself."""
+@pytest.mark.parametrize("kind, replicas, repeated", [("mirrored", 2, 1), ("mirrored", 2, 2), ("mirrored", 1, 1),
+                                                      ("one_device", 1, 1)])
+def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_position(id_tree, kind, replicas,
+                                                                                       repeated):
+    """Two replicas are dealt the stream's batches (`dali.Dealer`); one reads the stream itself. Under one_device
+    the dataset per replica is tfdp's own (`Runtime.datasets_per_replica`), as under multi_worker."""
     cfg = DataConfig(format="image_folder", dir=id_tree, image_size=8, shuffle_buffer=16, max_bad_fraction=0.2,
                      repeated_augmentation=repeated)
     split = build_source(cfg).split("train")
+    runtime = runtime_of(kind, replicas)
     LOG.clear()
-    tf_steps, tf_bad, tf_positions = replica_batches(split, cfg, (0, 0), 8, replicas)
+    tf_steps, tf_bad, tf_positions = replica_batches(runtime, split, cfg, (0, 0), 8)
     LOG.clear()
     dali_cfg = dataclasses.replace(cfg, decoder="dali")
-    dali_steps, dali_bad, dali_positions = replica_batches(split, dali_cfg, (0, 0), 8, replicas)
+    dali_steps, dali_bad, dali_positions = replica_batches(runtime, split, dali_cfg, (0, 0), 8)
 
     assert dali_steps == tf_steps  # per step, per replica: the same files, labels and order
     assert all(ids and all(i % CLASSES == label for i, label in zip(ids, labels))
@@ -108,8 +84,54 @@ def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_po
         assert dali_positions[-1][1] >= 1 and "Invalid JPEG data" in LOG.entries[broken[0]]
 
     # A stream started at a checkpoint's position goes on with the uninterrupted stream's examples.
-    resumed, _, _ = replica_batches(split, dali_cfg, dali_positions[2], 3, replicas)
+    resumed, _, _ = replica_batches(runtime, split, dali_cfg, dali_positions[2], 3)
     assert resumed == dali_steps[3:6]
+
+
+@pytest.mark.slow
+def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree, tmp_path):
+    """A real 2-worker MultiWorkerMirroredStrategy cluster on 127.0.0.1 (`tests/support/dali_batches.py` in each
+    process): each worker's DALI batches hold its own share of the tf path's, in its order, and resume at a
+    position. TensorFlow's own per-worker input would deal them through its MultiDeviceIterator, which crashes
+    over DALI; tfdp builds a dataset per replica there (`Runtime.datasets_per_replica`)."""
+    ports = free_ports(2)
+    procs = []
+    for index in range(2):
+        tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker",
+                                                                                     "index": index}}
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "tests", "support", "dali_batches.py"), id_tree,
+             str(tmp_path / f"worker-{index}.json")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "TF_CONFIG": json.dumps(tf_config)}))
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    found = [json.loads((tmp_path / f"worker-{index}.json").read_text()) for index in range(2)]
+    for worker in found:
+        assert worker["dali"] == worker["tf"]  # steps (one replica each) and stream positions alike
+        assert worker["resumed"] == worker["dali"]["steps"][2:5]
+        assert all(i % CLASSES == label for step in worker["dali"]["steps"] for ids, labels in step
+                   for i, label in zip(ids, labels))
+    # each worker reads its own share: no image in both workers' first epoch (23 images each, 4 a step)
+    first_epoch = [{i for step in worker["dali"]["steps"][:5] for ids, _ in step for i in ids} for worker in found]
+    assert all(len(ids) >= 16 for ids in first_epoch) and not first_epoch[0] & first_epoch[1], first_epoch
+
+
+@pytest.mark.slow
+def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny_dir):
+    """`tfdp launch --workers=2` with data.decoder: dali: MultiWorkerMirroredStrategy's `fit`, each worker's DALI
+    pipeline fed its own share; both workers end with the same weights (the all-reduce over DALI's batches)."""
+    launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train",
+                        "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
+                        f"--data_dir={tiny_dir}", "--data_format=image_folder", f"--model_dir={tmp_path}/run",
+                        "--epochs=2", "--set=schedule.warmup_epochs=0", "--set=data.decoder=dali", timeout=600)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
+    for worker in (0, 1):
+        assert (f"[worker {worker}] tfdp: data: training and validation images decoded and cropped by DALI"
+                in launched.stdout), launched.stdout[-3000:]
+    prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", launched.stdout))
+    assert set(prints) == {"0", "1"} and prints["0"] == prints["1"], launched.stdout[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
 
 
 def test_an_image_dali_cannot_decode_is_failed_before_it_and_a_whole_one_passes(id_tree):
@@ -138,8 +160,6 @@ def test_what_dali_cannot_do_is_refused_in_the_config(raw, message):
 def test_auto_is_tf_on_cpu_replicas_and_dali_names_the_install_command_where_it_is_missing(tmp_path, tiny_dir):
     assert dali.choose(DataConfig(decoder="auto", format="image_folder"), list(CPU_DEVICES)) == "tf"
     assert dali.choose(DataConfig(decoder="dali", format="image_folder"), list(CPU_DEVICES)) == "dali"
-    with pytest.raises(UserError, match="needs distribute.strategy: mirrored"):  # no dataset per replica there
-        dali.choose(DataConfig(decoder="dali", format="image_folder"), list(CPU_DEVICES), False, "multi_worker")
     shim = tmp_path / "shim" / "nvidia" / "dali"
     shim.mkdir(parents=True)
     (shim.parent / "__init__.py").write_text("")

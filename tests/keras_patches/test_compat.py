@@ -168,3 +168,17 @@ def test_the_reasons_for_the_replaced_steps_still_hold():
         assert hasattr(model, name), name
     for name in VARIABLE_ATTRIBUTES:
         assert hasattr(keras.Variable(1.0), name), name
+
+
+def test_tensorflow_still_refuses_a_dataset_per_replica_where_tfdp_builds_its_own():
+    """tfdp/distribute/strategy.py builds the datasets per replica DALI needs under OneDeviceStrategy and
+    MultiWorkerMirroredStrategy because TensorFlow refuses them there (InputReplicationMode.PER_REPLICA); when an
+    upgrade accepts them, its own path can replace tfdp's (re-check `_dataset_per_device`)."""
+    import tensorflow as tf
+    from tensorflow.python.distribute.collective_all_reduce_strategy import CollectiveAllReduceExtended
+    options = tf.distribute.InputOptions(experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+                                         experimental_fetch_to_device=False)
+    with pytest.raises(NotImplementedError, match="PER_REPLICA"):
+        tf.distribute.OneDeviceStrategy("/cpu:0").distribute_datasets_from_function(
+            lambda ctx: tf.data.Dataset.range(2), options=options)
+    assert "PER_REPLICA" in inspect.getsource(CollectiveAllReduceExtended._distribute_datasets_from_function)

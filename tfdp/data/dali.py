@@ -73,14 +73,10 @@ def available() -> str:
     return ""
 
 
-def choose(cfg: DataConfig, devices: list[str], per_replica: bool = True, strategy: str = "mirrored") -> str:
-    """The decoder a run uses: data.decoder, with auto resolved on the run's strategy and replica devices.
+def choose(cfg: DataConfig, devices: list[str]) -> str:
+    """The decoder a run uses: data.decoder, with auto resolved on the run's replica devices (this worker's).
 
-    `per_replica`: whether the run's strategy makes a dataset per replica, which a DALI pipeline per device
-    needs (`tfdp.distribute.strategy.Runtime.per_replica_datasets`); `strategy` names it in the refusal.
-
-    auto is DALI where it imports, the strategy makes a dataset per replica
-    and every replica is a GPU of its own (DALI is given a physical GPU's
+    auto is DALI where it imports and every replica is a GPU of its own (DALI is given a physical GPU's
     number; a card split into logical GPUs has fewer numbers than replicas),
     else tf: DALI's CPU operators decode no faster than TensorFlow's
     (docs/benchmarks.md), so its worth is the GPU.
@@ -90,11 +86,8 @@ def choose(cfg: DataConfig, devices: list[str], per_replica: bool = True, strate
     gpus = bool(devices) and all("GPU" in d.upper() for d in devices)
     if cfg.decoder == "auto":
         physical = len(tf.config.list_physical_devices("GPU"))
-        fits = per_replica and gpus and len(devices) <= physical and memory_grows()
+        fits = gpus and len(devices) <= physical and memory_grows()
         return "dali" if fits and not available() else "tf"
-    if not per_replica:
-        raise UserError(f"data.decoder: dali needs distribute.strategy: mirrored (one host), not {strategy}: only "
-                        f"TensorFlow's MirroredStrategy makes the dataset per replica a DALI pipeline per device needs")
     why = available()
     if why:
         raise UserError(f"data.decoder: dali needs NVIDIA DALI and its TensorFlow plugin ({why}); install them "
@@ -246,10 +239,15 @@ def input_options() -> tf.distribute.InputOptions:
 
 
 def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig, global_batch: int,
-               num_workers: int, worker_index: int, seed: int, evaluation: bool = False):
+               num_workers: int, worker_index: int, seed: int, evaluation: bool = False,
+               per_replica: Callable | None = None):
     """The distributed training dataset: this worker's stream (`worker_dataset(input_context)`, the tf path's
     per-worker dataset of checked batches of encoded bytes), each batch one array (`pad_batch`), decoded by one
     DALI pipeline per local replica (`evaluation`: the central crop, as `distribute_evaluation`).
+
+    `per_replica(dataset_fn, options)` makes the distributed dataset of a
+    dataset per local replica (`tfdp.distribute.strategy.Runtime.datasets_per_replica`, which builds it under
+    multi_worker too); by default the strategy's own `distribute_datasets_from_function` (mirrored).
 
     With one local replica its DALI pipeline reads the stream itself; with
     more, a `Dealer` reads it once and deals its batches through Python,
@@ -271,11 +269,13 @@ def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: 
         return replica_pipeline(rows, cfg, batch, devices[replica],
                                 seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local,
                                 evaluation=evaluation)
-    return strategy.distribute_datasets_from_function(replica_dataset, options=input_options())
+    if per_replica is None:
+        return strategy.distribute_datasets_from_function(replica_dataset, options=input_options())
+    return per_replica(replica_dataset, input_options())
 
 
 def distribute_evaluation(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig,
-                          global_batch: int, num_workers: int, worker_index: int):
+                          global_batch: int, num_workers: int, worker_index: int, per_replica: Callable | None = None):
     """The distributed validation dataset: this worker's validation stream (`worker_dataset(input_context)`, the tf
     path's per-worker batches of (checked encoded bytes, label, weight)) dealt and decoded as `distribute` does
     the training stream's, each image's central crop at `data.eval_image_size`.
@@ -287,7 +287,8 @@ def distribute_evaluation(strategy: tf.distribute.Strategy, worker_dataset: Call
     """
     def rows(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         return worker_dataset(ctx).map(lambda encoded, label, weight: (encoded, tf.where(weight > 0, label, -1)))
-    return distribute(strategy, rows, cfg, global_batch, num_workers, worker_index, seed=0, evaluation=True)
+    return distribute(strategy, rows, cfg, global_batch, num_workers, worker_index, seed=0, evaluation=True,
+                      per_replica=per_replica)
 
 
 def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device: str, seed: int,

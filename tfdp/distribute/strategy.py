@@ -45,12 +45,11 @@ class Runtime:
     def num_replicas(self) -> int:
         return self.strategy.num_replicas_in_sync
 
-    @property
-    def per_replica_datasets(self) -> bool:
-        """Whether `distribute_datasets_from_function` can make a dataset per replica
-        (InputReplicationMode.PER_REPLICA), as a decoder per device needs (`tfdp.data.dali`): TensorFlow's
-        MirroredStrategy only, so one host."""
-        return self.kind == "mirrored"
+    def datasets_per_replica(self, dataset_fn: Callable, options: tf.distribute.InputOptions):
+        """The distributed dataset of `dataset_fn(input_context)` called once per local replica, each dataset
+        iterated where `options` place it (InputReplicationMode.PER_REPLICA), as a decoder per device needs
+        (`tfdp.data.dali`), on every strategy."""
+        return PER_REPLICA[self.kind](self, dataset_fn, options)
 
     @property
     def is_chief(self) -> bool:
@@ -120,6 +119,45 @@ def _multi_worker(cfg: DistributeConfig) -> Runtime:
         tf.function(lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1)), axis=None))()
     devices = tuple(strategy.extended.worker_devices)
     return Runtime(strategy, "multi_worker", devices, num_workers=cluster.num_workers, worker_index=cluster.rank)
+
+
+def _mirrored_per_replica(runtime: Runtime, dataset_fn: Callable, options):
+    return runtime.strategy.distribute_datasets_from_function(dataset_fn, options=options)
+
+
+def _dataset_per_device(runtime: Runtime, dataset_fn: Callable, options):
+    """A dataset per local replica under MultiWorkerMirroredStrategy or OneDeviceStrategy, built as
+    MirroredStrategy builds them.
+
+    Those two strategies refuse InputReplicationMode.PER_REPLICA and make one
+    dataset per worker, whose elements their `MultiDeviceIterator` hands to the
+    replicas from a background thread. Over a DALI dataset that thread outlives
+    the DALI iterator it reads: the process crashed when the iterator was
+    deleted in 2 to 3 of 6 runs (2026-11-28, docs/data.md, DALI).
+    MirroredStrategy's PER_REPLICA path has no such thread: each replica's
+    dataset is iterated on its own device. Its parts are TensorFlow's input
+    library, which the other strategies use too; only their refusal is
+    skipped. Each replica's input context numbers it among the cluster's
+    replicas. The multi-worker and one-device tests of tests/data/test_dali.py
+    keep this honest on each TensorFlow.
+    """
+    from tensorflow.python.distribute import device_util, input_lib, input_util
+    devices, replicas = list(runtime.devices), runtime.num_replicas
+    placed = options.experimental_place_dataset_on_device
+    workers = input_lib.InputWorkers(tuple(
+        (device_util.canonicalize(d if placed else device_util.get_host_for_device(d)), (d,)) for d in devices))
+    contexts = [tf.distribute.InputContext(num_input_pipelines=replicas, input_pipeline_id=runtime.worker_index *
+                                           len(devices) + i, num_replicas_in_sync=replicas)
+                for i in range(len(devices))]
+    return input_util.get_distributed_datasets_from_function(dataset_fn, workers, contexts, runtime.strategy, options)
+
+
+# How each strategy takes a dataset per replica (`Runtime.datasets_per_replica`).
+PER_REPLICA: dict[str, Callable] = {
+    "one_device": _dataset_per_device,
+    "mirrored": _mirrored_per_replica,
+    "multi_worker": _dataset_per_device,
+}
 
 
 STRATEGIES: dict[str, Callable[[DistributeConfig], Runtime]] = {

@@ -86,6 +86,14 @@ RELIED_ON = {
         "tensorflow.python.autograph.core.config.DoNotConvert",
         "tensorflow.python.autograph.core.config_lib.Rule.matches",
     ),
+    # A dataset per replica under MultiWorkerMirroredStrategy and OneDeviceStrategy, built from the parts of
+    # TensorFlow's input library MirroredStrategy builds it from (`Runtime.datasets_per_replica`, for DALI).
+    "distribute/strategy": (
+        "tensorflow.python.distribute.input_lib.InputWorkers",
+        "tensorflow.python.distribute.input_util.get_distributed_datasets_from_function",
+        "tensorflow.python.distribute.device_util.canonicalize",
+        "tensorflow.python.distribute.device_util.get_host_for_device",
+    ),
 }
 # ... and attributes of a compiled model and of a Keras variable they use (set at construction, so checked on one).
 MODEL_ATTRIBUTES = ("_loss_tracker", "stateless_call", "compute_metrics")

@@ -108,7 +108,7 @@ class ClassificationTask:
         resolved on them."""
         source, runtime = self._source(), self._runtime()
         if not decoder:
-            decoder = dali.choose(self.cfg.data, list(runtime.devices), runtime.per_replica_datasets, runtime.kind)
+            decoder = dali.choose(self.cfg.data, list(runtime.devices))
             if decoder == "dali":
                 say("tfdp: data: validation images decoded and cropped by DALI on each replica's device "
                     "(data.decoder)")
@@ -153,7 +153,7 @@ def make_plan(cfg: Config, source: Source, runtime: Runtime, checkpoint: dict | 
                 tuple(f for split in (train, val) for f, n in zip(split.files, split.lost) if n),
                 accum_steps=layout.accum_steps, layout=layout,
                 xla=use_xla(cfg.train.jit_compile, runtime.devices, cfg.model.sync_bn), resume_line=resume_line,
-                decoder=dali.choose(cfg.data, list(runtime.devices), runtime.per_replica_datasets, runtime.kind))
+                decoder=dali.choose(cfg.data, list(runtime.devices)))
 
 
 def compile_model(cfg: Config, plan: Plan) -> keras.Model:
@@ -293,7 +293,7 @@ def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: Ba
         return eval_dataset(val, data, global_batch, ctx, num_classes=cfg.model.num_classes, cache_part=part)
     if dali.DECODERS[decoder].dealt:
         return dali.distribute_evaluation(runtime.strategy, worker_dataset, data, global_batch, runtime.num_workers,
-                                          runtime.worker_index)
+                                          runtime.worker_index, runtime.datasets_per_replica)
     return runtime.strategy.distribute_datasets_from_function(worker_dataset)
 
 
@@ -375,7 +375,7 @@ class TrainStream:
         if not dali.DECODERS[data.decoder].dealt:
             return runtime.strategy.distribute_datasets_from_function(worker_dataset)
         return dali.distribute(runtime.strategy, worker_dataset, data, self.plan.global_batch, runtime.num_workers,
-                               runtime.worker_index, self.cfg.train.seed)
+                               runtime.worker_index, self.cfg.train.seed, per_replica=runtime.datasets_per_replica)
 
     def _job_name(self) -> str:
         """The tf.data service job of the next dataset: new for every dataset (a restarted stream is a new
