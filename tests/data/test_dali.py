@@ -188,12 +188,13 @@ def photo_tree(tmp_path_factory) -> str:
 
 def validation_batches(split, cfg: DataConfig, replicas: int = 2):
     """Every step of the validation pipeline per replica: (images, labels, weights) arrays."""
-    strategy = tf.distribute.MirroredStrategy(CPU_DEVICES[:replicas])
+    runtime = runtime_of("mirrored", replicas)
+    strategy = runtime.strategy
 
     def worker(ctx):
         return eval_dataset(split, cfg, 8, ctx, num_classes=2)
     ds = (strategy.distribute_datasets_from_function(worker) if cfg.decoder == "tf"
-          else dali.distribute_evaluation(strategy, worker, cfg, 8, 1, 0))
+          else dali.distribute_evaluation(strategy, worker, cfg, 8, 1, 0, per_replica=runtime.datasets_per_replica))
     return [[tuple(x.numpy() for x in replica) for replica in zip(*(strategy.experimental_local_results(t)
                                                                    for t in step))] for step in ds]
 

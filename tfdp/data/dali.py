@@ -239,15 +239,13 @@ def input_options() -> tf.distribute.InputOptions:
 
 
 def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig, global_batch: int,
-               num_workers: int, worker_index: int, seed: int, evaluation: bool = False,
-               per_replica: Callable | None = None):
+               num_workers: int, worker_index: int, seed: int, *, per_replica: Callable, evaluation: bool = False):
     """The distributed training dataset: this worker's stream (`worker_dataset(input_context)`, the tf path's
     per-worker dataset of checked batches of encoded bytes), each batch one array (`pad_batch`), decoded by one
     DALI pipeline per local replica (`evaluation`: the central crop, as `distribute_evaluation`).
 
     `per_replica(dataset_fn, options)` makes the distributed dataset of a
-    dataset per local replica (`tfdp.distribute.strategy.Runtime.datasets_per_replica`, which builds it under
-    multi_worker too); by default the strategy's own `distribute_datasets_from_function` (mirrored).
+    dataset per local replica, on any strategy (`tfdp.distribute.strategy.Runtime.datasets_per_replica`).
 
     With one local replica its DALI pipeline reads the stream itself; with
     more, a `Dealer` reads it once and deals its batches through Python,
@@ -269,13 +267,11 @@ def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: 
         return replica_pipeline(rows, cfg, batch, devices[replica],
                                 seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local,
                                 evaluation=evaluation)
-    if per_replica is None:
-        return strategy.distribute_datasets_from_function(replica_dataset, options=input_options())
     return per_replica(replica_dataset, input_options())
 
 
 def distribute_evaluation(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig,
-                          global_batch: int, num_workers: int, worker_index: int, per_replica: Callable | None = None):
+                          global_batch: int, num_workers: int, worker_index: int, *, per_replica: Callable):
     """The distributed validation dataset: this worker's validation stream (`worker_dataset(input_context)`, the tf
     path's per-worker batches of (checked encoded bytes, label, weight)) dealt and decoded as `distribute` does
     the training stream's, each image's central crop at `data.eval_image_size`.
@@ -287,8 +283,8 @@ def distribute_evaluation(strategy: tf.distribute.Strategy, worker_dataset: Call
     """
     def rows(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         return worker_dataset(ctx).map(lambda encoded, label, weight: (encoded, tf.where(weight > 0, label, -1)))
-    return distribute(strategy, rows, cfg, global_batch, num_workers, worker_index, seed=0, evaluation=True,
-                      per_replica=per_replica)
+    return distribute(strategy, rows, cfg, global_batch, num_workers, worker_index, seed=0, per_replica=per_replica,
+                      evaluation=True)
 
 
 def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device: str, seed: int,

@@ -293,7 +293,7 @@ def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: Ba
         return eval_dataset(val, data, global_batch, ctx, num_classes=cfg.model.num_classes, cache_part=part)
     if dali.DECODERS[decoder].dealt:
         return dali.distribute_evaluation(runtime.strategy, worker_dataset, data, global_batch, runtime.num_workers,
-                                          runtime.worker_index, runtime.datasets_per_replica)
+                                          runtime.worker_index, per_replica=runtime.datasets_per_replica)
     return runtime.strategy.distribute_datasets_from_function(worker_dataset)
 
 
