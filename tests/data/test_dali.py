@@ -134,6 +134,21 @@ def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny
     assert [r["epoch"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
 
 
+@pytest.mark.slow
+def test_tfdp_benchmark_measures_the_input_as_tfdp_train_decodes_it(tmp_path, tiny_dir):
+    """`tfdp benchmark` with data.decoder: dali: its real-data row trains through DALI and its input rates are the
+    stream's decoded by DALI, as `tfdp train` would run (the rates' worth is a GPU's; here the wiring)."""
+    out = tmp_path / "bench"
+    result = run_tfdp("benchmark", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
+                      f"--data_dir={tiny_dir}", "--data_format=image_folder", "--max_replicas=1", "--steps=1",
+                      "--warmup_steps=1", f"--benchmark_dir={out}", "--set=data.decoder=dali", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((out / "benchmark.json").read_text())
+    assert data["decoder"] == "dali" and "input pipeline alone (data.decoder dali)" in result.stdout
+    assert data["input_pipeline_images_per_sec"] > 0 and data["input_beside_training_images_per_sec"] > 0
+    assert data["rows"][0]["real_data_images_per_sec"] > 0
+
+
 def test_an_image_dali_cannot_decode_is_failed_before_it_and_a_whole_one_passes(id_tree):
     transform = dali.encoded_transform(DataConfig(decoder="dali"), 0)
     files = build_source(DataConfig(format="image_folder", dir=id_tree)).split("train").files

@@ -106,6 +106,12 @@ def test_verdict_follows_from_real_and_synthetic_training(real, synthetic, alone
         assert f"{real / synthetic:.2f}x" in reason
 
 
+def test_an_input_bound_verdict_names_what_to_try_with_its_decoder():
+    assert "data.decoder: dali on GPUs" in verdict(1500.0, 3962.0, 2000.0)[1]
+    name, reason = verdict(1500.0, 3962.0, 2000.0, decoder="dali")
+    assert name == "input-bound" and "data.dali_hw_decoder_load" in reason and "data.decoder: dali" not in reason
+
+
 def test_scaling_rows_from_recorded_probes():
     """Two replicas at 150 images/s against one at 100: 75 per replica, efficiency 0.75."""
     from tfdp.commands.benchmark import analyse

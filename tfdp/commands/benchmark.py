@@ -9,6 +9,9 @@ measures, in steady state (windows of `--steps` steps until two agree within
     config's data is synthetic,
   - and, once, the input pipeline's images/s alone and beside training (the
     same process training on synthetic batches meanwhile).
+The real data is decoded as `tfdp train` decodes it: `data.decoder` resolved on
+the probe's replicas, so with DALI the real-data rows and the input's rates are
+DALI's (tfdp's stream, decoded on the replica's device).
 Scaling efficiency is rate(n) / (n x rate(1)) with a fixed per-replica batch.
 The verdict comes from what training achieved at the largest replica count:
 real-data training below 0.95x synthetic is input-bound, and the pipeline's
@@ -33,10 +36,15 @@ from tfdp.errors import UserError
 
 
 INPUT_BOUND_BELOW = 0.95  # real-data training slower than this fraction of synthetic: the input limits the run
+# What to try when the input alone is slower than the model, by decoder (`data.decoder`).
+REMEDIES = {
+    "tf": "more CPU cores per accelerator, downscaled shards, the tf.data service, or data.decoder: dali on GPUs",
+    "dali": "data.dali_threads, data.dali_hw_decoder_load, or downscaled shards",
+}
 
 
 def verdict(real_rate: float | None, synthetic_rate: float, input_rate: float,
-            beside_rate: float | None = None) -> tuple[str, str]:
+            beside_rate: float | None = None, decoder: str = "tf") -> tuple[str, str]:
     """What limits training, from what training itself achieved on real and on synthetic data.
 
     The pipeline's rate alone does not decide it: a pipeline that keeps up
@@ -53,7 +61,7 @@ def verdict(real_rate: float | None, synthetic_rate: float, input_rate: float,
         return "compute-bound", f"{rates}: the input keeps up"
     if input_rate < synthetic_rate:
         cause = (f"the input pipeline alone delivers {input_rate:.0f} images/s, less than the model takes: decoding "
-                 f"is the limit (more CPU cores per accelerator, downscaled shards, or the tf.data service)")
+                 f"is the limit ({REMEDIES[decoder]})")
     else:
         beside = f" ({beside_rate:.0f} beside training)" if beside_rate else ""
         cause = (f"the input pipeline alone delivers {input_rate:.0f} images/s{beside}, enough alone but not beside "
@@ -68,10 +76,11 @@ def analyse(cfg: Config, probes: list[dict], input_rate: float, beside_rate: flo
         n = p["replicas"]
         rows.append({**p, "per_replica_images_per_sec": p["synthetic_images_per_sec"] / n,
                      "scaling_efficiency": p["synthetic_images_per_sec"] / (n * base)})
-    last = rows[-1]
+    last, decoder = rows[-1], probes[0].get("decoder", "tf")
     name, reason = verdict(last.get("real_data_images_per_sec"), last["synthetic_images_per_sec"], input_rate,
-                           beside_rate)
+                           beside_rate, decoder)
     return {"model": cfg.model.name, "image_size": cfg.data.image_size, "data_format": cfg.data.format,
+            "decoder": decoder,
             "batch_size_per_replica": cfg.train.batch_size_per_replica, "rows": rows,
             "input_pipeline_images_per_sec": input_rate, "input_beside_training_images_per_sec": beside_rate,
             "verdict": name, "verdict_reason": reason}
@@ -102,7 +111,8 @@ def format_table(result: dict) -> str:
         real = f"{r['real_data_images_per_sec']:.1f}" if r.get("real_data_images_per_sec") else "-"
         lines.append(f"{r['replicas']:>8} {r['global_batch']:>12} {r['synthetic_images_per_sec']:>15.1f} "
                      f"{real:>10} {r['per_replica_images_per_sec']:>11.1f} {r['scaling_efficiency']:>10.2f}")
-    lines.append(f"input pipeline alone: {result['input_pipeline_images_per_sec']:.1f} images/s; beside training "
+    lines.append(f"input pipeline alone (data.decoder {result.get('decoder', 'tf')}): "
+                 f"{result['input_pipeline_images_per_sec']:.1f} images/s; beside training "
                  f"(1 replica, synthetic batches): {result['input_beside_training_images_per_sec'] or 0:.1f} images/s")
     lines.append(f"verdict: {result['verdict']}: {result['verdict_reason']}")
     return "\n".join(lines)
@@ -159,24 +169,26 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     from tfdp.distribute.strategy import local_replicas, make_runtime
     runtime = make_runtime(local_replicas(replicas))
 
-    from tfdp.data import build_source
+    from tfdp.data import build_source, dali
     from tfdp.data.pipeline import CorruptCounter, synthetic_dataset, train_dataset
     from tfdp.train.task import ClassificationTask, Plan
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
-    plan = Plan(global_batch, warmup + steps, 0, 0, cfg.model.num_classes)
+    decoder = dali.choose(cfg.data, list(runtime.devices))   # as `tfdp train` decodes on these replicas
+    plan = Plan(global_batch, warmup + steps, 0, 0, cfg.model.num_classes, decoder=decoder)
     source = build_source(cfg.data)
     task = ClassificationTask(cfg, runtime, source)
     with runtime.strategy.scope():
         model = task.build_model("train", plan)
-    result = {"replicas": runtime.num_replicas, "global_batch": global_batch}
+    result = {"replicas": runtime.num_replicas, "global_batch": global_batch, "decoder": decoder}
     synthetic = runtime.strategy.distribute_datasets_from_function(
         lambda ctx: synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch, ctx))
     split = source.split(cfg.data.train_split)
-    # TensorFlow's decode, whatever data.decoder says: with dali the stream only checks the bytes (DALI decodes on
-    # the replicas' devices), so timing it alone would time no decoding; benchmarks/gpu.py --rows=decoders times DALI
-    data = dataclasses.replace(cfg.data, decoder="tf")
-    local_pipeline = lambda: train_dataset(split, data, global_batch, cfg.train.seed)  # noqa: E731
+    if dali.DECODERS[decoder].dealt:   # the input alone: tfdp's stream and the replica's DALI pipeline after it
+        local_pipeline = lambda: task.build_train_inputs(plan, CorruptCounter()).dataset((0, 0))  # noqa: E731
+    else:
+        data = dataclasses.replace(cfg.data, decoder=decoder)
+        local_pipeline = lambda: train_dataset(split, data, global_batch, cfg.train.seed)  # noqa: E731
     result["synthetic_images_per_sec"], _ = fit_rate(model, synthetic, global_batch, steps, warmup)
     if measure_input:
         with Drain(local_pipeline()) as beside:  # the pipeline decoding while the model trains (a second run:
@@ -185,6 +197,8 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
         result["input_images_per_sec"] = pipeline_rate(local_pipeline(), global_batch, steps, warmup)
     if cfg.data.format != "synthetic":   # the pipeline `tfdp train` reads, corrupt-image counting included
         real = task.build_train_inputs(plan, CorruptCounter()).dataset((0, 0))
+        if dali.DECODERS[decoder].dealt:   # a dataset per replica is another iterator type than the synthetic
+            model.train_function = None    # batches' the step was traced for: rebuilt by the next fit
         result["real_data_images_per_sec"], _ = fit_rate(model, real, global_batch, steps, warmup)
     return result
 
