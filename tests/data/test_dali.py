@@ -27,7 +27,7 @@ from support.inprocess import evaluate_in_process, train_in_process
 from tfdp.config import DataConfig, validate
 from tfdp.data import build_source, dali
 from tfdp.data.corrupt import LOG
-from tfdp.data.pipeline import eval_dataset
+from tfdp.data.pipeline import eval_dataset, train_dataset
 from tfdp.distribute.cluster import free_ports
 from tfdp.distribute.strategy import Runtime
 from tfdp.errors import UserError
@@ -322,3 +322,17 @@ def test_dali_threads_are_the_setting_or_the_hosts_cores_shared_among_the_replic
     assert dali.pipeline_threads(DataConfig(), on_gpu=True, replicas=1) == min(8, cores)
     with pytest.raises(UserError, match="dali_hw_decoder_load"):
         validate({"data": {"decoder": "dali", "dali_hw_decoder_load": 1.5}})
+
+
+def test_a_replicas_dali_dataset_leaves_tf_data_nothing_to_autotune_at_its_outermost(id_tree):
+    """Deleting a DALI replica dataset's iterator waited on tf.data's autotuner thread (Keras deletes the last
+    validation iterator as each evaluation starts: 7.6-8.8 s in 11 of 20 evaluations on 2 workers); its outermost
+    stages (the copy to the device, a prefetch of 2) have nothing to tune, so the autotuner is off there, and the
+    stream DALI reads keeps it."""
+    cfg = DataConfig(format="image_folder", dir=id_tree, image_size=8, decoder="dali")
+    rows = dali.padded(train_dataset(build_source(cfg).split("train"), cfg, 4, 0))
+    decoded = dali.replica_pipeline(rows, cfg, 4, "/device:CPU:0", seed=0)
+    assert decoded.options().autotune.enabled is False
+    assert rows.options().autotune.enabled is not False
+    images, labels = next(iter(decoded))
+    assert images.shape == (4, 8, 8, 3) and labels.shape == (4,)
