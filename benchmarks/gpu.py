@@ -44,8 +44,10 @@ wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
   python benchmarks/gpu.py --rows=dali_alone --decoder=dali:dali_threads=4,dali:dali_hw_decoder_load=0.65
                                                  # DALI alone with each setting, its input in memory
 
-The real data (--images JPEGs and their shards) is made once per run, on first use: the JPEGs by one
-process per core, the shards converted with the GPU hidden (benchmarks/input_pipeline.py, make_data).
+The real data (--images JPEGs, and each set of shards a row reads) is made once, on first use: the JPEGs by
+one process per core, each set of shards converted with the GPU hidden (benchmarks/input_pipeline.py,
+make_data); --data_only makes the JPEGs and the full-size shards (all the decoders, scaling and dali_alone rows
+read; the downscaled set only for the `small` row).
 With --workdir the data (and the decoders row's synthetic runs) stay there for later invocations, so a
 short lease can make the data while its packages are still arriving (--data_only) and measure after;
 each `tfdp train` run's output is kept beside its model_dir as DIR.log.
@@ -336,20 +338,6 @@ def split_demo(model_dir: str) -> str:
     return f"{took:.0f} s, val top-1 {top1:.2%} ({strategy[:120]})" if top1 is not None else f"{took:.0f} s, no val top-1"
 
 
-def made_data(work: str, images: int, max_side: int) -> dict[str, str]:
-    """The real data in `work`: made by an earlier invocation with the same sizes (its record, written once
-    all of it was there), else now (`input_pipeline.make_data`)."""
-    record = os.path.join(work, f"data-{images}-{max_side}.json")
-    if os.path.exists(record):
-        with open(record, encoding="utf-8") as f:
-            return json.load(f)
-    from input_pipeline import make_data
-    made = make_data(work, images, max_side)
-    with open(record, "w", encoding="utf-8") as f:
-        json.dump(made, f)
-    return made
-
-
 def scaling_rows(args, shards: str) -> list[tuple[str, str]]:
     """The input alone with the GPU hidden, pinned to 1, 4, 16, ... of the host's cores, each count in a process
     of its own (benchmarks/input_pipeline.py --streams): does the stream DALI is fed from scale with the cores,
@@ -461,14 +449,16 @@ def main() -> None:
         real = {}
 
         def data(kind: str) -> list[str]:
-            """The real-data flags, the files written on first use."""
-            if not real:
-                made = made_data(work, args.images, args.max_side)
+            """The real-data flags; the JPEGs written, and a set of shards converted, on first use (in `work`, by
+            an earlier invocation or now: `input_pipeline.make_data`)."""
+            if kind not in real:
+                from input_pipeline import SHARD_SETS, make_data
+                made = make_data(work, args.images, args.max_side, sets=(kind,) if kind in SHARD_SETS else ())
                 classes = f"--set=model.num_classes={len(os.listdir(os.path.join(made['tree'], 'train')))}"
                 real["files"] = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(made["tree"], "train")) for f in fs]
                 real["tree"] = [f"--data_dir={made['tree']}", "--data_format=imagenet", classes]
-                real["shards"] = [f"--data_dir={made['shards']}", "--data_format=tfrecord", classes]
-                real["small"] = [f"--data_dir={made['small']}", "--data_format=tfrecord", classes]
+                real.update({name: [f"--data_dir={made[name]}", "--data_format=tfrecord", classes]
+                             for name in SHARD_SETS if name in made})
             return real[kind]
 
         def shard_dir() -> str:

@@ -68,21 +68,28 @@ sys.path.insert(1, os.path.join(REPO, "tests"))   # support.photos, support.gcs_
 import tfdp  # noqa: E402,F401  (TensorFlow environment defaults)
 
 
-def make_data(workdir: str, images: int, max_side: int, shards: bool = True) -> dict[str, str]:
-    """The JPEG tree (written by one process per core) and, with `shards`, its two shard conversions, each in a
-    process of its own with the GPU hidden: a GPU host's time goes to the measurement, not to making data."""
+SHARD_SETS = ("shards", "small")   # full size, and the longer side at --max_side
+
+
+def make_data(workdir: str, images: int, max_side: int, sets: tuple[str, ...] = SHARD_SETS) -> dict[str, str]:
+    """The JPEG tree (written by one process per core) and the shard conversions named in `sets`, each in a
+    process of its own with the GPU hidden, each made once (a later call finds it): a GPU host's time goes to the
+    measurement, not to making data, nor to a conversion its rows do not read."""
     tree = os.path.join(workdir, "tree")
     if not os.path.exists(tree + ".written"):   # written before (a lease's data made in steps), else now
         write_tree(tree, images)
-    if not shards:
-        return {"tree": tree}
-    made = {"tree": tree, "shards": os.path.join(workdir, "shards"),
-            "small": os.path.join(workdir, f"shards-{max_side}")}
+    made = {"tree": tree}
     hidden = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    for name, side in (("shards", 0), ("small", max_side)):
+    for name in sets:
+        side = max_side if name == "small" else 0
+        made[name] = os.path.join(workdir, f"shards-{side}" if side else "shards")
+        if os.path.exists(made[name] + ".made"):
+            continue
         subprocess.run([sys.executable, "-m", "pipelines.convert_imagenet", f"--src={tree}", f"--out={made[name]}",
                         "--train_shards=16", "--val_shards=1", f"--max_side={side}"], cwd=REPO, env=hidden,
                        check=True, capture_output=True)
+        with open(made[name] + ".made", "w", encoding="utf-8") as f:
+            f.write(f"{images}\n")
     return made
 
 
@@ -206,7 +213,7 @@ def decoder_rows(args) -> None:
     from tfdp.config import DataConfig
     from tfdp.data import build_source
     with tempfile.TemporaryDirectory() as workdir:
-        tree = make_data(workdir, args.images, args.max_side, shards=False)["tree"]
+        tree = make_data(workdir, args.images, args.max_side, sets=())["tree"]
         files = list(build_source(DataConfig(format="imagenet", dir=tree)).split("train").files)
         variants = {
             "crop + resize alone (tf)": lambda: crop_and_resize_alone(files, args.size, args.batch),
