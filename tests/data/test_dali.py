@@ -209,7 +209,7 @@ def validation_batches(split, cfg: DataConfig, replicas: int = 2):
     def worker(ctx):
         return eval_dataset(split, cfg, 8, ctx, num_classes=2)
     ds = (strategy.distribute_datasets_from_function(worker) if cfg.decoder == "tf"
-          else dali.distribute_evaluation(strategy, worker, cfg, 8, 1, 0, per_replica=runtime.datasets_per_replica))
+          else dali.distribute_evaluation(runtime, worker, cfg, 8))
     return [[tuple(x.numpy() for x in replica) for replica in zip(*(strategy.experimental_local_results(t)
                                                                    for t in step))] for step in ds]
 

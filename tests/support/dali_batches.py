@@ -53,8 +53,7 @@ def replica_batches(runtime, split, cfg, start: tuple[int, int], steps: int, glo
     def worker(ctx):
         return train_dataset(split, cfg, global_batch, 3, ctx, Bookkeeping(start, position, corrupt, CLASSES))
     ds = (strategy.distribute_datasets_from_function(worker) if cfg.decoder == "tf"
-          else dali.distribute(strategy, worker, cfg, global_batch, runtime.num_workers, runtime.worker_index, 3,
-                               per_replica=runtime.datasets_per_replica))
+          else dali.distribute(runtime, worker, cfg, global_batch, 3))
     steps_seen, positions = [], []
     iterator = iter(ds)
     for step in range(steps):

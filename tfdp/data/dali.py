@@ -238,27 +238,26 @@ def input_options() -> tf.distribute.InputOptions:
                                       experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
 
 
-def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig, global_batch: int,
-               num_workers: int, worker_index: int, seed: int, *, per_replica: Callable, evaluation: bool = False):
+def distribute(runtime, worker_dataset: Callable, cfg: DataConfig, global_batch: int, seed: int,
+               evaluation: bool = False):
     """The distributed training dataset: this worker's stream (`worker_dataset(input_context)`, the tf path's
     per-worker dataset of checked batches of encoded bytes), each batch one array (`pad_batch`), decoded by one
     DALI pipeline per local replica (`evaluation`: the central crop, as `distribute_evaluation`).
 
-    `per_replica(dataset_fn, options)` makes the distributed dataset of a
-    dataset per local replica, on any strategy (`tfdp.distribute.strategy.Runtime.datasets_per_replica`).
+    `runtime`: the run's `tfdp.distribute.strategy.Runtime` (its replicas, devices, workers, this worker's
+    index), whose `datasets_per_replica` makes a dataset per local replica on any strategy.
 
     With one local replica its DALI pipeline reads the stream itself; with
     more, a `Dealer` reads it once and deals its batches through Python,
     which costs a copy of each batch (a generator's output is copied into a
     tensor) but none of it per image.
     """
-    replicas = strategy.num_replicas_in_sync
-    local = replicas // num_workers
-    worker_ctx = tf.distribute.InputContext(num_input_pipelines=num_workers, input_pipeline_id=worker_index,
+    replicas, devices, worker_index = runtime.num_replicas, list(runtime.devices), runtime.worker_index
+    local = len(devices)
+    worker_ctx = tf.distribute.InputContext(num_input_pipelines=runtime.num_workers, input_pipeline_id=worker_index,
                                             num_replicas_in_sync=replicas)
     batch = worker_ctx.get_per_replica_batch_size(global_batch)
     dealer = Dealer(lambda: worker_dataset(worker_ctx), local)
-    devices = list(strategy.extended.worker_devices)
 
     def replica_dataset(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         replica = ctx.input_pipeline_id % local
@@ -267,11 +266,10 @@ def distribute(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: 
         return replica_pipeline(rows, cfg, batch, devices[replica],
                                 seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local,
                                 evaluation=evaluation)
-    return per_replica(replica_dataset, input_options())
+    return runtime.datasets_per_replica(replica_dataset, input_options())
 
 
-def distribute_evaluation(strategy: tf.distribute.Strategy, worker_dataset: Callable, cfg: DataConfig,
-                          global_batch: int, num_workers: int, worker_index: int, *, per_replica: Callable):
+def distribute_evaluation(runtime, worker_dataset: Callable, cfg: DataConfig, global_batch: int):
     """The distributed validation dataset: this worker's validation stream (`worker_dataset(input_context)`, the tf
     path's per-worker batches of (checked encoded bytes, label, weight)) dealt and decoded as `distribute` does
     the training stream's, each image's central crop at `data.eval_image_size`.
@@ -283,8 +281,7 @@ def distribute_evaluation(strategy: tf.distribute.Strategy, worker_dataset: Call
     """
     def rows(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         return worker_dataset(ctx).map(lambda encoded, label, weight: (encoded, tf.where(weight > 0, label, -1)))
-    return distribute(strategy, rows, cfg, global_batch, num_workers, worker_index, seed=0, per_replica=per_replica,
-                      evaluation=True)
+    return distribute(runtime, rows, cfg, global_batch, seed=0, evaluation=True)
 
 
 def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device: str, seed: int,

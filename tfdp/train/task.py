@@ -292,8 +292,7 @@ def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: Ba
     def worker_dataset(ctx):
         return eval_dataset(val, data, global_batch, ctx, num_classes=cfg.model.num_classes, cache_part=part)
     if dali.DECODERS[decoder].dealt:
-        return dali.distribute_evaluation(runtime.strategy, worker_dataset, data, global_batch, runtime.num_workers,
-                                          runtime.worker_index, per_replica=runtime.datasets_per_replica)
+        return dali.distribute_evaluation(runtime, worker_dataset, data, global_batch)
     return runtime.strategy.distribute_datasets_from_function(worker_dataset)
 
 
@@ -374,8 +373,7 @@ class TrainStream:
         runtime = self.runtime
         if not dali.DECODERS[data.decoder].dealt:
             return runtime.strategy.distribute_datasets_from_function(worker_dataset)
-        return dali.distribute(runtime.strategy, worker_dataset, data, self.plan.global_batch, runtime.num_workers,
-                               runtime.worker_index, self.cfg.train.seed, per_replica=runtime.datasets_per_replica)
+        return dali.distribute(runtime, worker_dataset, data, self.plan.global_batch, self.cfg.train.seed)
 
     def _job_name(self) -> str:
         """The tf.data service job of the next dataset: new for every dataset (a restarted stream is a new
