@@ -89,11 +89,14 @@ def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_po
 
 
 @pytest.mark.slow
-def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree, tmp_path):
+@pytest.mark.parametrize("per_worker", [1, 2])
+def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree, tmp_path, per_worker):
     """A real 2-worker MultiWorkerMirroredStrategy cluster on 127.0.0.1 (`tests/support/dali_batches.py` in each
     process): each worker's DALI batches hold its own share of the tf path's, in its order, and resume at a
     position. TensorFlow's own per-worker input would deal them through its MultiDeviceIterator, which crashes
-    over DALI; tfdp builds a dataset per replica there (`Runtime.datasets_per_replica`)."""
+    over DALI; tfdp builds a dataset per replica there (`Runtime.datasets_per_replica`). With 2 replicas per
+    worker (`distribute.cpu_replicas_per_worker`, as a host's GPUs), each worker's share is dealt between its
+    two DALI pipelines as the tf path deals it."""
     ports = free_ports(2)
     procs = []
     for index in range(2):
@@ -101,13 +104,14 @@ def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree,
                                                                                      "index": index}}
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(REPO, "tests", "support", "dali_batches.py"), id_tree,
-             str(tmp_path / f"worker-{index}.json")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+             str(tmp_path / f"worker-{index}.json"), str(per_worker)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env={**os.environ, "TF_CONFIG": json.dumps(tf_config)}))
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     found = [json.loads((tmp_path / f"worker-{index}.json").read_text()) for index in range(2)]
     for worker in found:
-        assert worker["dali"] == worker["tf"]  # steps (one replica each) and stream positions alike
+        assert worker["dali"] == worker["tf"]  # steps (per local replica) and stream positions alike
+        assert all(len(step) == per_worker for step in worker["dali"]["steps"])
         assert worker["resumed"] == worker["dali"]["steps"][2:5]
         assert all(i % CLASSES == label for step in worker["dali"]["steps"] for ids, labels in step
                    for i, label in zip(ids, labels))
@@ -117,14 +121,19 @@ def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree,
 
 
 @pytest.mark.slow
-def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny_dir):
+@pytest.mark.parametrize("per_worker", [1, 2])
+def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny_dir, per_worker):
     """`tfdp launch --workers=2` with data.decoder: dali: MultiWorkerMirroredStrategy's `fit`, each worker's DALI
-    pipeline fed its own share; both workers end with the same weights (the all-reduce over DALI's batches)."""
+    pipeline fed its own share; both workers end with the same weights (the all-reduce over DALI's batches). With
+    2 replicas per worker, as on hosts of several GPUs, each worker deals its share to two DALI pipelines."""
     launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train",
                         "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
                         f"--data_dir={tiny_dir}", "--data_format=image_folder", f"--model_dir={tmp_path}/run",
-                        "--epochs=2", "--set=schedule.warmup_epochs=0", "--set=data.decoder=dali", timeout=600)
+                        "--epochs=2", "--set=schedule.warmup_epochs=0", "--set=data.decoder=dali",
+                        f"--set=distribute.cpu_replicas_per_worker={per_worker}",
+                        f"--batch_size_per_replica={32 // per_worker}", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
+    assert f"on {2 * per_worker} replica(s), global batch 64" in launched.stdout, launched.stdout[-3000:]
     for worker in (0, 1):
         assert (f"[worker {worker}] tfdp: data: training and validation images decoded and cropped by DALI"
                 in launched.stdout), launched.stdout[-3000:]

@@ -1,6 +1,7 @@
 """The Keras patches (tfdp/keras_patches): still needed, still resting on what they rely on, harmless elsewhere."""
 
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -182,3 +183,18 @@ def test_tensorflow_still_refuses_a_dataset_per_replica_where_tfdp_builds_its_ow
         tf.distribute.OneDeviceStrategy("/cpu:0").distribute_datasets_from_function(
             lambda ctx: tf.data.Dataset.range(2), options=options)
     assert "PER_REPLICA" in inspect.getsource(CollectiveAllReduceExtended._distribute_datasets_from_function)
+
+
+def test_tensorflow_still_gives_a_cpu_worker_one_device_where_tfdp_gives_it_several():
+    """`distribute.cpu_replicas_per_worker` replaces, while MultiWorkerMirroredStrategy is built, the method that
+    counts a worker's devices (tfdp/distribute/strategy.py, `_worker_cpus`), because TensorFlow's gives a worker
+    without GPUs one CPU device however many logical CPUs the host is split into (this process: conftest's 2).
+    Fails when an upgrade counts them otherwise or calls the method with other arguments: re-check `_worker_cpus`."""
+    import tensorflow as tf
+    from tensorflow.python.distribute.cluster_resolver.tfconfig_cluster_resolver import TFConfigClusterResolver
+    from tensorflow.python.distribute.collective_all_reduce_strategy import CollectiveAllReduceExtended
+    assert len(tf.config.list_logical_devices("CPU")) == 2
+    counted = CollectiveAllReduceExtended._initialize_local_devices(None, TFConfigClusterResolver(), "/job:worker/task:1")
+    assert counted == (("/job:worker/task:1/device:CPU:0",), "CPU")
+    assert re.search(r"self\._initialize_local_devices\(\s*cluster_resolver,\s*self\._worker_device\s*\)",
+                     inspect.getsource(CollectiveAllReduceExtended._initialize_multi_worker))

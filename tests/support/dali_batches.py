@@ -2,8 +2,9 @@
 name themselves (one flat colour each, so a decoded, cropped and resized image still says which file it came
 from) and the per-replica batches a strategy's input gives, by the tf path or DALI.
 
-Run as a script (`python tests/support/dali_batches.py DATA_DIR OUT.json`, TF_CONFIG set), it is one worker of
-a real MultiWorkerMirroredStrategy cluster: it writes both decoders' steps of its own share to OUT.json."""
+Run as a script (`python tests/support/dali_batches.py DATA_DIR OUT.json [REPLICAS]`, TF_CONFIG set), it is one
+worker of a real MultiWorkerMirroredStrategy cluster, of REPLICAS logical CPU replicas (1 if not given): it writes
+both decoders' steps of its own share to OUT.json."""
 
 from __future__ import annotations
 
@@ -64,14 +65,14 @@ def replica_batches(runtime, split, cfg, start: tuple[int, int], steps: int, glo
     return steps_seen, corrupt.value(), positions
 
 
-def main(data_dir: str, out: str) -> None:
-    """One worker: both decoders' first 6 steps of this worker's share, and a DALI stream resumed at step 2's
-    position."""
+def main(data_dir: str, out: str, per_worker: str = "1") -> None:
+    """One worker of `per_worker` replicas: both decoders' first 6 steps of this worker's share, and a DALI stream
+    resumed at step 2's position."""
     import tfdp  # noqa: F401  (TensorFlow's environment defaults, as tfdp's own processes)
     from tfdp.config import DataConfig, DistributeConfig
     from tfdp.data import build_source
     from tfdp.distribute.strategy import make_runtime
-    runtime = make_runtime(DistributeConfig(strategy="multi_worker"))
+    runtime = make_runtime(DistributeConfig(strategy="multi_worker", cpu_replicas_per_worker=int(per_worker)))
     cfg = DataConfig(format="image_folder", dir=data_dir, image_size=8, shuffle_buffer=16, max_bad_fraction=0.2)
     split = build_source(cfg).split("train")
     found = {}

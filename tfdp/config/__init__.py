@@ -287,6 +287,9 @@ class DistributeConfig:
     # On a host without GPUs, split the CPU into this many logical devices so
     # `mirrored` really runs that many replicas. 0 keeps one CPU device.
     cpu_replicas: NonNegInt = 0
+    # multi_worker on hosts without GPUs: each worker mirrors over this many logical CPUs, as it mirrors over a
+    # host's GPUs (a cluster of multi-GPU hosts at CPU scale). 1: TensorFlow's one CPU device per worker.
+    cpu_replicas_per_worker: PosInt = 1
     # multi_worker: the all-reduce implementation across hosts.
     communication: Literal["auto", "ring", "nccl"] = "auto"
     # multi_worker: seconds to wait for every worker to join before giving up.

@@ -7,11 +7,13 @@ strategy it is.
 
 On a host without GPUs, `cpu_replicas=N` splits the CPU into N logical devices
 before TensorFlow initialises them, so MirroredStrategy really runs N replicas
-(with their own variables and an all-reduce) on a laptop or CI machine.
+(with their own variables and an all-reduce) on a laptop or CI machine;
+`cpu_replicas_per_worker=N` does the same for each worker of a cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Callable
@@ -59,6 +61,13 @@ class Runtime:
 
 def split_cpu(n: int) -> list[str]:
     """Splits the (first) CPU into `n` logical devices; must run before TF picks its devices."""
+    configure_logical_cpus(n)
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def configure_logical_cpus(n: int) -> None:
+    """`split_cpu` without listing the devices, which would initialise TensorFlow's context:
+    MultiWorkerMirroredStrategy configures its collectives before that."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
@@ -67,7 +76,6 @@ def split_cpu(n: int) -> list[str]:
         if have != n:
             raise UserError(f"cannot split the CPU into {n} devices: TensorFlow already "
                             f"initialised {have}; set distribute.cpu_replicas before any TF work") from None
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
 def _local_devices(cfg: DistributeConfig) -> list[str]:
@@ -102,23 +110,55 @@ def _multi_worker(cfg: DistributeConfig) -> Runtime:
     """MultiWorkerMirroredStrategy over the cluster in TF_CONFIG (or Slurm).
 
     Each worker mirrors over its local GPUs; on a CPU-only host each worker is
-    one replica (TensorFlow's collective strategy uses one CPU device).
+    one replica (TensorFlow's collective strategy uses one CPU device), or
+    `cpu_replicas_per_worker` logical CPUs.
     """
     cluster = cluster_lib.from_environment()
     cluster_lib.check_port_free(cluster)
     # What TensorFlow reads: the training members only, under its names (a TFJob's `master` is its `chief`;
     # an evaluator joins no collective), and for Slurm-derived clusters too.
     os.environ["TF_CONFIG"] = cluster_lib.training_tf_config(cluster)
-    # distribute.cpu_replicas splits a host for `mirrored` only; the strategy line says what ran, so a
-    # config shared with one-host runs (configs/digits.yaml) needs no warning here.
+    # distribute.cpu_replicas splits a host for `mirrored` only (a worker's is `cpu_replicas_per_worker`); the
+    # strategy line says what ran, so a config shared with one-host runs (configs/digits.yaml) needs no warning.
     options = tf.distribute.experimental.CommunicationOptions(implementation=COMMUNICATION[cfg.communication])
-    with watchdog.deadline(cfg.startup_timeout):
+    with watchdog.deadline(cfg.startup_timeout), _worker_cpus(cfg.cpu_replicas_per_worker):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         # The first collective blocks until every worker has joined. In a tf.function, as the
         # training steps run: strategy.run called eagerly is a slow path TensorFlow warns about.
         tf.function(lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1)), axis=None))()
     devices = tuple(strategy.extended.worker_devices)
     return Runtime(strategy, "multi_worker", devices, num_workers=cluster.num_workers, worker_index=cluster.rank)
+
+
+@contextlib.contextmanager
+def _worker_cpus(n: int):
+    """While MultiWorkerMirroredStrategy is built, has it mirror each worker over `n` logical CPUs where the host
+    has no GPU.
+
+    TensorFlow gives a CPU worker one device (`_initialize_local_devices`
+    counts GPUs, else 1), so a CPU cluster could not show what a cluster of
+    multi-GPU hosts does: several replicas per worker, each worker's input
+    dealt among them, the all-reduce within a host and across hosts. With the
+    CPU split first, the same strategy mirrors over the logical CPUs as it
+    would over the GPUs; nothing else of TensorFlow's is changed. A canary in
+    tests/keras_patches/test_compat.py says when TensorFlow's count changes.
+    """
+    if n == 1 or tf.config.list_physical_devices("GPU"):
+        if n > 1:
+            logging.warning("GPUs found; ignoring distribute.cpu_replicas_per_worker=%d", n)
+        yield
+        return
+    configure_logical_cpus(n)
+    from tensorflow.python.distribute.collective_all_reduce_strategy import CollectiveAllReduceExtended
+    tensorflow_own = CollectiveAllReduceExtended._initialize_local_devices
+
+    def logical_cpus(extended, cluster_resolver, worker_device):
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(n)), "CPU"
+    CollectiveAllReduceExtended._initialize_local_devices = logical_cpus
+    try:
+        yield
+    finally:
+        CollectiveAllReduceExtended._initialize_local_devices = tensorflow_own
 
 
 def _mirrored_per_replica(runtime: Runtime, dataset_fn: Callable, options):

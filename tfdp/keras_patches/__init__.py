@@ -93,6 +93,9 @@ RELIED_ON = {
         "tensorflow.python.distribute.input_util.get_distributed_datasets_from_function",
         "tensorflow.python.distribute.device_util.canonicalize",
         "tensorflow.python.distribute.device_util.get_host_for_device",
+        # distribute.cpu_replicas_per_worker: a CPU worker mirrors over logical CPUs (`_worker_cpus`)
+        "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended"
+        "._initialize_local_devices",
     ),
 }
 # ... and attributes of a compiled model and of a Keras variable they use (set at construction, so checked on one).
