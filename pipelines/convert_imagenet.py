@@ -51,7 +51,7 @@ from tfdp.data import build_source
 from tfdp.data.layouts.records import shard_name
 from tfdp.data.layouts import Source
 from tfdp.data.storage import filesystem, is_remote
-from tfdp.data.layouts.tfrecord import Item, Prepared, image_example
+from tfdp.data.layouts.tfrecord import Item, Prepared, image_example, write_record
 from tfdp.errors import UserError
 
 REPORT = "conversion_report.json"
@@ -180,7 +180,7 @@ def _run(tasks: list[ShardTask], finished: set[str], workers: int, progress: boo
                 convert_shard(task)
                 bar.update(len(task.items))
             return
-        context = multiprocessing.get_context("spawn")  # TensorFlow is not fork-safe
+        context = multiprocessing.get_context("spawn")  # a caller's TensorFlow (tests, notebooks) is not fork-safe
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
             futures = {pool.submit(convert_shard, t): t for t in todo}
             for future in concurrent.futures.as_completed(futures):
@@ -206,21 +206,20 @@ def _finished(out: str) -> set[str]:
 
 
 def convert_shard(task: ShardTask) -> None:
-    """Writes one shard under a temporary name, its summary beside it, then renames it into place."""
-    import tensorflow as tf
-
+    """Writes one shard under a temporary name, its summary beside it, then renames it into place (without
+    TensorFlow: a worker process imports none)."""
     final = os.path.join(task.out_dir, task.name)
     tmp = os.path.join(task.out_dir, f".{task.name}.tmp-{os.getpid()}")
     per_class: collections.Counter = collections.Counter()
     bad = []
-    with tf.io.TFRecordWriter(tmp) as writer:
+    with open(tmp, "wb") as shard:
         for item in task.items:
             try:
                 image = prepare_image(_read(item.path), task.max_side, task.quality)
             except BadImage as e:
                 bad.append({"file": item.path, "synset": item.synset, "reason": str(e)})
                 continue
-            writer.write(image_example(item, image).SerializeToString(deterministic=True))  # sorted keys
+            write_record(shard, image_example(item, image).SerializeToString(deterministic=True))  # sorted keys
             per_class[item.synset] += 1
     summary = {"examples": sum(per_class.values()), "per_class": dict(sorted(per_class.items())), "bad": bad}
     atomic_write_text(_sidecar(task.out_dir, task.name), json.dumps(summary, indent=1))
