@@ -78,6 +78,14 @@ cat $W/rows.md
 if python3 -c "import sklearn" 2>/dev/null; then
   python3 -m tfdp train --config=configs/digits.yaml --model_dir=$W/demo-dali --set=data.decoder=dali > $W/demo-dali.log 2>&1
   log "demo with dali: exit $?; $(grep -c 'decoded and cropped by DALI' $W/demo-dali.log) DALI line(s); last: $(tail -n 1 $W/demo-dali/metrics.jsonl 2>/dev/null)"
+  # DALI through tfdp's own dataset per replica (`Runtime.datasets_per_replica`), never run on a card yet: under
+  # one_device, and under multi_worker as a 1-worker cluster (tfdp launch)
+  python3 -m tfdp train --config=configs/digits.yaml --model_dir=$W/demo-dali-one --set=data.decoder=dali \
+    --strategy=one_device --epochs=2 > $W/demo-dali-one.log 2>&1
+  log "one_device with dali: exit $?; $(grep -c 'decoded and cropped by DALI' $W/demo-dali-one.log) DALI line(s); last: $(tail -n 1 $W/demo-dali-one/metrics.jsonl 2>/dev/null)"
+  python3 -m tfdp launch --workers=1 --launch_logs=$W/launch-logs -- train --config=configs/digits.yaml \
+    --model_dir=$W/demo-dali-mw --set=data.decoder=dali --epochs=2 > $W/demo-dali-mw.log 2>&1
+  log "multi_worker with dali: exit $?; $(grep -c 'decoded and cropped by DALI' $W/demo-dali-mw.log) DALI line(s); last: $(tail -n 1 $W/demo-dali-mw/metrics.jsonl 2>/dev/null)"
 else
   log "demo with dali: not run (no scikit-learn here)"
 fi
