@@ -75,7 +75,8 @@ def configure_logical_cpus(n: int) -> None:
         have = len(tf.config.list_logical_devices("CPU"))
         if have != n:
             raise UserError(f"cannot split the CPU into {n} devices: TensorFlow already "
-                            f"initialised {have}; set distribute.cpu_replicas before any TF work") from None
+                            f"initialised {have}; set distribute.cpu_replicas (or cpu_replicas_per_worker) "
+                            f"before any TF work") from None
 
 
 def _local_devices(cfg: DistributeConfig) -> list[str]:
