@@ -61,11 +61,11 @@ class Runtime:
 
 def split_cpu(n: int) -> list[str]:
     """Splits the (first) CPU into `n` logical devices; must run before TF picks its devices."""
-    configure_logical_cpus(n)
+    _configure_logical_cpus(n)
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
-def configure_logical_cpus(n: int) -> None:
+def _configure_logical_cpus(n: int) -> None:
     """`split_cpu` without listing the devices, which would initialise TensorFlow's context:
     MultiWorkerMirroredStrategy configures its collectives before that."""
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -149,7 +149,7 @@ def _worker_cpus(n: int):
             logging.warning("GPUs found; ignoring distribute.cpu_replicas_per_worker=%d", n)
         yield
         return
-    configure_logical_cpus(n)
+    _configure_logical_cpus(n)
     from tensorflow.python.distribute.collective_all_reduce_strategy import CollectiveAllReduceExtended
     tensorflow_own = CollectiveAllReduceExtended._initialize_local_devices
 

@@ -32,6 +32,7 @@ import os
 import posixpath
 import struct
 
+import google_crc32c
 import numpy as np
 
 from tfdp.data.layouts import RecordFormat
@@ -152,8 +153,6 @@ def write_record(f, record: bytes) -> None:
 
 def _masked_crc(data: bytes) -> bytes:
     """TFRecord's checksum: CRC-32C, rotated right by 15 bits, plus a constant (tsl/lib/hash/crc32c.h's Mask)."""
-    import google_crc32c
-
     crc = google_crc32c.value(data)
     return _CRC.pack((((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
 
