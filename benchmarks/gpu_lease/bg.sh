@@ -16,11 +16,13 @@ N=${N:-23600}; E=${E:-4}
 # setting, and with NVIDIA's preallocation for ImageNet (its ResNet-50 pipelines: the HW decoder's buffers for
 # the largest image, then also nvJPEG's device and pinned pools), which tfdp does not set (DALI's CPU stage cost
 # 0.6 ms/image in the second lease, unexplained), and DALI's feed without the decoder (decode=false: what the
-# executor's pool costs apart from the mixed decoder's host work). Then training: DALI's load and
+# executor's pool costs apart from the mixed decoder's host work), and every JPEG to the hardware decoders
+# (hw_decoder_load 1.0: at 0.95 the 5 % left to the CUDA decoder still take the host's Huffman pass, about 1.5 ms
+# each by the second lease's 0.65 row, so about 0.07 ms an image). Then training: DALI's load and
 # thread count side by side (the second lease compared 0.65 and 0.95 in separate runs, and tried only 16
 # threads beside 8), ResNet-50 too, and tf (in a 15-minute lease the ResNet-50 rows are likely not reached).
 PREALLOC=preallocate_width_hint=5980:preallocate_height_hint=6430
-ALONE=${ALONE:---rows=dali_alone --decoder=dali,dali:decode=false,dali:$PREALLOC,dali:$PREALLOC:device_memory_padding=211025920:host_memory_padding=140544512,dali:dali_threads=4}
+ALONE=${ALONE:---rows=dali_alone --decoder=dali,dali:decode=false,dali:$PREALLOC,dali:$PREALLOC:device_memory_padding=211025920:host_memory_padding=140544512,dali:dali_threads=4,dali:dali_hw_decoder_load=1.0}
 ROWS=${ROWS:---rows=decoders --decoder_models=resnet18,resnet50 --decoder=dali,dali:dali_hw_decoder_load=0.65,dali:dali_threads=4,tf}
 # from pack.sh's last lines
 TF_BYTES=646207044; TF_SHA=21311c7cef244cb0e57164c49559401215c75df43df3c075b7a57e5035ea80a0
