@@ -33,24 +33,24 @@ def assert_matches_two_replica_run(tmp_path, data_dir, rtol: float, atol: float)
         np.testing.assert_allclose(ours[name], reference[name], rtol=rtol, atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("per_worker", [1, 2])
-def test_two_workers_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir, per_worker):
-    """2 workers with the whole step compiled by XLA (the update too) against Keras' own op-by-op step on
-    2 replicas of one process: the same weights to float tolerance, and identical on both workers. With 2
-    replicas per worker (`distribute.cpu_replicas_per_worker`: each worker mirrors over 2 logical CPUs, as a
-    GPU host's worker over its cards) each worker's input is dealt between its replicas and the all-reduce
-    runs within each host and across them: 4 replicas of 16 images, the same global batch of 64."""
+def test_two_workers_of_two_replicas_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
+    """2 workers of 2 replicas each with the whole step compiled by XLA (the update too) against Keras' own op-by-op
+    step on 2 replicas of one process: the same weights to float tolerance, and identical on both workers. Each
+    worker mirrors over 2 logical CPUs (`distribute.cpu_replicas_per_worker`), as a GPU host's worker over its
+    cards: its input is dealt between its replicas and the all-reduce runs within each host and across them, 4
+    replicas of 16 images, the same global batch of 64. (Workers of one replica each against the same reference:
+    tests/optim/test_accumulation.py, with 2 micro-batches.)"""
     launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
-                        f"--model_dir={tmp_path}/mw", f"--batch_size_per_replica={32 // per_worker}",
-                        f"--set=distribute.cpu_replicas_per_worker={per_worker}", *deterministic(tiny_dir),
+                        f"--model_dir={tmp_path}/mw", "--batch_size_per_replica=16",
+                        "--set=distribute.cpu_replicas_per_worker=2", *deterministic(tiny_dir),
                         "--set=train.jit_compile=true", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
     prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", launched.stdout))
     assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
-    assert f"on {2 * per_worker} replica(s), global batch 64" in launched.stdout
+    assert "on 4 replica(s), global batch 64" in launched.stdout
     for worker in (0, 1):
-        devices = ", ".join(f"/job:worker/replica:0/task:{worker}/device:CPU:{i}" for i in range(per_worker))
-        assert f"[worker {worker}] tfdp: strategy multi_worker: {2 * per_worker} replica(s) on {devices}, 2 worker(s)" \
+        devices = ", ".join(f"/job:worker/replica:0/task:{worker}/device:CPU:{i}" for i in range(2))
+        assert f"[worker {worker}] tfdp: strategy multi_worker: 4 replica(s) on {devices}, 2 worker(s)" \
             in launched.stdout, launched.stdout[-3000:]
     assert "xla: on (train.jit_compile: true)" in launched.stdout
     # The workers' console is a one-host run's, each line after its [worker i]: none from TensorFlow's loggers.
