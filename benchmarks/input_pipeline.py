@@ -73,20 +73,20 @@ SHARD_SETS = ("shards", "small")   # full size, and the longer side at --max_sid
 
 def make_data(workdir: str, images: int, max_side: int, sets: tuple[str, ...] = SHARD_SETS) -> dict[str, str]:
     """The JPEG tree (written by one process per core) and the shard conversions named in `sets`, each in a
-    process of its own with the GPU hidden, each made once (a later call finds it): a GPU host's time goes to the
-    measurement, not to making data, nor to a conversion its rows do not read."""
+    process of its own (the converter imports no TensorFlow, so it leaves a GPU alone), each made once (a later
+    call finds it): a GPU host's time goes to the measurement, not to making data, nor to a conversion its rows do
+    not read."""
     tree = os.path.join(workdir, "tree")
     if not os.path.exists(tree + ".written"):   # written before (a lease's data made in steps), else now
         write_tree(tree, images)
     made = {"tree": tree}
-    hidden = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     for name in sets:
         side = max_side if name == "small" else 0
         made[name] = os.path.join(workdir, f"shards-{side}" if side else "shards")
         if os.path.exists(made[name] + ".made"):
             continue
         subprocess.run([sys.executable, "-m", "pipelines.convert_imagenet", f"--src={tree}", f"--out={made[name]}",
-                        "--train_shards=16", "--val_shards=1", f"--max_side={side}"], cwd=REPO, env=hidden,
+                        "--train_shards=16", "--val_shards=1", f"--max_side={side}"], cwd=REPO,
                        check=True, capture_output=True)
         with open(made[name] + ".made", "w", encoding="utf-8") as f:
             f.write(f"{images}\n")
