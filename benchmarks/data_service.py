@@ -11,6 +11,12 @@ process, which plays the trainer, reads --batches training batches:
                        process only receives batches and counts them
   constant batch       one batch of the same size streamed by the service:
                        the trainer's cost of receiving the bytes, nothing else
+  ..., for DALI        `data.decoder: dali`'s stream, locally and through the
+                       service: each image read and checked, not decoded; the
+                       batches of encoded images made into the arrays DALI
+                       takes (`pad_batch`). What the trainer's CPU pays before
+                       DALI, which decodes after either alike (on a GPU, or on
+                       the CPU), so DALI itself is not run
 
 For each it reports images/s and CPU seconds per 1,000 images: the trainer's
 own (`time.process_time` of this process, every thread) and the service
@@ -100,6 +106,7 @@ def main() -> None:
     from support.photos import SYNSETS, write_imagenet_tree
     from tfdp.config import DataConfig
     from tfdp.data import build_source
+    from tfdp.data.dali import padded
     from tfdp.data.service import client as service
     from tfdp.data.pipeline import Bookkeeping, CorruptCounter, train_dataset
 
@@ -133,9 +140,15 @@ def main() -> None:
                                                   for _ in range(args.rounds)])
             results["service, 2, constant batch"] = best([measure(lambda: constant(address, args), args.batch,
                                                                   args.batches, workers) for _ in range(args.rounds)])
-            cfg = dataclasses.replace(cfg, service_compression="auto")
-            results["service, 2, compressed"] = best([measure(served, args.batch, args.batches, workers)
-                                                      for _ in range(args.rounds)])
+            packed = dataclasses.replace(cfg, service_compression="auto")
+            results["service, 2, compressed"] = best([measure(lambda: service.train_dataset(
+                split, packed, args.batch, seed=0, books=books(), job_name=f"bench-{uuid.uuid4().hex}"),
+                args.batch, args.batches, workers) for _ in range(args.rounds)])
+            cfg = dataclasses.replace(cfg, decoder="dali")   # the checked bytes, as pad_batch arrays
+            results["local, for DALI"] = best([measure(lambda: padded(local()), args.batch, args.batches, [])
+                                               for _ in range(args.rounds)])
+            results["service, 2, for DALI"] = best([measure(lambda: padded(served()), args.batch, args.batches,
+                                                            workers) for _ in range(args.rounds)])
         finally:
             for proc in [*workers, dispatcher]:
                 proc.terminate()
@@ -155,6 +168,9 @@ def report(results: dict[str, dict[str, float]], images: int, args) -> None:
     print(f"trainer CPU per image through the service: {one / local:.2f}x the local pipeline's "
           f"({packed / local:.2f}x with data.service_compression: auto); "
           f"2 service workers deliver {scaling:.2f}x the images/s of 1")
+    for_dali = results["service, 2, for DALI"]["trainer_ms"] / results["local, for DALI"]["trainer_ms"]
+    print(f"data.decoder dali: the trainer's CPU per image before DALI through the service: {for_dali:.2f}x its "
+          f"local stream's")
 
 
 if __name__ == "__main__":

@@ -172,7 +172,6 @@ def test_an_image_dali_cannot_decode_is_failed_before_it_and_a_whole_one_passes(
 @pytest.mark.parametrize("raw, message", [
     ({"train": {"deterministic": True}}, "train.deterministic cannot use data.decoder: dali"),
     ({"data": {"deterministic": True}}, "data.deterministic cannot use data.decoder: dali"),
-    ({"data": {"service_address": "grpc://localhost:5050"}}, "through the tf.data service"),
     ({"data": {"format": "synthetic"}}, "nothing to decode"),
 ])
 def test_what_dali_cannot_do_is_refused_in_the_config(raw, message):

@@ -22,13 +22,15 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from conftest import REPO, assert_one_line_error, last_line, read_jsonl, run_tfdp
+from conftest import CPU_DEVICES, REPO, assert_one_line_error, last_line, read_jsonl, run_tfdp
+from support.dali_batches import BROKEN, CLASSES, IMAGES, image_ids, write_id_tree
 from support.imports import heavy, imported_modules
 from support.inprocess import train_in_process
 from tfdp.config import DataConfig, load_config
-from tfdp.data import build_source
+from tfdp.data import build_source, dali
 from tfdp.data.service import client as service_lib
 from tfdp.data.pipeline import Bookkeeping, CorruptCounter, StreamPosition, data_errors
+from tfdp.distribute.strategy import Runtime
 from tfdp.errors import UserError
 
 # The demo's recipe (its learning rate and warmup: a higher rate makes single runs diverge now and then)
@@ -38,6 +40,8 @@ from tfdp.errors import UserError
 # 0.725 and 0.675); at half, 8 runs on the same loaded host fell alike (epoch 2: 1.79-1.84) to 0.875-0.95.
 FAST = ["--config=configs/digits.yaml", "--data_format=image_folder", "--model=simple_cnn", "--set=data.image_size=8"]
 LEARNS = [*FAST[:-1], "--set=data.image_size=16", "--set=optimizer.lr=0.1"]
+NEEDS_DALI = pytest.mark.skipif(bool(dali.available()), reason=f"NVIDIA DALI's TensorFlow plugin does not import "
+                                                               f"here ({dali.available()}): pip install tfdp[dali]")
 
 
 class Service:
@@ -199,6 +203,49 @@ def test_corrupt_images_are_counted_through_the_service(service, small_dir, tmp_
         with data_errors():
             read_all([service_lib.train_dataset(split, strict, 1, seed=0, input_context=trainer(0, 1),
                                                 job_name=job(), epochs=1)])
+
+
+@NEEDS_DALI
+def test_dali_decodes_on_each_replica_what_the_services_workers_read_and_checked(service, tmp_path):
+    """data.decoder: dali through the service: its workers read each image and check that DALI can decode it (the
+    cut-short one counted there, as a corrupt image, once per data epoch) and send the encoded bytes; this
+    process deals each batch to one of 2 replicas' DALI pipelines, which decode it. Over 2 data epochs of
+    flat-colour images that name themselves, every whole image is decoded with its own label, each at most
+    twice (one job's epochs run into each other through its shuffle buffer), the cut-short one never."""
+    write_id_tree(tmp_path)
+    cfg = DataConfig(format="image_folder", dir=str(tmp_path), image_size=8, service_address=service.address,
+                     decoder="dali", max_bad_fraction=0.2)
+    split = build_source(cfg).split("train")
+    runtime = Runtime(tf.distribute.MirroredStrategy(CPU_DEVICES), "mirrored", tuple(CPU_DEVICES))
+    corrupt, name = CorruptCounter(), job()
+
+    def worker(ctx):
+        return service_lib.train_dataset(split, cfg, 4, seed=0, input_context=ctx, job_name=name, epochs=2,
+                                         books=Bookkeeping(corrupt=corrupt, num_classes=CLASSES))
+    seen, steps = collections.Counter(), 0
+    for images, labels in dali.distribute(runtime, worker, cfg, 4, seed=0):
+        for replica_images, replica_labels in zip(*map(runtime.strategy.experimental_local_results, (images, labels))):
+            ids = image_ids(replica_images.numpy())
+            assert [i % CLASSES for i in ids] == replica_labels.numpy().tolist(), ids
+            seen.update(ids)
+        steps += 1
+    whole = set(range(IMAGES)) - {BROKEN}
+    assert steps == 2 * len(whole) // 4 and set(seen) == whole and max(seen.values()) == 2, seen
+    assert corrupt.value() == 2
+
+
+@NEEDS_DALI
+@pytest.mark.slow
+def test_tfdp_train_decodes_the_services_batches_with_dali(service, small_dir, tmp_path):
+    """The run wired end to end: the service reads, tfdp's DALI pipelines decode on the 2 replicas, evaluation
+    reads locally and DALI decodes it too; the run learns."""
+    summary, printed = train_in_process(*FAST, f"--data_dir={small_dir}", "--epochs=2", f"--model_dir={tmp_path}",
+                                        f"--data_service={service.address}", "--set=data.decoder=dali")
+    assert "tfdp: data: training and validation images decoded and cropped by DALI on each replica's device" in printed
+    assert f"tfdp: data: training input from the tf.data service at {service.address} (distributed_epoch" in printed
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"], rows
+    assert summary["best_val_top1"] > 0.3, summary   # 10 classes: chance is 0.1
 
 
 def test_unreachable_dispatcher_is_one_line_within_the_timeout(tmp_path):

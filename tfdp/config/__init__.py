@@ -567,9 +567,6 @@ def _check_dali(cfg: Config) -> None:
         which = "train.deterministic" if cfg.train.deterministic else "data.deterministic"
         raise UserError(f"{which} cannot use data.decoder: dali: DALI draws its own crop windows, not tfdp's "
                         f"seeded ones, so runs would not repeat (use data.decoder: tf)")
-    if d.service_address:
-        raise UserError("data.decoder: dali decodes on the trainer's own devices; through the tf.data service "
-                        "(data.service_address) the service's workers decode (use data.decoder: tf)")
     if d.format == "synthetic":
         raise UserError("data.decoder: dali has nothing to decode in data.format: synthetic (use data.decoder: tf)")
 

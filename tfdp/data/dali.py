@@ -19,6 +19,10 @@ prefetches to the replica's device. DALI never reads a shard or a file
 itself, so it needs no index files, and the flip, normalisation and batch
 augmentations still run on the device as the model's first layers.
 
+Through the tf.data service (`tfdp.data.service.client`) the service's
+workers run the stream up to the checked batches and the trainer deals and
+decodes what they send, as it does its own stream.
+
 Evaluation goes the same way (`distribute_evaluation`): tfdp's validation
 stream, its shares, padding and corrupt images as on the tf path, the
 central crop decoded by DALI (`central_crop`: the tf path's window). What is

@@ -2,7 +2,9 @@
 
 What goes to the service is tfdp's own pipeline, up to the batches: the same
 readers, crops, batching and corrupt-image accounting (`pipeline.tallied`),
-but no variable. Each batch carries what it accounts for, [records, corrupt],
+but no variable. With `data.decoder: dali` its per-image step is DALI's check
+instead of the crop, and the trainer's DALI pipelines decode what it sends
+(`tfdp.data.dali`). Each batch carries what it accounts for, [records, corrupt],
 and the trainer adds those up after the service (`pipeline.checked`), where
 its `CorruptCounter` and `StreamPosition` live. Evaluation never uses the
 service: it is one local pass per epoch.
@@ -40,9 +42,9 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.data import readers
+from tfdp.data.dali import DECODERS
 from tfdp.data.pipeline import (AUTOTUNE, MAX_EPOCHS, Bookkeeping, Tally, checked,
                                 decoded_examples, epoch_payloads, pipeline_share, share_sizes, tallied)
-from tfdp.data.preprocess import train_transform
 from tfdp.data.layouts import Split
 from tfdp.data.storage import cache_paths, is_remote_url
 from tfdp.errors import UserError, first_line
@@ -85,7 +87,9 @@ def sent_batches(split: Split, cfg: DataConfig, global_batch: int, seed: int, ct
         payloads, share = _whole_split(split, cfg, seed, ctx, start[0], epochs), split
     else:
         payloads, share = _own_share(split, cfg, ctx, epochs)
-    ds = decoded_examples(payloads, share, cfg, train_transform(cfg, seed), num_classes)  # labels: checked by the trainer
+    # tf: decoded and cropped here; dali: the checked encoded bytes, decoded on the trainer's replicas (tfdp.data.dali).
+    # Labels are checked by the trainer.
+    ds = decoded_examples(payloads, share, cfg, DECODERS[cfg.decoder].transform(cfg, seed), num_classes)
     ds = ds.batch(ctx.get_per_replica_batch_size(global_batch), drop_remainder=True)
     return tallied(ds)
 
