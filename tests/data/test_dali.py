@@ -27,7 +27,7 @@ from support.inprocess import evaluate_in_process, train_in_process
 from tfdp.config import DataConfig, validate
 from tfdp.data import build_source, dali
 from tfdp.data.corrupt import LOG
-from tfdp.data.pipeline import eval_dataset, train_dataset
+from tfdp.data.pipeline import Bookkeeping, StreamPosition, eval_dataset, streams_dataset, train_dataset
 from tfdp.distribute.cluster import free_ports
 from tfdp.distribute.strategy import Runtime
 from tfdp.errors import UserError
@@ -86,6 +86,31 @@ def test_dali_batches_hold_the_tf_paths_examples_in_its_order_and_resume_at_a_po
     # A stream started at a checkpoint's position goes on with the uninterrupted stream's examples.
     resumed, _, _ = replica_batches(runtime, split, dali_cfg, dali_positions[2], 3)
     assert resumed == dali_steps[3:6]
+
+
+def test_several_streams_on_one_worker_are_dealt_to_dali_in_the_tf_paths_order(id_tree):
+    """An elastic resume (`tfdp.train.input_streams`): a 2-worker run's two streams, read from a checkpoint's
+    positions by one worker of 2 replicas, joined step by step and dealt to its DALI pipelines, hold the tf
+    path's examples on each replica in its order, 32 different whole images in 4 steps. DALI's batches are made
+    first and the tf path's after, on the same strategy: DALI's datasets per replica must leave the strategy's own
+    input as it was (TensorFlow's PER_REPLICA path does not: tfdp.distribute.strategy._dataset_per_device)."""
+    cfg = DataConfig(format="image_folder", dir=id_tree, image_size=8, shuffle_buffer=16, max_bad_fraction=0.2)
+    split = build_source(cfg).split("train")
+    runtime = runtime_of("mirrored", 2)
+    starts = [(4, 0), (4, 0)]   # each stream after its first step (4 of a global batch of 8)
+
+    def steps(decoder: str) -> list:
+        data = dataclasses.replace(cfg, decoder=decoder)
+
+        def streams(ctx):
+            return streams_dataset(split, data, 8, 3, 2, {s: Bookkeeping(start, StreamPosition(), None, CLASSES)
+                                                          for s, start in enumerate(starts)}, ctx)
+        return replica_batches(runtime, split, data, (0, 0), 4, stream=streams)[0]
+    dali_steps = steps("dali")
+    assert dali_steps == steps("tf")
+    ids = [i for step in dali_steps for replica_ids, _ in step for i in replica_ids]
+    assert len(ids) == 32 == len(set(ids)) and BROKEN not in ids
+    assert all(i % CLASSES == label for step in dali_steps for ids, labels in step for i, label in zip(ids, labels))
 
 
 @pytest.mark.slow

@@ -185,6 +185,26 @@ def test_tensorflow_still_refuses_a_dataset_per_replica_where_tfdp_builds_its_ow
     assert "PER_REPLICA" in inspect.getsource(CollectiveAllReduceExtended._distribute_datasets_from_function)
 
 
+def test_tensorflow_mirrored_per_replica_input_still_changes_the_strategys_later_inputs():
+    """tfdp builds DALI's datasets per replica itself under MirroredStrategy too (`_dataset_per_device`), because
+    TensorFlow's own PER_REPLICA path keeps its per-replica input devices as the strategy's: a later
+    `distribute_datasets_from_function` with default options calls its function once per replica, not once per
+    worker. Fails when an upgrade stops doing so: then MirroredStrategy's own path would do."""
+    import tensorflow as tf
+    strategy = tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")[:2])
+    calls = []
+
+    def dataset_fn(ctx):
+        calls.append(ctx.num_input_pipelines)
+        return tf.data.Dataset.range(4).batch(1)
+    strategy.distribute_datasets_from_function(dataset_fn)
+    options = tf.distribute.InputOptions(experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+                                         experimental_fetch_to_device=False)
+    strategy.distribute_datasets_from_function(dataset_fn, options=options)
+    strategy.distribute_datasets_from_function(dataset_fn)
+    assert calls == [1, 2, 2, 2, 2], calls   # per worker; per replica; per replica again, with default options
+
+
 def test_tensorflow_still_gives_a_cpu_worker_one_device_where_tfdp_gives_it_several():
     """`distribute.cpu_replicas_per_worker` replaces, while MultiWorkerMirroredStrategy is built, the method that
     counts a worker's devices (tfdp/distribute/strategy.py, `_worker_cpus`), because TensorFlow's gives a worker

@@ -42,9 +42,10 @@ def write_id_tree(root) -> None:
                 path.write_bytes(path.read_bytes()[:200])  # as an interrupted copy leaves it
 
 
-def replica_batches(runtime, split, cfg, start: tuple[int, int], steps: int, global_batch: int = 8):
+def replica_batches(runtime, split, cfg, start: tuple[int, int], steps: int, global_batch: int = 8, stream=None):
     """`steps` steps of (ids, labels) per local replica of `runtime` (a `tfdp.distribute.strategy.Runtime`), the
-    corrupt count and this worker's stream position after each step."""
+    corrupt count and this worker's stream position after each step. `stream(ctx)`, if given, is the worker's
+    dataset instead of its own stream from `start` (whose count and positions are then not kept)."""
     from tfdp.data import dali
     from tfdp.data.pipeline import Bookkeeping, CorruptCounter, StreamPosition, train_dataset
     strategy = runtime.strategy
@@ -52,6 +53,8 @@ def replica_batches(runtime, split, cfg, start: tuple[int, int], steps: int, glo
     position, corrupt = StreamPosition(), CorruptCounter()
 
     def worker(ctx):
+        if stream is not None:
+            return stream(ctx)
         return train_dataset(split, cfg, global_batch, 3, ctx, Bookkeeping(start, position, corrupt, CLASSES))
     ds = (strategy.distribute_datasets_from_function(worker) if cfg.decoder == "tf"
           else dali.distribute(runtime, worker, cfg, global_batch, 3))
@@ -60,7 +63,7 @@ def replica_batches(runtime, split, cfg, start: tuple[int, int], steps: int, glo
     for step in range(steps):
         images, labels = (strategy.experimental_local_results(t) for t in next(iterator))
         steps_seen.append([(image_ids(i.numpy()), l.numpy().tolist()) for i, l in zip(images, labels)])
-        positions.append(position.after(local * (step + 1)))
+        positions.append(position.after(local * (step + 1)) if stream is None else None)
     del iterator
     return steps_seen, corrupt.value(), positions
 

@@ -51,7 +51,7 @@ class Runtime:
         """The distributed dataset of `dataset_fn(input_context)` called once per local replica, each dataset
         iterated where `options` place it (InputReplicationMode.PER_REPLICA), as a decoder per device needs
         (`tfdp.data.dali`), on every strategy."""
-        return PER_REPLICA[self.kind](self, dataset_fn, options)
+        return _dataset_per_device(self, dataset_fn, options)
 
     @property
     def is_chief(self) -> bool:
@@ -162,25 +162,25 @@ def _worker_cpus(n: int):
         CollectiveAllReduceExtended._initialize_local_devices = tensorflow_own
 
 
-def _mirrored_per_replica(runtime: Runtime, dataset_fn: Callable, options):
-    return runtime.strategy.distribute_datasets_from_function(dataset_fn, options=options)
-
-
 def _dataset_per_device(runtime: Runtime, dataset_fn: Callable, options):
-    """A dataset per local replica under MultiWorkerMirroredStrategy or OneDeviceStrategy, built as
-    MirroredStrategy builds them.
+    """A dataset per local replica, on every strategy, built as MirroredStrategy builds them for
+    InputReplicationMode.PER_REPLICA, from the same parts of TensorFlow's input library.
 
-    Those two strategies refuse InputReplicationMode.PER_REPLICA and make one
-    dataset per worker, whose elements their `MultiDeviceIterator` hands to the
-    replicas from a background thread. Over a DALI dataset that thread outlives
-    the DALI iterator it reads: the process crashed when the iterator was
-    deleted in 2 to 3 of 6 runs (2026-11-28, docs/data.md, DALI).
-    MirroredStrategy's PER_REPLICA path has no such thread: each replica's
-    dataset is iterated on its own device. Its parts are TensorFlow's input
-    library, which the other strategies use too; only their refusal is
-    skipped. Each replica's input context numbers it among the cluster's
-    replicas. The multi-worker and one-device tests of tests/data/test_dali.py
-    keep this honest on each TensorFlow.
+    MultiWorkerMirroredStrategy and OneDeviceStrategy refuse PER_REPLICA and
+    make one dataset per worker, whose elements their `MultiDeviceIterator`
+    hands to the replicas from a background thread. Over a DALI dataset that
+    thread outlives the DALI iterator it reads: the process crashed when the
+    iterator was deleted in 2 to 3 of 6 runs (2026-11-28, docs/data.md, DALI).
+    MirroredStrategy's PER_REPLICA path has no such thread (each replica's
+    dataset is iterated on its own device), but it keeps its per-replica input
+    devices as the strategy's own: every later `distribute_datasets_from_function`
+    of that strategy, a `tf` path's included, then calls its function once per
+    replica instead of once per worker (TensorFlow 2.21,
+    `MirroredExtended._input_workers_with_options`). So tfdp builds the
+    datasets itself on every strategy, changing none. Each replica's input
+    context numbers it among the cluster's replicas. The DALI tests of
+    tests/data/test_dali.py keep this honest on each TensorFlow, and
+    tests/keras_patches/test_compat.py says when TensorFlow changes either.
     """
     from tensorflow.python.distribute import device_util, input_lib, input_util
     devices, replicas = list(runtime.devices), runtime.num_replicas
@@ -191,14 +191,6 @@ def _dataset_per_device(runtime: Runtime, dataset_fn: Callable, options):
                                            len(devices) + i, num_replicas_in_sync=replicas)
                 for i in range(len(devices))]
     return input_util.get_distributed_datasets_from_function(dataset_fn, workers, contexts, runtime.strategy, options)
-
-
-# How each strategy takes a dataset per replica (`Runtime.datasets_per_replica`).
-PER_REPLICA: dict[str, Callable] = {
-    "one_device": _dataset_per_device,
-    "mirrored": _mirrored_per_replica,
-    "multi_worker": _dataset_per_device,
-}
 
 
 STRATEGIES: dict[str, Callable[[DistributeConfig], Runtime]] = {

@@ -86,8 +86,8 @@ RELIED_ON = {
         "tensorflow.python.autograph.core.config.DoNotConvert",
         "tensorflow.python.autograph.core.config_lib.Rule.matches",
     ),
-    # A dataset per replica under MultiWorkerMirroredStrategy and OneDeviceStrategy, built from the parts of
-    # TensorFlow's input library MirroredStrategy builds it from (`Runtime.datasets_per_replica`, for DALI).
+    # A dataset per replica on every strategy, built from the parts of TensorFlow's input library MirroredStrategy
+    # builds it from (`Runtime.datasets_per_replica`, for DALI).
     "distribute/strategy": (
         "tensorflow.python.distribute.input_lib.InputWorkers",
         "tensorflow.python.distribute.input_util.get_distributed_datasets_from_function",
