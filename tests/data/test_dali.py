@@ -274,6 +274,45 @@ def test_validation_with_dali_holds_every_image_once_in_the_tf_paths_central_win
     assert off < 1 < np.abs(whole_images[real].astype(float) - tf_images[real]).mean(), off
 
 
+def test_predict_with_dali_gives_each_photo_the_tf_paths_row(photo_tree, tmp_path, capsys):
+    """`tfdp predict` (in this process) with data.decoder: dali on 2 replicas: 12 real photos of assorted sizes,
+    one cut short, 8 a step: one row per photo in the tf path's order, each whole photo with the tf path's
+    classes and probabilities (both decode the same central window with libjpeg-turbo here), the cut-short one
+    an error row saying why (DALI's check before it: no end-of-image marker)."""
+    from tfdp.commands.predict import predict, read_rows, request
+    from tfdp.distribute.strategy import make_runtime
+    from tfdp.models import build_model
+    import keras
+    raw = {"model_dir": str(tmp_path), "model": {"name": "simple_cnn", "num_classes": 2},
+           "data": {"format": "image_folder", "dir": photo_tree, "image_size": 32},
+           "train": {"batch_size_per_replica": 4}, "distribute": {"strategy": "mirrored", "cpu_replicas": 2}}
+    cfg = validate(raw)
+    keras.utils.set_random_seed(0)
+    weights = str(tmp_path / "random.weights.h5")
+    build_model(cfg.model, cfg.data).save_weights(weights)
+    runtime = make_runtime(cfg.distribute)
+    rows = {}
+    for decoder in ("tf", "dali"):
+        data = validate({**raw, "data": {**raw["data"], "decoder": decoder}})
+        capsys.readouterr()
+        summary = predict(data, runtime, weights, request(data, os.path.join(photo_tree, "val"),
+                                                           str(tmp_path / f"{decoder}.jsonl"), top_k=2))
+        said = capsys.readouterr().out
+        assert summary["images"] == 12 and summary["failed"] == 1, summary
+        assert ("decoded and cropped by DALI" in said) == (decoder == "dali"), said
+        rows[decoder] = read_rows(str(tmp_path / f"{decoder}.jsonl"))
+    assert [r["path"] for r in rows["dali"]] == [r["path"] for r in rows["tf"]]
+    for ours, theirs in zip(rows["dali"], rows["tf"]):
+        if ours["path"].endswith("0005.jpg"):
+            assert ours["predictions"] == [] and theirs["error"]
+            assert ours["error"] == "a truncated JPEG: no end-of-image marker"   # the check's own words, alone
+            continue
+        assert ours["error"] is None and [p["class"] for p in ours["predictions"]] == [
+            p["class"] for p in theirs["predictions"]], (ours, theirs)
+        assert np.allclose([p["probability"] for p in ours["predictions"]],
+                           [p["probability"] for p in theirs["predictions"]], atol=0.002), (ours, theirs)
+
+
 def test_tfdp_trains_the_demo_with_dali(tmp_path, tiny_dir):
     """The demo's config with data.decoder: dali, through `tfdp train` (in this process: the exit status is not
     the point) on its 2 CPU replicas; its ResNet-18's smaller sibling with the same stem and batch norm."""

@@ -196,9 +196,11 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     """Writes `job.output` with one row per image of `job.files`; returns a summary (images, failed, seconds)."""
     import tensorflow as tf
 
+    from tfdp.config.image_sizes import eval_image_size
     from tfdp.errors import atomic_write_text
     from tfdp.rundir.checkpoints import CheckpointStore
-    from tfdp.data.preprocess import eval_transform
+    from tfdp.data import dali
+    from tfdp.data.pipeline import data_errors
     from tfdp.data.streaming import limit_bytes
     from tfdp.rundir.checkpoints import load_checkpoint
     from tfdp.train.task import ClassificationTask
@@ -215,6 +217,11 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     probabilities = getattr(tf.math, PROBABILITIES[cfg.train.loss])
+    decoder = dali.choose(cfg.data, list(runtime.devices))
+    if decoder == "dali":
+        say("tfdp: data: images decoded and cropped by DALI on each replica's device (data.decoder)")
+    # What an image the pipeline left out failed: the decoder's own check (with DALI, the one before it).
+    check = dali.DECODERS[decoder].evaluation(dataclasses.replace(cfg.data, image_size=eval_image_size(cfg.data)))[0]
 
     @tf.function
     def step(iterator):
@@ -225,16 +232,17 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
 
     def predict_part(local: list[str], bar) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Image number within `local` → its top-k (values, class indices)."""
-        dataset = task.build_predict_inputs(local, global_batch)
+        dataset = task.build_predict_inputs(local, global_batch, decoder)
         best = {}
         iterator = iter(dataset)
-        for _ in range(-(-len(local) // global_batch)):
-            results = [np.concatenate([np.asarray(t) for t in runtime.strategy.experimental_local_results(part)])
-                       for part in step(iterator)]
-            for number, values, indices in zip(*results):
-                if number >= 0:
-                    best[int(number)] = (values, indices)
-            bar.update(int(np.sum(results[0] >= 0)))
+        with data_errors():   # DALI stopped by an image that passed its check: one line
+            for _ in range(-(-len(local) // global_batch)):
+                results = [np.concatenate([np.asarray(t) for t in runtime.strategy.experimental_local_results(part)])
+                           for part in step(iterator)]
+                for number, values, indices in zip(*results):
+                    if number >= 0:
+                        best[int(number)] = (values, indices)
+                bar.update(int(np.sum(results[0] >= 0)))
         return best
 
     best: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -245,7 +253,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
         for part, local in downloads:
             found = predict_part(local, bar)
             best.update({part[k]: v for k, v in found.items()})
-            errors.update({part[k]: e for k, e in undecoded(local, found, eval_transform(cfg.data)).items()})
+            errors.update({part[k]: e for k, e in undecoded(local, found, check).items()})
     seconds = time.monotonic() - start
     for k, error in sorted(errors.items()):
         CORRUPT_LOG.record(files[k], error)

@@ -90,7 +90,7 @@ class DataConfig:
     # Who decodes and crops the training and validation images: tf (TensorFlow, on the host's CPUs), dali (NVIDIA
     # DALI on each replica's GPU, or its CPU operators on CPU replicas; the examples and their order stay tfdp's,
     # the training crop windows are DALI's: docs/data.md, decoders) or auto (dali where DALI is installed and every
-    # replica is a GPU of its own, else tf). Prediction always decodes with tf.
+    # replica is a GPU of its own, else tf). `tfdp predict` decodes the same way.
     decoder: Literal["tf", "dali", "auto"] = "tf"
     # data.decoder dali: CPU threads of each replica's DALI pipeline (they parse each JPEG and feed the GPU's
     # decoders; on CPU replicas they decode); 0: auto, the host's cores shared among its replicas, at most 8 per

@@ -40,8 +40,13 @@ def decode_error(path: str, transform) -> str:
     try:
         transform(tf.io.read_file(path), tf.constant(0, tf.int64))
     except (tf.errors.OpError, ValueError) as e:
-        return re.sub(r"\s*\[Op:\w+\]( name:.*)?$", "", first_line(e)) or type(e).__name__
+        line = re.sub(r"\s*\[Op:\w+\]( name:.*)?$", "", first_line(e))
+        return _CHECKED.sub(r"\1", line) or type(e).__name__
     return "could not be decoded in the pipeline (decodes when read again: a file changed or an I/O error?)"
+
+
+# A failed `tf.debugging.Assert` of tfdp's own (data.decoder dali's check) says only its message.
+_CHECKED = re.compile(r"^Expected '.*' to be true\. Summarized data: b?['\"](.*)['\"]$")
 
 
 def name_trailing(files: list[str], missing: int, transform, log: "CorruptLog") -> None:

@@ -29,7 +29,8 @@ central crop decoded by DALI (`central_crop`: the tf path's window). What is
 not the tf path's: DALI draws its own training crop windows (so
 `data.deterministic` refuses it), resizes with its own rounding, and stops
 on an image it cannot decode rather than skipping it, hence the check before
-it. Prediction keeps the tf decoder.
+it. Prediction (`distribute_prediction`) decodes as evaluation does, each
+image numbered rather than labelled.
 """
 
 from __future__ import annotations
@@ -243,10 +244,11 @@ def input_options() -> tf.distribute.InputOptions:
 
 
 def distribute(runtime, worker_dataset: Callable, cfg: DataConfig, global_batch: int, seed: int,
-               evaluation: bool = False):
+               evaluation: bool = False, finish: Callable | None = None):
     """The distributed training dataset: this worker's stream (`worker_dataset(input_context)`, the tf path's
     per-worker dataset of checked batches of encoded bytes), each batch one array (`pad_batch`), decoded by one
-    DALI pipeline per local replica (`evaluation`: the central crop, as `distribute_evaluation`).
+    DALI pipeline per local replica (`evaluation`: the central crop, as `distribute_evaluation`; `finish`: a
+    map of each replica's decoded (images, labels) batches).
 
     `runtime`: the run's `tfdp.distribute.strategy.Runtime` (its replicas, devices, workers, this worker's
     index), whose `datasets_per_replica` makes a dataset per local replica on any strategy.
@@ -269,7 +271,7 @@ def distribute(runtime, worker_dataset: Callable, cfg: DataConfig, global_batch:
             rows = padded(worker_dataset(worker_ctx)) if local == 1 else dealer.rows(replica, batch)
         return replica_pipeline(rows, cfg, batch, devices[replica],
                                 seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local,
-                                evaluation=evaluation)
+                                evaluation=evaluation, finish=finish)
     return runtime.datasets_per_replica(replica_dataset, input_options())
 
 
@@ -285,16 +287,36 @@ def distribute_evaluation(runtime, worker_dataset: Callable, cfg: DataConfig, gl
     """
     def rows(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         return worker_dataset(ctx).map(lambda encoded, label, weight: (encoded, tf.where(weight > 0, label, -1)))
-    return distribute(runtime, rows, cfg, global_batch, seed=0, evaluation=True)
+    return distribute(runtime, rows, cfg, global_batch, seed=0, evaluation=True, finish=weighted)
+
+
+def weighted(image: tf.Tensor, label: tf.Tensor):
+    """A decoded validation batch as (image, label, weight): label -1, a padding image, is weight 0."""
+    return image, tf.maximum(label, 0), tf.cast(label >= 0, tf.float32)
+
+
+def distribute_prediction(runtime, worker_dataset: Callable, cfg: DataConfig, global_batch: int):
+    """`tfdp predict`'s distributed dataset: each replica's batches of (image number, image), number -1 a padding
+    image, from `worker_dataset(input_context)` (`tfdp.data.pipeline.prediction_dataset`'s batches of image
+    numbers and checked encoded bytes), dealt and decoded as `distribute_evaluation` does: the central crop at
+    `data.eval_image_size`. A number crosses DALI as its label (int32: two billion images a run)."""
+    def rows(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        return worker_dataset(ctx).map(lambda numbers, encoded: (encoded, tf.cast(numbers, tf.int32)))
+    return distribute(runtime, rows, cfg, global_batch, seed=0, evaluation=True, finish=numbered)
+
+
+def numbered(image: tf.Tensor, label: tf.Tensor):
+    """A decoded prediction batch as (image number, image), what `prediction_dataset` gives on the tf path."""
+    return tf.cast(label, tf.int64), image
 
 
 def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device: str, seed: int,
                      replicas: int = 1, decoder_options: dict | None = None,
-                     evaluation: bool = False) -> tf.data.Dataset:
+                     evaluation: bool = False, finish: Callable | None = None) -> tf.data.Dataset:
     """One replica's DALI dataset: the batches of `rows` (a host dataset of `pad_batch` arrays), each image cut
     out of its row, decoded, cropped and resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU:
-    DALI's CPU operators). Training: (image, label), a random-resized crop; `evaluation`: (image, label, weight),
-    the central crop, at the evaluation size, label -1 a padding image (weight 0).
+    DALI's CPU operators), as (image, label): training, a random-resized crop; `evaluation`, the central crop at
+    the evaluation size. `finish` maps the decoded batches on the host (`weighted`, `numbered`).
 
     The DALI dataset lives on the host: on a GPU, DALI copies each finished batch back to it (uint8 pixels,
     150 KB a 224 px image) and TensorFlow prefetches it to the replica's card, as the last stage of the
@@ -332,8 +354,8 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
             pipeline=decode(), input_datasets={"rows": dali_tf.experimental.Input(rows, batch=True)},
             batch_size=batch, num_threads=threads, device_id=device_id, output_dtypes=(tf.uint8, tf.int32),
             output_shapes=((batch, size, size, 3), (batch,)))
-        if evaluation:
-            decoded = decoded.map(lambda image, label: (image, tf.maximum(label, 0), tf.cast(label >= 0, tf.float32)))
+        if finish is not None:
+            decoded = decoded.map(finish)
     return decoded.apply(tf.data.experimental.prefetch_to_device(device, 2)).with_options(UNTUNED)
 
 

@@ -30,7 +30,7 @@ from tfdp.config import DataConfig
 from tfdp.data import readers, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, decode_error
 from tfdp.data.dali import DECODERS, dali_stopped
-from tfdp.data.preprocess import eval_transform, host_cores
+from tfdp.data.preprocess import host_cores
 from tfdp.data.layouts import Split
 from tfdp.errors import StorageLost, UserError
 from tfdp.config.image_sizes import eval_image_size
@@ -349,11 +349,11 @@ def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
     full batches (as `eval_dataset`). An image that cannot be read
     or decoded is left out (its number never comes back; `predict` explains
     it) and the padding makes up for it. Numbers travel with the images, so
-    decoding need not keep their order.
+    decoding need not keep their order. With `data.decoder: dali` the images
+    come as their checked encoded bytes, for DALI to decode
+    (`tfdp.data.dali.distribute_prediction`).
     """
-    transform = eval_transform(cfg)
-    size = eval_image_size(cfg)
-    blank = tf.zeros([size, size, 3], tf.uint8)
+    transform, blank = DECODERS[cfg.decoder].evaluation(dataclasses.replace(cfg, image_size=eval_image_size(cfg)))
     n, i = ctx.num_input_pipelines, ctx.input_pipeline_id
     batch = ctx.get_per_replica_batch_size(global_batch)
     per_step = batch * (ctx.num_replicas_in_sync // n)

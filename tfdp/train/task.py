@@ -114,11 +114,17 @@ class ClassificationTask:
                     "(data.decoder)")
         return validation_dataset(self.cfg, source, runtime, layout, decoder)
 
-    def build_predict_inputs(self, files: list[str], global_batch: int):
+    def build_predict_inputs(self, files: list[str], global_batch: int, decoder: str = "tf"):
         """`files` as per-replica batches of (image number, uint8 image) for `tfdp predict`
-        (`pipeline.prediction_dataset`): every replica gets full batches, unreadable images are left out."""
-        return self._runtime().strategy.distribute_datasets_from_function(
-            lambda ctx: prediction_dataset(files, self.cfg.data, global_batch, ctx))
+        (`pipeline.prediction_dataset`): every replica gets full batches, unreadable images are left out.
+        `decoder`: who decodes (tf, or dali: a DALI pipeline per replica, `tfdp.data.dali.distribute_prediction`)."""
+        runtime, data = self._runtime(), dataclasses.replace(self.cfg.data, decoder=decoder)
+
+        def worker_dataset(ctx):
+            return prediction_dataset(files, data, global_batch, ctx)
+        if dali.DECODERS[decoder].dealt:
+            return dali.distribute_prediction(runtime, worker_dataset, data, global_batch)
+        return runtime.strategy.distribute_datasets_from_function(worker_dataset)
 
     def _source(self) -> Source:
         if self.source is None:
