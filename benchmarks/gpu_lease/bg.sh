@@ -80,6 +80,15 @@ cat $W/rows.md
 if python3 -c "import sklearn" 2>/dev/null; then
   python3 -m tfdp train --config=configs/digits.yaml --model_dir=$W/demo-dali --set=data.decoder=dali > $W/demo-dali.log 2>&1
   log "demo with dali: exit $?; $(grep -c 'decoded and cropped by DALI' $W/demo-dali.log) DALI line(s); last: $(tail -n 1 $W/demo-dali/metrics.jsonl 2>/dev/null)"
+  # tfdp predict with each decoder (DALI's never run on a card): the demo's 360 validation digits, its best weights
+  for d in tf dali; do
+    python3 -m tfdp predict --config=configs/digits.yaml --model_dir=$W/demo-dali --set=data.decoder=$d \
+      --input="$HOME/.cache/tfdp/digits/val" --output=$W/predict-$d.jsonl > $W/predict-$d.log 2>&1
+    log "predict with $d: exit $?; $(tail -n 1 $W/predict-$d.log)"
+  done
+  python3 -c "from tfdp.commands.predict import read_rows as r; a, b = r('$W/predict-tf.jsonl'), r('$W/predict-dali.jsonl')
+top = lambda row: [p['class'] for p in row['predictions'][:1]]
+print('predict: top-1 of dali = tf on', sum(x['path'] == y['path'] and top(x) == top(y) for x, y in zip(a, b)), 'of', len(a))" 2>&1 | tail -1
   # DALI through tfdp's own dataset per replica (`Runtime.datasets_per_replica`), never run on a card yet: under
   # one_device, and under multi_worker as a 1-worker cluster (tfdp launch)
   python3 -m tfdp train --config=configs/digits.yaml --model_dir=$W/demo-dali-one --set=data.decoder=dali \
