@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -24,12 +25,14 @@ from PIL import Image
 
 from conftest import CPU_DEVICES, REPO, assert_one_line_error, read_jsonl, run_tfdp
 from support.inprocess import evaluate_in_process, train_in_process
+from tfdp.commands.predict import predict, read_rows, request
 from tfdp.config import DataConfig, validate
 from tfdp.data import build_source, dali
 from tfdp.data.corrupt import LOG
 from tfdp.data.pipeline import Bookkeeping, StreamPosition, eval_dataset, streams_dataset, train_dataset
 from tfdp.distribute.cluster import free_ports
-from tfdp.distribute.strategy import Runtime
+from tfdp.distribute.strategy import Runtime, make_runtime
+from tfdp.models import build_model
 from tfdp.errors import UserError
 from support.dali_batches import BROKEN, CLASSES, image_ids, replica_batches, write_id_tree
 
@@ -279,10 +282,6 @@ def test_predict_with_dali_gives_each_photo_the_tf_paths_row(photo_tree, tmp_pat
     one cut short, 8 a step: one row per photo in the tf path's order, each whole photo with the tf path's
     classes and probabilities (both decode the same central window with libjpeg-turbo here), the cut-short one
     an error row saying why (DALI's check before it: no end-of-image marker)."""
-    from tfdp.commands.predict import predict, read_rows, request
-    from tfdp.distribute.strategy import make_runtime
-    from tfdp.models import build_model
-    import keras
     raw = {"model_dir": str(tmp_path), "model": {"name": "simple_cnn", "num_classes": 2},
            "data": {"format": "image_folder", "dir": photo_tree, "image_size": 32},
            "train": {"batch_size_per_replica": 4}, "distribute": {"strategy": "mirrored", "cpu_replicas": 2}}
