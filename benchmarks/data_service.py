@@ -124,11 +124,11 @@ def main() -> None:
             def books():
                 return Bookkeeping(corrupt=CorruptCounter(), num_classes=len(SYNSETS))
 
-            def local():
-                return train_dataset(split, cfg, args.batch, seed=0, books=books())
+            def local(data=cfg):
+                return train_dataset(split, data, args.batch, seed=0, books=books())
 
-            def served():   # a job of its own each time: a new iterator of a named job would join the old one
-                return service.train_dataset(split, cfg, args.batch, seed=0, books=books(),
+            def served(data=cfg):   # a job of its own each time: a new iterator of a named job would join the old one
+                return service.train_dataset(split, data, args.batch, seed=0, books=books(),
                                              job_name=f"bench-{uuid.uuid4().hex}")
             results = {}
             results["local pipeline"] = best([measure(local, args.batch, args.batches, []) for _ in range(args.rounds)])
@@ -141,14 +141,13 @@ def main() -> None:
             results["service, 2, constant batch"] = best([measure(lambda: constant(address, args), args.batch,
                                                                   args.batches, workers) for _ in range(args.rounds)])
             packed = dataclasses.replace(cfg, service_compression="auto")
-            results["service, 2, compressed"] = best([measure(lambda: service.train_dataset(
-                split, packed, args.batch, seed=0, books=books(), job_name=f"bench-{uuid.uuid4().hex}"),
-                args.batch, args.batches, workers) for _ in range(args.rounds)])
-            cfg = dataclasses.replace(cfg, decoder="dali")   # the checked bytes, as pad_batch arrays
-            results["local, for DALI"] = best([measure(lambda: padded(local()), args.batch, args.batches, [])
+            results["service, 2, compressed"] = best([measure(lambda: served(packed), args.batch, args.batches,
+                                                              workers) for _ in range(args.rounds)])
+            checked = dataclasses.replace(cfg, decoder="dali")   # the checked bytes, as pad_batch arrays
+            results["local, for DALI"] = best([measure(lambda: padded(local(checked)), args.batch, args.batches, [])
                                                for _ in range(args.rounds)])
-            results["service, 2, for DALI"] = best([measure(lambda: padded(served()), args.batch, args.batches,
-                                                            workers) for _ in range(args.rounds)])
+            results["service, 2, for DALI"] = best([measure(lambda: padded(served(checked)), args.batch,
+                                                            args.batches, workers) for _ in range(args.rounds)])
         finally:
             for proc in [*workers, dispatcher]:
                 proc.terminate()

@@ -46,8 +46,8 @@ wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
 
 The real data (--images JPEGs, and each set of shards a row reads) is made once, on first use: the JPEGs by
 one process per core, each set of shards converted by a converter that imports no TensorFlow
-(benchmarks/input_pipeline.py, make_data); --data_only makes the JPEGs and the full-size shards (all the decoders, scaling and dali_alone rows
-read; the downscaled set only for the `small` row).
+(benchmarks/input_pipeline.py, make_data); --data_only makes the JPEGs and the full-size shards (all the
+decoders, scaling and dali_alone rows read; the downscaled set only for the `small` row).
 With --workdir the data (and the decoders row's synthetic runs) stay there for later invocations, so a
 short lease can make the data while its packages are still arriving (--data_only) and measure after;
 each `tfdp train` run's output is kept beside its model_dir as DIR.log.

@@ -196,11 +196,10 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     """Writes `job.output` with one row per image of `job.files`; returns a summary (images, failed, seconds)."""
     import tensorflow as tf
 
-    from tfdp.config.image_sizes import eval_image_size
     from tfdp.errors import atomic_write_text
     from tfdp.rundir.checkpoints import CheckpointStore
     from tfdp.data import dali
-    from tfdp.data.pipeline import data_errors
+    from tfdp.data.pipeline import data_errors, evaluation_decoding
     from tfdp.data.streaming import limit_bytes
     from tfdp.rundir.checkpoints import load_checkpoint
     from tfdp.train.task import ClassificationTask
@@ -221,7 +220,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     if decoder == "dali":
         say("tfdp: data: images decoded and cropped by DALI on each replica's device (data.decoder)")
     # What an image the pipeline left out failed: the decoder's own check (with DALI, the one before it).
-    check = dali.DECODERS[decoder].evaluation(dataclasses.replace(cfg.data, image_size=eval_image_size(cfg.data)))[0]
+    check = evaluation_decoding(dataclasses.replace(cfg.data, decoder=decoder))[0]
 
     @tf.function
     def step(iterator):

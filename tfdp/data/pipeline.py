@@ -353,7 +353,7 @@ def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
     come as their checked encoded bytes, for DALI to decode
     (`tfdp.data.dali.distribute_prediction`).
     """
-    transform, blank = DECODERS[cfg.decoder].evaluation(dataclasses.replace(cfg, image_size=eval_image_size(cfg)))
+    transform, blank = evaluation_decoding(cfg)
     n, i = ctx.num_input_pipelines, ctx.input_pipeline_id
     batch = ctx.get_per_replica_batch_size(global_batch)
     per_step = batch * (ctx.num_replicas_in_sync // n)
@@ -366,6 +366,12 @@ def prediction_dataset(files: list[str], cfg: DataConfig, global_batch: int,
         deterministic=False).ignore_errors()
     padding = tf.data.Dataset.from_tensors((tf.constant(-1, tf.int64), blank)).repeat()
     return ds.concatenate(padding).take(padded).batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def evaluation_decoding(cfg: DataConfig):
+    """`data.decoder`'s (transform, padding image) at `data.eval_image_size`, for images with no training crop
+    (prediction; `eval_dataset` resizes its config itself): with dali, the check before DALI and a blank JPEG."""
+    return DECODERS[cfg.decoder].evaluation(dataclasses.replace(cfg, image_size=eval_image_size(cfg)))
 
 
 def synthetic_dataset(cfg: DataConfig, num_classes: int, global_batch: int,
