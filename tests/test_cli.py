@@ -14,7 +14,7 @@ FAST = ["--model=simple_cnn", "--set=data.image_size=16", "--batch_size_per_repl
 
 def write_config(tmp_path, text, name="c.yaml"):
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     return str(path)
 
 
@@ -25,6 +25,11 @@ def write_config(tmp_path, text, name="c.yaml"):
     ("train:\n  batch_size_per_replica: 0\n", [], "config field 'train.batch_size_per_replica': input should be greater than 0"),
     (None, ["--batch_size_per_replica=-4"], "config field 'train.batch_size_per_replica': input should be greater than 0"),
     (None, ["--set=optimizer.lrr=0.1"], "unknown config key 'optimizer.lrr'; did you mean 'optimizer.lr'?"),
+    (b"model: \x89PNG\r\n\x1a\n\xff\xfe", [], "is not UTF-8 text: is it a config?"),   # a picture given as a config
+    (None, ["--epohcs=3"], "Unknown command line flag 'epohcs'. Did you mean: epochs ?"),
+    (None, ["--epochs=three"], "flag --epochs=three: invalid literal for int()"),
+    (None, ["--flagfile=/nonexistent/flags.txt"], "Unable to open flagfile: [Errno 2] No such file or directory"),
+    (None, ["--max_replicas=0"], "flag --max_replicas=0: 0 is not a positive integer"),   # benchmark's, at parsing
 ])
 def test_bad_config_fails_fast_with_one_line(tmp_path, config, extra, message):
     args = ["train", *extra]

@@ -43,6 +43,19 @@ def put_in_place(source, model_dir, name, leave_out=()):
     os.rename(tmp, root / name)
 
 
+def put_damaged(source, model_dir, name, as_name):
+    """Checkpoint `name` committed as `as_name` with its weights cut to a third, as a failing disk leaves a file."""
+    root = model_dir / "checkpoints"
+    tmp = root / f".tmp-{as_name}"
+    shutil.copytree(source / "checkpoints" / name, tmp)
+    with open(tmp / "model.weights.h5", "r+b") as f:
+        f.truncate(os.path.getsize(tmp / "model.weights.h5") // 3)
+    state = json.loads((tmp / "state.json").read_text())
+    (tmp / "state.json").write_text(json.dumps({**state, "step": int(as_name.split("-")[1])}))  # the step it lists
+    os.rename(tmp, root / as_name)
+    return root / as_name
+
+
 def evaluator(tiny_dir, model_dir, *extra):
     return [sys.executable, "-m", "tfdp", "evaluate", *RUN, f"--data_dir={tiny_dir}", f"--model_dir={model_dir}",
             "--epochs=3", "--continuous", "--poll_seconds=0.1", *extra]
@@ -60,7 +73,8 @@ def wait_for(proc, fragment: str) -> list[str]:
 
 def test_each_checkpoint_once_a_pruned_one_skipped_until_the_last_epoch(trained, tiny_dir, tmp_path):
     """Started before the run has a checkpoint, it waits; checkpoints put in place one by one, the first of
-    them half-pruned, are each evaluated once, and the last epoch's ends it, with the best checkpoint kept
+    them half-pruned and the second damaged (each skipped with a warning), are each evaluated once, and the
+    last epoch's ends it, with the best checkpoint kept
     (the workers did not validate) and its points on TensorBoard's epoch charts."""
     model_dir = tmp_path / "run"
     (model_dir / "checkpoints").mkdir(parents=True)
@@ -71,6 +85,8 @@ def test_each_checkpoint_once_a_pruned_one_skipped_until_the_last_epoch(trained,
         put_in_place(trained, model_dir, "epoch-0002", leave_out=("model.weights.h5",))
         skipped = wait_for(proc, "skipping checkpoint")[-1]
         shutil.rmtree(model_dir / "checkpoints" / "epoch-0002")
+        damaged = put_damaged(trained, model_dir, "epoch-0002", "step-000000005")
+        skipped_damaged = wait_for(proc, "skipping damaged checkpoint")[-1]
         put_in_place(trained, model_dir, "epoch-0003")
         out = "".join(wait_for(proc, "training ended")) + proc.communicate(timeout=120)[0]
     finally:
@@ -79,6 +95,8 @@ def test_each_checkpoint_once_a_pruned_one_skipped_until_the_last_epoch(trained,
     assert skipped.strip() == (f"tfdp: warning: evaluate: skipping checkpoint {model_dir}/checkpoints/epoch-0002: it "
                                f"was deleted before it was read (the run keeps only its newest checkpoints, and "
                                f"evaluating takes longer than training)")
+    assert skipped_damaged.strip().startswith(f"tfdp: warning: evaluate: skipping damaged checkpoint {damaged} "
+                                              f"(Unable to synchronously open file (truncated file"), skipped_damaged
     assert "Traceback" not in out
     assert out.count(f"tfdp: evaluate: {model_dir}/checkpoints/epoch-0003: loss ") == 1
     rows = read_jsonl(model_dir / "eval_metrics.jsonl")

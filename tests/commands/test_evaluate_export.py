@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import last_line, run_tfdp
+from conftest import assert_one_line_error, last_line, run_tfdp
 from tfdp.config import validate
 from tfdp.data import build_source
 from tfdp.data.pipeline import eval_dataset
@@ -145,6 +145,31 @@ def test_a_run_s_checkpoint_that_does_not_fit_says_what_the_run_was_trained_as(t
             load_checkpoint(build_model(other.model, other.data), str(where), other)
         assert str(error.value).startswith(f"checkpoint {where} does not fit model 'resnet10_small' with 10 classes "
                                            f"at 16 px (another architecture or class count?): "), error.value
+
+
+def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it_and_why(checkpoint, odd_dir, tmp_path):
+    """Not weights at all, empty, cut short, a `.keras` that is no archive, a name Keras does not read: each is
+    one line naming the file and why, not h5py's or zipfile's traceback, nor the hint meant for a checkpoint of
+    another model. `tfdp evaluate` once through the command line; `export` and `predict` load it alike."""
+    from tfdp.rundir.checkpoints import UnreadableWeights, load_checkpoint
+    cfg, path, model = checkpoint
+    whole = open(path, "rb").read()
+    files = {"junk.weights.h5": (os.urandom(4096), "file signature not found"),
+             "empty.weights.h5": (b"", "file signature not found"),
+             "cut.weights.h5": (whole[: len(whole) // 3], "truncated file"),
+             "junk.keras": (b"not a zip archive", "File is not a zip file"),
+             "weights.txt": (whole, "not a Keras weights file: Keras reads .weights.h5, .keras and .h5")}
+    for name, (data, why) in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UnreadableWeights) as error:
+            load_checkpoint(model, str(tmp_path / name), cfg)
+        line = str(error.value)
+        assert line.startswith(f"checkpoint {tmp_path / name} cannot be read (") and why in line, line
+        assert "\n" not in line and "does not fit" not in line, line
+    result = run_tfdp("evaluate", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16",
+                      "--data_format=image_folder", f"--data_dir={odd_dir}", f"--model_dir={tmp_path}",
+                      f"--checkpoint={tmp_path}/junk.keras", timeout=300)
+    assert_one_line_error(result, 2, f"checkpoint {tmp_path}/junk.keras cannot be read (File is not a zip file)")
 
 
 def test_checkpoint_of_another_architecture_or_class_count(checkpoint, odd_dir, tmp_path):

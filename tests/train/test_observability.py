@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import read_jsonl, run_tfdp
+from conftest import assert_one_line_error, read_jsonl, run_tfdp
 from tfdp.commands.benchmark import verdict
 
 FAST = ["--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=16"]
@@ -91,6 +91,18 @@ def test_report_draws_curves_and_summarises_the_metrics(finished_run):
 def test_report_on_a_directory_without_metrics(tmp_path):
     result = run_tfdp("report", str(tmp_path), timeout=60)
     assert result.returncode == 2 and f"no metrics.jsonl in {tmp_path}" in result.stderr
+
+
+@pytest.mark.parametrize("second_row, message", [
+    ('{"epoch": 2, "lo', "line 2 is not a JSON object (Unterminated string starting at: line 1 column 14 (char 13)): "
+                         "a damaged log; mend or remove that line"),
+    ("[2, 0.5]", "line 2 is not a metrics row (a JSON object with an epoch): [2, 0.5]"),
+])
+def test_a_damaged_metrics_log_is_one_line_naming_the_line(tmp_path, second_row, message):
+    """tfdp writes the log whole and atomically; a row damaged from outside (a disk, an edit) is named, for
+    `tfdp report` and for a resumed `tfdp train` alike (both read it with `read_metrics`)."""
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "loss": 2.0}\n' + second_row + "\n")
+    assert_one_line_error(run_tfdp("report", str(tmp_path), timeout=60), 2, f"{tmp_path}/metrics.jsonl {message}")
 
 
 @pytest.mark.parametrize("real, synthetic, alone, expected, cause", [

@@ -43,7 +43,7 @@ from tfdp.config import Config
 from tfdp.distribute.strategy import Runtime
 from tfdp.errors import UserError, atomic_write_text, write_errors
 from tfdp.rundir.bucket import CHECKPOINTS, TENSORBOARD, Bucket, Place, Uploader, place_for
-from tfdp.rundir.checkpoints import STATE, WEIGHTS, CheckpointStore
+from tfdp.rundir.checkpoints import STATE, WEIGHTS, CheckpointStore, UnreadableWeights
 from tfdp.rundir.metrics_file import EVAL_METRICS, EVAL_METRICS_FILE, read_metrics
 from tfdp.startup.console import say
 
@@ -260,9 +260,10 @@ def watch(checkpoints, evaluator: Evaluator, log: EvalLog, epochs: int, poll_sec
                 _warn(f"evaluate: skipping checkpoint {checkpoints.where(c)}: it was deleted before it was read "
                       f"(the run keeps only its newest checkpoints, and evaluating takes longer than training)")
                 continue
-            with open(os.path.join(copy, STATE), encoding="utf-8") as f:
-                state = json.load(f)
-            result = evaluator.evaluate(os.path.join(copy, WEIGHTS), checkpoints.where(c))
+            read = evaluate_copy(evaluator, copy, checkpoints.where(c))
+            if read is None:
+                continue
+            state, result = read
             log.record(c, state, result, os.path.join(copy, WEIGHTS))
             shutil.rmtree(copy, ignore_errors=True)
             evaluated += 1
@@ -276,6 +277,20 @@ def watch(checkpoints, evaluator: Evaluator, log: EvalLog, epochs: int, poll_sec
                 f"(the run's last epoch, {epochs}, was not committed)")
             return log.rows
         time.sleep(poll_seconds)
+
+
+def evaluate_copy(evaluator: Evaluator, copy: str, where: str) -> tuple[dict, dict] | None:
+    """(state, result) of the checkpoint copied to `copy`; None, after a warning, for weights that cannot be read
+    (a damaged disk or copy), which the evaluator skips as a resumed run does (`CheckpointStore.restore_latest`).
+    A state.json that is not JSON never gets here: the listing reads each checkpoint's step from it."""
+    with open(os.path.join(copy, STATE), encoding="utf-8") as f:
+        state = json.load(f)
+    try:
+        return state, evaluator.evaluate(os.path.join(copy, WEIGHTS), where)
+    except UnreadableWeights as e:
+        _warn(f"evaluate: skipping damaged checkpoint {where} ({e.reason})")
+        shutil.rmtree(copy, ignore_errors=True)
+        return None
 
 
 def start_line(cfg: Config, log: EvalLog, poll_seconds: float, timeout: float) -> str:

@@ -377,6 +377,10 @@ def read_yaml(path: str) -> dict[str, Any]:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise UserError(f"config file {path} is not valid YAML{where}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not UTF-8 text: is it a config?") from None
+    except OSError as e:
+        raise UserError(f"cannot read config file {path}: {e.strerror or e}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):

@@ -34,6 +34,7 @@ import re
 import shutil
 import sys
 import warnings
+import zipfile
 from typing import Any
 
 import keras
@@ -42,7 +43,7 @@ import yaml
 
 from tfdp.config import Config
 from tfdp.config.pretrained import run_dir_of
-from tfdp.errors import UserError, atomic_write_text, write_errors
+from tfdp.errors import UserError, atomic_write_text, first_line, write_errors
 
 KEEP_EPOCHS = 2
 KEEP_STEPS = 2
@@ -83,15 +84,29 @@ def _itemsize(dtype) -> int:
 def load_weights(model: keras.Model, path: str, what: str) -> None:
     """Loads a weights file; one that does not fit is one line saying so and naming `what` it was loaded into.
 
-    Keras' own warnings are silenced: they would bury that line. A damaged
-    file raises OSError (h5py's), for the caller to decide.
+    Keras' own warnings are silenced: they would bury that line. A file that
+    cannot be read at all is `UnreadableWeights`, for the caller to decide.
     """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.load_weights(path)
+    except (OSError, zipfile.BadZipFile) as e:   # h5py's, or a `.keras` that is no zip archive
+        raise UnreadableWeights(path, first_line(e, 120)) from None
     except (ValueError, KeyError) as e:
+        if str(e).startswith("File format not supported"):   # Keras' words for a name it does not know
+            raise UnreadableWeights(path, "not a Keras weights file: Keras reads .weights.h5, .keras and .h5") from None
         raise UserError(f"checkpoint {path} does not fit {what}: {str(e).strip().splitlines()[0][:200]}") from None
+
+
+class UnreadableWeights(UserError):
+    """A weights file that cannot be read at all: damaged, cut short, or not Keras weights. Where it was only
+    found (resuming, the evaluator beside a run) an older checkpoint is taken instead; one the user named stops
+    the command in one line."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"checkpoint {path} cannot be read ({reason})")
+        self.reason = reason
 
 
 class CheckpointStore:
@@ -157,9 +172,8 @@ class CheckpointStore:
             try:
                 load_weights(model, weights, f"model '{model.name}' (changed architecture or class count? "
                                              f"use a new model_dir)")
-            except OSError as e:  # h5py: truncated or damaged file
-                _warn(f"skipping damaged checkpoint {path} ({str(e).splitlines()[0][:120]}); "
-                      f"trying the one before it")
+            except UnreadableWeights as e:  # truncated or damaged
+                _warn(f"skipping damaged checkpoint {path} ({e.reason}); trying the one before it")
                 continue
             replicas = os.path.join(path, REPLICAS)
             try:
@@ -246,6 +260,8 @@ def load_checkpoint(model: keras.Model, path: str, cfg: Config) -> None:
     what = f"model '{cfg.model.name}' with {cfg.model.num_classes} classes at {cfg.data.image_size} px"
     try:
         load_weights(model, path, what)
+    except UnreadableWeights:
+        raise
     except UserError as e:   # the hint before Keras' own words
         hint = trained_as(path, cfg) or "another architecture or class count?"
         raise UserError(str(e).replace(f"{what}: ", f"{what} ({hint}): ", 1)) from None

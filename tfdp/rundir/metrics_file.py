@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+from tfdp.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 # The evaluator's rows, one per checkpoint it evaluated (tfdp/commands/continuous_eval.py); in a bucket, one object
 # each under EVAL_METRICS/.
@@ -27,8 +29,26 @@ def with_evaluations(rows: list[dict[str, Any]], evaluated: list[dict[str, Any]]
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The rows of a metrics log, oldest epoch first; none when the file does not exist yet."""
+    """The rows of a metrics log, oldest epoch first; none when the file does not exist yet.
+
+    tfdp writes each log whole and atomically, so a row that is not a JSON
+    object was damaged from outside (a disk, an edit): one line naming it.
+    """
     if not os.path.exists(path):
         return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path} line {number} is not a JSON object ({e}): a damaged log; mend or remove "
+                                f"that line") from None
+            if not isinstance(row, dict) or "epoch" not in row:
+                raise UserError(f"{path} line {number} is not a metrics row (a JSON object with an epoch): "
+                                f"{line[:80]}")
+            rows.append(row)
+    return rows
