@@ -30,6 +30,7 @@ def write_config(tmp_path, text, name="c.yaml"):
     (None, ["--epochs=three"], "flag --epochs=three: invalid literal for int()"),
     (None, ["--flagfile=/nonexistent/flags.txt"], "Unable to open flagfile: [Errno 2] No such file or directory"),
     (None, ["--max_replicas=0"], "flag --max_replicas=0: 0 is not a positive integer"),   # benchmark's, at parsing
+    (None, ["--port=70000"], "flag --port=70000: 70000 is not an integer in the range [0, 65535]"),   # data-service's
 ])
 def test_bad_config_fails_fast_with_one_line(tmp_path, config, extra, message):
     args = ["train", *extra]

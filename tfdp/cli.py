@@ -62,7 +62,8 @@ flags.DEFINE_string("data_service", None, "Override data.service_address: train 
                     "dispatcher (grpc://host:port); empty: the local pipeline.")
 flags.DEFINE_integer("data_workers", 0, "launch: also start a local tf.data service dispatcher and this many workers, "
                      "and train through them.")
-flags.DEFINE_integer("port", None, "data-service: port to listen on (dispatcher default 5050, worker any free one).")
+flags.DEFINE_integer("port", None, "data-service: port to listen on (dispatcher default 5050, worker any free one).",
+                     lower_bound=0, upper_bound=65535)
 flags.DEFINE_string("dispatcher_address", None, "data-service worker: the dispatcher's host:port.")
 flags.DEFINE_string("worker_address", None, "data-service worker: host name or IP trainers reach this worker at "
                     "(default localhost: one host only; auto: the IP this host's name resolves to).")

@@ -73,6 +73,16 @@ def test_bucket_endpoint_that_refuses_is_one_line_at_once():
     assert seconds < 20, seconds  # long before the 30 s timeout: a refusal needs no waiting
 
 
+def test_a_url_whose_driver_connects_as_it_is_made_is_one_line():
+    """fsspec's ftp:// (and hdfs://, sftp://) driver connects when it is made, before tfdp's bucket probe: a
+    refusal there is the same one line, for the data and for model.init_from alike (`storage.filesystem`)."""
+    port = free_ports(1)[0]  # nothing listens there
+    for setting in (f"--data_dir=ftp://127.0.0.1:{port}/data", f"--set=model.init_from=ftp://127.0.0.1:{port}/w.h5"):
+        result = run_tfdp("train", "--data_format=image_folder", setting, "--model_dir=/tmp/tfdp-never-written",
+                          timeout=120)
+        assert_one_line_error(result, 2, f"cannot open ftp://127.0.0.1:{port}/", "Connection refused")
+
+
 # --- tfdp launch: a worker that dies or never starts ----------------------------------------
 
 SYNTHETIC = ["--data_format=synthetic", "--set=data.synthetic_examples=4096", "--model=simple_cnn",

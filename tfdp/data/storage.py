@@ -37,7 +37,7 @@ import urllib.request
 import fsspec
 import fsspec.utils
 
-from tfdp.errors import UserError
+from tfdp.errors import UserError, first_line
 
 LOCAL_PROTOCOLS = ("file", "local")
 # Where a driver says which server it talks to: an attribute path on its filesystem object.
@@ -102,6 +102,8 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
         fs, path = fsspec.core.url_to_fs(os.path.expanduser(url))
     except (ImportError, ValueError) as e:
         raise UserError(f"cannot open {url}: {e}") from None
+    except OSError as e:   # a protocol whose driver connects as it is made (ftp://, hdfs://, sftp://)
+        raise UserError(f"cannot open {url}: {first_line(e)}") from None
     if is_remote(fs):
         _check_reachable(fs, path, url)
     return fs, path
