@@ -106,6 +106,29 @@ def test_listing_finds_a_cut_short_shard_from_its_framing(shard_dirs):
     assert intact.lost == () and intact.damage() == ""
 
 
+@pytest.mark.parametrize("damage, file, message", [
+    ("{\"shards\": {\"train-00000-of-00002\": 12, \"train-0", "counts.json",
+     "counts.json is not the converter's counts (not JSON: Unterminated string"),
+    ("{\"shards\": {\"train-00000-of-00002\": \"12\"}}", "counts.json",
+     "counts.json is not the converter's counts (its \"shards\" are not shard names with their record counts)"),
+    (b"\xff\xd8\xff\xe0 a JPEG saved over it", "synsets.txt", "synsets.txt is not UTF-8 text: a damaged or foreign file"),
+])
+def test_a_damaged_summary_beside_the_shards_is_one_line_naming_it(shard_dirs, tmp_path, damage, file, message):
+    """counts.json and synsets.txt are the converter's; one cut short by a copy, edited, or overwritten is named
+    when the split is listed (trusting a wrong count would drop or invent records). Without counts.json the
+    records are counted from the shards themselves, as for shards from other tools."""
+    root = tmp_path / "shards"
+    shutil.copytree(shard_dirs["intact"], root)
+    (root / file).write_bytes(damage if isinstance(damage, bytes) else damage.encode())
+    with pytest.raises(UserError) as error:
+        build_source(DataConfig(format="tfrecord", dir=str(root)))
+    assert str(error.value).startswith(f"{root / file} ") and message in str(error.value), error.value
+    assert "\n" not in str(error.value)
+    os.remove(root / "counts.json")
+    (root / "synsets.txt").write_text("".join(f"{s}\t{t}\n" for s, t in SYNSETS[:CLASSES]))
+    assert build_source(DataConfig(format="tfrecord", dir=str(root))).split("train").counts == (12, 12)
+
+
 COMMON = ["--config=configs/digits.yaml", "--model=simple_cnn", "--data_format=tfrecord",
           "--set=model.num_classes=3", "--batch_size_per_replica=4", "--set=data.image_size=16",
           "--set=schedule.warmup_epochs=0"]

@@ -211,6 +211,18 @@ def class_folder_split(fs: fsspec.AbstractFileSystem, name: str, split_dir: str,
     return Split(name=name, files=tuple(files), labels=tuple(labels))
 
 
+def read_text(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A dataset's text file (a class list, a labels CSV, counts.json) whole; one that is missing or not UTF-8
+    text is one line naming it."""
+    try:
+        with fs.open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"file not found: {url(fs, path)}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{url(fs, path)} is not UTF-8 text: a damaged or foreign file") from None
+
+
 def folder_entries(fs: fsspec.AbstractFileSystem, folder: str) -> list[tuple[str, bool]]:
     """(path as the user writes it, whether it is a folder) for every entry of `folder`, sorted by name.
 

@@ -26,7 +26,8 @@ import io
 import posixpath
 import re
 
-from tfdp.data.layouts import Ignored, Source, Split, class_folder_split, folder_entries, is_image_file
+from tfdp.data.layouts import (Ignored, Source, Split, class_folder_split, folder_entries, is_image_file,
+                               read_text)
 from tfdp.data.storage import filesystem, url
 from tfdp.errors import UserError
 
@@ -110,13 +111,13 @@ def _mapping_text(fs, root: str) -> dict[str, str]:
     path = posixpath.join(root, KAGGLE_MAPPING)
     if not fs.exists(path):
         return {}
-    rows = (line.split(None, 1) for line in _read_text(fs, path).splitlines() if line.strip())
+    rows = (line.split(None, 1) for line in read_text(fs, path).splitlines() if line.strip())
     return {row[0]: (row[1].strip() if len(row) > 1 else row[0]) for row in rows}
 
 
 def read_kaggle_solution(fs, path: str) -> dict[str, list[tuple[str, float, float, float, float]]]:
     """ImageId → [(synset, xmin, ymin, xmax, ymax) in pixels] from a LOC_*_solution.csv file."""
-    rows = csv.DictReader(io.StringIO(_read_text(fs, path)))
+    rows = csv.DictReader(io.StringIO(read_text(fs, path)))
     if rows.fieldnames is None or not {"ImageId", "PredictionString"} <= set(rows.fieldnames):
         raise UserError(f"{path}: expected the columns ImageId,PredictionString")
     out = {}
@@ -198,7 +199,7 @@ def _meta_synsets(fs, devkit: str) -> tuple[dict[int, str], tuple[str, ...], tup
 
 def _ground_truth_val(fs, name: str, val_dir: str, devkit: str, synsets: tuple[str, ...]) -> Split:
     ids, _, _ = _meta_synsets(fs, devkit)
-    lines = _read_text(fs, posixpath.join(devkit, GROUND_TRUTH)).split()
+    lines = read_text(fs, posixpath.join(devkit, GROUND_TRUTH)).split()
     try:
         truth = [ids[int(line)] for line in lines]
     except (ValueError, KeyError) as e:
@@ -210,11 +211,3 @@ def _ground_truth_val(fs, name: str, val_dir: str, devkit: str, synsets: tuple[s
         return truth[number - 1] if 0 < number <= len(truth) else None
 
     return _labelled_flat_folder(fs, name, val_dir, synsets, synset_of, GROUND_TRUTH)
-
-
-def _read_text(fs, path: str) -> str:
-    try:
-        with fs.open(path, "rb") as f:
-            return f.read().decode("utf-8")
-    except FileNotFoundError:
-        raise UserError(f"file not found: {url(fs, path)}") from None

@@ -27,10 +27,10 @@ import fnmatch
 import json
 import posixpath
 
-from tfdp.data.layouts import Source, Split
+from tfdp.data.layouts import Source, Split, read_text
 from tfdp.data.storage import filesystem, is_remote, localize, url
 from tfdp.data.layouts.tfrecord import IMAGENET_RECORDS, count_records, first_record, readable_records
-from tfdp.errors import UserError
+from tfdp.errors import UserError, first_line
 
 SYNSET_FILES = ("synsets.txt", "LOC_synset_mapping.txt", "imagenet_metadata.txt", "imagenet_lsvrc_2015_synsets.txt")
 COUNTS_FILE = "counts.json"
@@ -81,8 +81,7 @@ def read_synsets(fs, root: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     for name in SYNSET_FILES:
         path = posixpath.join(root, name)
         if fs.exists(path):
-            with fs.open(path, "rb") as f:
-                rows = [line.split(None, 1) for line in f.read().decode("utf-8").splitlines() if line.strip()]
+            rows = [line.split(None, 1) for line in read_text(fs, path).splitlines() if line.strip()]
             entries = sorted((row[0], row[1].strip() if len(row) > 1 else row[0]) for row in rows)
             return tuple(e[0] for e in entries), tuple(e[1] for e in entries)
     return (), ()
@@ -122,8 +121,19 @@ def _find_shards(fs, root: str, split_name: str) -> list[str]:
 
 
 def _read_counts(fs, root: str) -> dict[str, int]:
+    """counts.json's records per shard (the converter's summary); one that is damaged is one line naming it,
+    since trusting it would drop or invent records."""
     path = posixpath.join(root, COUNTS_FILE)
     if not fs.exists(path):
         return {}
-    with fs.open(path, "rb") as f:
-        return json.loads(f.read()).get("shards", {})
+    try:
+        found = json.loads(read_text(fs, path))
+    except ValueError as e:
+        reason = f"not JSON: {first_line(e, 80)}"
+    else:
+        shards = found.get("shards", {}) if isinstance(found, dict) else None
+        if isinstance(shards, dict) and all(type(n) is int and n >= 0 for n in shards.values()):
+            return shards
+        reason = "its \"shards\" are not shard names with their record counts"
+    raise UserError(f"{url(fs, path)} is not the converter's counts ({reason}): mend it, or remove it and tfdp "
+                    f"counts each shard's records itself")
