@@ -369,3 +369,19 @@ def test_a_keras_hub_resnet_preset_of_another_architecture_is_one_line(name, cha
     for fragment in fragments:
         assert fragment in str(raised.value)
 
+
+@pytest.mark.parametrize("damaged", ["model.weights.h5", "task.weights.h5"])
+def test_a_keras_hub_preset_with_a_weights_file_cut_short_is_one_line(damaged, kerashub_resnet18, tmp_path):
+    """A preset copied in part (a download or sync that stopped): h5py's error on the file is named in one line,
+    not raised as its OSError."""
+    preset = tmp_path / "preset"
+    shutil.copytree(kerashub_resnet18, preset)
+    with open(preset / damaged, "r+b") as f:
+        f.truncate(3000)
+    cfg = validate({"model": {"name": "resnet18", "num_classes": 1000}})
+    with pytest.raises(UserError) as raised:
+        read_source(str(preset), cfg.model, cfg.data)
+    message = str(raised.value)
+    assert message.startswith(f"model.init_from: cannot read {preset / damaged} as a Keras weights file (") and \
+        "truncated file" in message and "\n" not in message, message
+

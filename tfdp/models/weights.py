@@ -454,12 +454,16 @@ def h5_groups(path: str) -> dict[str, tuple[str, list[np.ndarray]]]:
     """A Keras 3 weights file's layers: the path of each `.../vars` group (without it) → (the layer's name, its
     variables in order)."""
     found = {}
-    with h5py.File(path, "r") as f:
-        def visit(name, obj):
-            if isinstance(obj, h5py.Group) and (name == "vars" or name.endswith("/vars")):
-                found[name[:-len("/vars")] if "/" in name else ""] = (
-                    str(obj.attrs.get("name", "")), [np.asarray(obj[str(i)]) for i in range(len(obj))])
-        f.visititems(visit)
+    try:
+        with h5py.File(path, "r") as f:
+            def visit(name, obj):
+                if isinstance(obj, h5py.Group) and (name == "vars" or name.endswith("/vars")):
+                    found[name[:-len("/vars")] if "/" in name else ""] = (
+                        str(obj.attrs.get("name", "")), [np.asarray(obj[str(i)]) for i in range(len(obj))])
+            f.visititems(visit)
+    except (OSError, KeyError) as e:   # h5py's: a file cut short or damaged, a group without its variables
+        raise UserError(f"model.init_from: cannot read {path} as a Keras weights file ({first_line(e, 120)})"
+                        ) from None
     return found
 
 
