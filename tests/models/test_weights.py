@@ -11,6 +11,7 @@ import json
 import lzma
 import os
 import shutil
+import zipfile
 
 import h5py
 import keras
@@ -233,6 +234,12 @@ def test_the_weights_preprocessing_reaches_config_yaml_and_the_export(trained_ru
 def bad_input_cases(trained_run, tmp_path):
     pth = tmp_path / "resnet18.pth"
     pth.write_bytes(b"PK\x03\x04 not really a zip")
+    cut_keras = tmp_path / "cut.keras"   # the run's exported .keras with the weights inside cut to a third
+    with zipfile.ZipFile(os.path.join(trained_run, "export", "model.keras")) as whole, \
+            zipfile.ZipFile(cut_keras, "w") as cut:
+        for item in whole.infolist():
+            data = whole.read(item)
+            cut.writestr(item, data[: len(data) // 3] if item.filename == "model.weights.h5" else data)
     return {
         "another architecture (shapes)": (["--set=data.image_size=24", f"--init_from={trained_run}"],
                                           ["does not fit model 'simple_cnn'", "fc/kernel is (1024, 128) there",
@@ -252,6 +259,8 @@ def bad_input_cases(trained_run, tmp_path):
         "no torchvision layout": (["--model=resnet18_small", f"--init_from={SQUEEZENET}"],
                                   ["model 'resnet18_small' has no torchvision or timm layout"]),
         "pickled torch file": ([f"--init_from={pth}"], ["is a pickled PyTorch file", ".safetensors"]),
+        "a .keras whose weights were cut short": ([f"--init_from={cut_keras}"],
+                                                  [f"cannot read the weights inside {cut_keras}", "truncated file"]),
         "a bucket, to the reader": (["--init_from=gs://bucket/run"],   # `tfdp train` copies it first
                                     ["gs://bucket/run: the weights' readers take a local path"]),
         "exclude without init_from": (["--set=model.init_exclude=[logits]"], ["model.init_exclude needs"]),

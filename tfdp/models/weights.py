@@ -118,8 +118,11 @@ def read_keras_file(path: str) -> Weights:
             data = archive.read("model.weights.h5")
     except (zipfile.BadZipFile, KeyError, OSError) as e:
         raise UserError(f"model.init_from: {path} is not a .keras file with weights ({e})") from None
-    with h5py.File(io.BytesIO(data), "r") as f:
-        return read_keras_h5(f, path)
+    try:
+        with h5py.File(io.BytesIO(data), "r") as f:
+            return read_keras_h5(f, path)
+    except OSError as e:   # h5py's: the weights inside were cut short or damaged before they were zipped
+        raise UserError(f"model.init_from: cannot read the weights inside {path} ({first_line(e, 120)})") from None
 
 
 def read_checkpoint_folder(path: str) -> Weights:
