@@ -109,6 +109,24 @@ def test_init_exclude_leaves_matching_layers_and_variables_as_initialised():
                                   load_file(SQUEEZENET)["features.0.weight"].transpose(2, 3, 1, 0))
 
 
+def test_an_init_exclude_pattern_that_matches_nothing_is_one_line():
+    """A mistyped pattern would load the layers it meant to leave out; one that matches only the source's layers
+    (what the model has no place for) is taken, as the docs say."""
+    cfg = torch_cfg("squeezenet1_1", SQUEEZENET, image_size=64, model={"init_exclude": ["fire9_*", "fier8_*"]})
+    model = build_model(cfg.model, cfg.data)
+    with pytest.raises(UserError) as raised:
+        load_into(model, read_source(SQUEEZENET, cfg.model, cfg.data), cfg.model)
+    assert str(raised.value) == (f"model.init_exclude: 'fier8_*' matches no layer (or layer/variable) of model "
+                                 f"'squeezenet1_1' nor of {SQUEEZENET} (the model's layers start conv1, fire2, fire3, "
+                                 f"fire4, fire5, fire6, fire7, fire8, fire9, classifier, ...)")
+    weights = read_source(SQUEEZENET, cfg.model, cfg.data)
+    weights.values["extra_head"] = weights.values["classifier"]   # a source layer the model has no place for
+    weights.names["extra_head"] = ["extra_head.weight", "extra_head.bias"]
+    cfg = torch_cfg("squeezenet1_1", SQUEEZENET, image_size=64, model={"init_exclude": ["extra_*"]})
+    loaded, new = load_into(model, weights, cfg.model)
+    assert new == [] and len(loaded) == 26
+
+
 def test_imagenet_reads_keras_own_file_from_keras_home(tmp_path, monkeypatch):
     """A file in Keras' legacy h5 format under the name keras.applications gives it, in a temporary KERAS_HOME."""
     from keras.src.legacy.saving.legacy_h5_format import save_weights_to_hdf5_group

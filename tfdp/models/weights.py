@@ -617,6 +617,7 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
     does not fit leaves the model as it was.
     """
     layers = layers_with_weights(model)
+    check_exclusions(layers, weights, model_cfg)
     heads = {id(layer) for layer in layers[-1:]} | {
         id(layer) for layer in layers if any(fnmatch.fnmatchcase(layer.name, p) for p in HEAD_LAYERS.get(
             model_cfg.name, ()))}
@@ -670,6 +671,19 @@ def load_into(model: keras.Model, weights: Weights, model_cfg: ModelConfig) -> t
     for v, value in plan:
         v.assign(np.asarray(value).astype(keras.backend.standardize_dtype(v.dtype)))
     return loaded, new
+
+
+def check_exclusions(layers: list, weights: Weights, model_cfg: ModelConfig) -> None:
+    """Each `model.init_exclude` pattern matches a layer or `layer/variable` of the model or a layer of the source:
+    a mistyped one would load what it meant to leave out, with only the report line's "new: none" to tell (as
+    `train.freeze` refuses a pattern that matches nothing)."""
+    for pattern in model_cfg.init_exclude:
+        if not (any(_excluded(layer.name, v.name, (pattern,)) for layer in layers for v in own_variables(layer))
+                or any(_excluded(name, "*", (pattern,)) for name in weights.values)):
+            prefixes = list(dict.fromkeys(layer.name.split("_")[0] for layer in layers))
+            raise UserError(f"model.init_exclude: '{pattern}' matches no layer (or layer/variable) of model "
+                            f"'{model_cfg.name}' nor of {weights.what} (the model's layers start "
+                            f"{', '.join(prefixes[:12])}, ...)")
 
 
 def _only_classes_differ(variables, values) -> bool:
