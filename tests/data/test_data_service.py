@@ -265,7 +265,19 @@ def test_a_worker_pointed_at_no_dispatcher_is_one_line_within_the_timeout():
     assert "grpc" in modules and heavy(modules) == set()
 
 
-@pytest.mark.parametrize("address", ["http://127.0.0.1:5050", "127.0.0.1", "grpc://:5050"])
+def test_folders_the_service_or_a_launch_cannot_write_are_one_line_before_anything_starts(tmp_path):
+    """The dispatcher's journal folder and the launcher's log folder, under a path that is a file: one line each,
+    before TensorFlow loads or a process starts (they were OSError's tracebacks)."""
+    (tmp_path / "afile").write_text("")
+    result = run_tfdp("data-service", "dispatcher", f"--work_dir={tmp_path}/afile/journal", "--port=0", timeout=60)
+    assert_one_line_error(result, 2, f"cannot make the dispatcher's --work_dir {tmp_path}/afile/journal: Not a "
+                                     f"directory")
+    result = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/afile", "--", "train", *FAST, timeout=60)
+    assert_one_line_error(result, 2, f"--launch_logs {tmp_path}/afile is a file, not a folder")
+    assert os.listdir(tmp_path) == ["afile"]
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:5050", "127.0.0.1", "grpc://:5050", "grpc://127.0.0.1:99999"])
 def test_a_service_address_that_is_not_grpc_host_port_is_one_line(address, tmp_path):
     result = run_tfdp("train", *FAST, f"--data_service={address}", f"--model_dir={tmp_path}/run", timeout=60)
     assert_one_line_error(result, 2, f"data.service_address must be grpc://HOST:PORT (a tf.data service dispatcher), "

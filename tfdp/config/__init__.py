@@ -581,7 +581,7 @@ def _check_service(cfg: Config) -> None:
     address = cfg.data.service_address
     protocol, _, rest = address.rpartition("://")
     host, _, port = rest.rpartition(":")
-    if protocol not in ("", "grpc") or not host or not port.isdigit():
+    if protocol not in ("", "grpc") or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"data.service_address must be grpc://HOST:PORT (a tf.data service dispatcher), "
                         f"got {address!r}")
     if cfg.train.deterministic:

@@ -53,6 +53,7 @@ from tfdp.distribute import watchdog
 from tfdp.distribute.cluster import free_ports, workers_tf_config
 from tfdp.errors import PREEMPTED_EXIT_CODE, UserError
 from tfdp.rundir.lease import process_exists
+from tfdp.rundir.writable import writable_dir
 from tfdp.startup.console import say
 
 GRACE_SECONDS = 10.0
@@ -91,7 +92,7 @@ def launch(num_workers: int, child_args: list[str], log_dir: str, data_workers: 
         raise UserError(f"--data_workers must be 0 or more, got {data_workers}")
     if not child_args or child_args[0] != "train":
         raise UserError("launch runs a training command: tfdp launch --workers=N -- train --config=...")
-    os.makedirs(log_dir, exist_ok=True)
+    writable_dir(log_dir, "--launch_logs")   # before any process starts: a log it could not write is one line
     _remove_stale_scratch()
     scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
     procs: list[subprocess.Popen] = []

@@ -51,11 +51,14 @@ ROLES = ("dispatcher", "worker")
 def dispatcher(port: int, work_dir: str | None) -> None:
     """Runs a dispatcher until SIGTERM/SIGINT; with `work_dir`, one that a restart recovers (its journal)."""
     _check_port_free(port, "dispatcher")
-    tf = _cpu_only_tensorflow()
-    service = tf.data.experimental.service
     if work_dir:
         work_dir = os.path.abspath(os.path.expanduser(work_dir))
-        os.makedirs(work_dir, exist_ok=True)
+        try:
+            os.makedirs(work_dir, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot make the dispatcher's --work_dir {work_dir}: {e.strerror or e}") from None
+    tf = _cpu_only_tensorflow()
+    service = tf.data.experimental.service
     from tensorflow.core.protobuf import service_config_pb2  # the full config: the Python one lacks the GC switch
     config = service_config_pb2.DispatcherConfig(
         port=port, protocol="grpc", work_dir=work_dir or "", fault_tolerant_mode=bool(work_dir),
