@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -279,11 +280,18 @@ def test_validation_with_dali_holds_every_image_once_in_the_tf_paths_central_win
 
 def test_predict_with_dali_gives_each_photo_the_tf_paths_row(photo_tree, tmp_path, capsys):
     """`tfdp predict` (in this process) with data.decoder: dali on 2 replicas: 12 real photos of assorted sizes,
-    one cut short, 8 a step: one row per photo in the tf path's order, each whole photo with the tf path's
-    classes and probabilities (both decode the same central window with libjpeg-turbo here), the cut-short one
-    an error row saying why (DALI's check before it: no end-of-image marker)."""
+    one cut short, and the oddities ILSVRC2012's raw tree holds (a CMYK JPEG, a greyscale one, a PNG named .jpg),
+    8 a step: one row per photo in the tf path's order, each whole photo with the tf path's classes and
+    probabilities (both decode the same central window with libjpeg-turbo here), the cut-short one an error row
+    saying why (DALI's check before it: no end-of-image marker)."""
+    tree = tmp_path / "photos"
+    shutil.copytree(photo_tree, tree)
+    photo = Image.open(tree / "val" / "c0" / "0000.jpg")
+    photo.convert("CMYK").save(tree / "val" / "c0" / "odd_cmyk.jpg", "JPEG")
+    photo.convert("L").save(tree / "val" / "c0" / "odd_grey.jpg", "JPEG")
+    photo.save(tree / "val" / "c0" / "odd_png.jpg", "PNG")
     raw = {"model_dir": str(tmp_path), "model": {"name": "simple_cnn", "num_classes": 2},
-           "data": {"format": "image_folder", "dir": photo_tree, "image_size": 32},
+           "data": {"format": "image_folder", "dir": str(tree), "image_size": 32},
            "train": {"batch_size_per_replica": 4}, "distribute": {"strategy": "mirrored", "cpu_replicas": 2}}
     cfg = validate(raw)
     keras.utils.set_random_seed(0)
@@ -294,13 +302,14 @@ def test_predict_with_dali_gives_each_photo_the_tf_paths_row(photo_tree, tmp_pat
     for decoder in ("tf", "dali"):
         data = validate({**raw, "data": {**raw["data"], "decoder": decoder}})
         capsys.readouterr()
-        summary = predict(data, runtime, weights, request(data, os.path.join(photo_tree, "val"),
+        summary = predict(data, runtime, weights, request(data, str(tree / "val"),
                                                            str(tmp_path / f"{decoder}.jsonl"), top_k=2))
         said = capsys.readouterr().out
-        assert summary["images"] == 12 and summary["failed"] == 1, summary
+        assert summary["images"] == 15 and summary["failed"] == 1, summary
         assert ("decoded and cropped by DALI" in said) == (decoder == "dali"), said
         rows[decoder] = read_rows(str(tmp_path / f"{decoder}.jsonl"))
     assert [r["path"] for r in rows["dali"]] == [r["path"] for r in rows["tf"]]
+    assert sum("odd_" in r["path"] for r in rows["dali"]) == 3
     for ours, theirs in zip(rows["dali"], rows["tf"]):
         if ours["path"].endswith("0005.jpg"):
             assert ours["predictions"] == [] and theirs["error"]
