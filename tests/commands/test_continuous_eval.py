@@ -74,8 +74,8 @@ def wait_for(proc, fragment: str) -> list[str]:
 def test_each_checkpoint_once_a_pruned_one_skipped_until_the_last_epoch(trained, tiny_dir, tmp_path):
     """Started before the run has a checkpoint, it waits; checkpoints put in place one by one, the first of
     them half-pruned and the second damaged (each skipped with a warning), are each evaluated once, and the
-    last epoch's ends it, with the best checkpoint kept
-    (the workers did not validate) and its points on TensorBoard's epoch charts."""
+    last epoch's ends it, with the best checkpoint kept (the workers did not validate) and its points on
+    TensorBoard's epoch charts."""
     model_dir = tmp_path / "run"
     (model_dir / "checkpoints").mkdir(parents=True)
     proc = subprocess.Popen(evaluator(tiny_dir, model_dir, "--eval_timeout=0"), cwd=REPO, text=True,

@@ -35,7 +35,7 @@ from tfdp.distribute.cluster import free_ports
 from tfdp.distribute.strategy import Runtime, make_runtime
 from tfdp.models import build_model
 from tfdp.errors import UserError
-from support.dali_batches import BROKEN, CLASSES, image_ids, replica_batches, write_id_tree
+from support.dali_batches import BROKEN, CLASSES, replica_batches, write_id_tree
 
 pytestmark = pytest.mark.skipif(bool(dali.available()), reason=f"NVIDIA DALI's TensorFlow plugin does not import "
                                                                f"here ({dali.available()}): pip install tfdp[dali]")

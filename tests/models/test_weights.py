@@ -411,4 +411,3 @@ def test_a_keras_hub_preset_with_a_weights_file_cut_short_is_one_line(damaged, k
     message = str(raised.value)
     assert message.startswith(f"model.init_from: cannot read {preset / damaged} as a Keras weights file (") and \
         "truncated file" in message and "\n" not in message, message
-

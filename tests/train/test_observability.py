@@ -99,8 +99,8 @@ def test_report_on_a_directory_without_metrics(tmp_path):
     ("[2, 0.5]", "line 2 is not a metrics row (a JSON object with an epoch): [2, 0.5]"),
 ])
 def test_a_damaged_metrics_log_is_one_line_naming_the_line(tmp_path, second_row, message):
-    """tfdp writes the log whole and atomically; a row damaged from outside (a disk, an edit) is named, for
-    `tfdp report` and for a resumed `tfdp train` alike (both read it with `read_metrics`)."""
+    """tfdp writes the log whole and atomically; a row damaged from outside (a disk, an edit) is named by its
+    reader, `read_metrics`, which a resumed `tfdp train` shares with `tfdp report`."""
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "loss": 2.0}\n' + second_row + "\n")
     assert_one_line_error(run_tfdp("report", str(tmp_path), timeout=60), 2, f"{tmp_path}/metrics.jsonl {message}")
 
