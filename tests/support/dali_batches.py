@@ -14,7 +14,6 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
 
 CLASSES, IMAGES, BROKEN = 4, 46, 13
 
