@@ -42,6 +42,14 @@ def test_a_tfdp_process_runs_on_tcmalloc_unless_told_otherwise(tmp_path):
     assert "tcmalloc" not in maps
 
 
+def test_an_allocator_switch_of_another_value_is_one_line():
+    """`TFDP_ALLOCATOR=glibc` meant as `system` would leave TCMalloc in place; it is refused before anything runs."""
+    result = subprocess.run([sys.executable, "-m", "tfdp", "report", "/nonexistent"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, allocator.SWITCH: "glibc"})
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2, "", "tfdp: error: TFDP_ALLOCATOR must be tcmalloc or system, got 'glibc'\n")
+
+
 def test_an_allocator_the_user_preloads_is_kept():
     assert allocator.with_tcmalloc({"LD_PRELOAD": "/opt/lib/libjemalloc.so.2"}) is None
     assert allocator.with_tcmalloc({allocator.SWITCH: "system"}) is None

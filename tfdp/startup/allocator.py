@@ -23,6 +23,7 @@ import os
 import sys
 
 SWITCH = "TFDP_ALLOCATOR"  # "system": glibc's malloc
+CHOICES = ("tcmalloc", "system")
 LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                 "/usr/local/lib")
@@ -57,6 +58,10 @@ def preload_tcmalloc() -> None:
     Call it first thing in a program's entry point: the process is replaced (`os.execve` keeps its id and
     its command line), so nothing done before survives.
     """
+    choice = os.environ.get(SWITCH, "tcmalloc")
+    if choice not in CHOICES:   # a value meant as "system" (glibc, malloc) would otherwise leave TCMalloc in place
+        sys.stderr.write(f"tfdp: error: {SWITCH} must be {' or '.join(CHOICES)}, got {choice!r}\n")
+        sys.exit(2)
     env = with_tcmalloc(os.environ)
     if env is None:
         return
