@@ -101,14 +101,21 @@ def read_keras_h5(f: h5py.File, what: str) -> Weights:
     return Weights(what, values, names)
 
 
-def read_weights_file(path: str, what: str | None = None) -> Weights:
-    what = what or path
+@contextlib.contextmanager
+def keras_h5(source, what: str):
+    """h5py's reader of a Keras weights file (`source`: a path, or the bytes of one in a file object); a file that
+    cannot be read (cut short, damaged, a group without its variables) is one line naming `what`."""
     try:
-        with h5py.File(path, "r") as f:
-            return read_keras_h5(f, what)
-    except OSError as e:
-        raise UserError(f"model.init_from: cannot read {what} as a Keras weights file ({str(e).splitlines()[0][:120]})"
+        with h5py.File(source, "r") as f:
+            yield f
+    except (OSError, KeyError) as e:
+        raise UserError(f"model.init_from: cannot read {what} as a Keras weights file ({first_line(e, 120)})"
                         ) from None
+
+
+def read_weights_file(path: str, what: str | None = None) -> Weights:
+    with keras_h5(path, what or path) as f:
+        return read_keras_h5(f, what or path)
 
 
 def read_keras_file(path: str) -> Weights:
@@ -118,11 +125,8 @@ def read_keras_file(path: str) -> Weights:
             data = archive.read("model.weights.h5")
     except (zipfile.BadZipFile, KeyError, OSError) as e:
         raise UserError(f"model.init_from: {path} is not a .keras file with weights ({e})") from None
-    try:
-        with h5py.File(io.BytesIO(data), "r") as f:
-            return read_keras_h5(f, path)
-    except OSError as e:   # h5py's: the weights inside were cut short or damaged before they were zipped
-        raise UserError(f"model.init_from: cannot read the weights inside {path} ({first_line(e, 120)})") from None
+    with keras_h5(io.BytesIO(data), f"the weights inside {path}") as f:
+        return read_keras_h5(f, path)
 
 
 def read_checkpoint_folder(path: str) -> Weights:
@@ -457,16 +461,12 @@ def h5_groups(path: str) -> dict[str, tuple[str, list[np.ndarray]]]:
     """A Keras 3 weights file's layers: the path of each `.../vars` group (without it) → (the layer's name, its
     variables in order)."""
     found = {}
-    try:
-        with h5py.File(path, "r") as f:
-            def visit(name, obj):
-                if isinstance(obj, h5py.Group) and (name == "vars" or name.endswith("/vars")):
-                    found[name[:-len("/vars")] if "/" in name else ""] = (
-                        str(obj.attrs.get("name", "")), [np.asarray(obj[str(i)]) for i in range(len(obj))])
-            f.visititems(visit)
-    except (OSError, KeyError) as e:   # h5py's: a file cut short or damaged, a group without its variables
-        raise UserError(f"model.init_from: cannot read {path} as a Keras weights file ({first_line(e, 120)})"
-                        ) from None
+    with keras_h5(path, path) as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Group) and (name == "vars" or name.endswith("/vars")):
+                found[name[:-len("/vars")] if "/" in name else ""] = (
+                    str(obj.attrs.get("name", "")), [np.asarray(obj[str(i)]) for i in range(len(obj))])
+        f.visititems(visit)
     return found
 
 
