@@ -29,6 +29,10 @@ from tfdp.distribute.strategy import make_runtime
 from tfdp.train.task import model_in_precision, serving_model
 
 MIN_AGREEMENT = 0.995
+FLOAT32_FORMATS = ("saved_model", "keras", "onnx", "litert")
+QUANTIZED_FORMATS = ("litert_float16", "litert_int8")
+# int8 rounds every activation to one of 256 levels of its calibrated range: a near tie may change its answer
+MIN_INT8_AGREEMENT = 0.97
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +107,7 @@ def exported(trained_run, tmp_path_factory):
     below read back in their own runtimes (one export, shared)."""
     args, _ = trained_run
     out = tmp_path_factory.mktemp("exported") / "export"
-    _, printed = export_in_process(*args, export_dir=str(out), formats=("saved_model", "keras", "onnx", "litert"),
+    _, printed = export_in_process(*args, export_dir=str(out), formats=(*FLOAT32_FORMATS, *QUANTIZED_FORMATS),
                                    verify_images=0)
     return printed, out
 
@@ -112,10 +116,11 @@ def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported
     _, cfg = trained_run
     stdout, out = exported
     printed = {m[1]: m for m in (AGREEMENT_LINE.match(line) for line in stdout.splitlines()) if m}
-    assert sorted(printed) == ["keras", "litert", "onnx", "saved_model"], stdout
+    assert sorted(printed) == sorted(FLOAT32_FORMATS + QUANTIZED_FORMATS), stdout
     for name, m in printed.items():
-        assert int(m[3]) == 360 and int(m[2]) >= MIN_AGREEMENT * 360, m[0]
-        assert m[5] == ("logit" if name in ("onnx", "litert") else "probability")
+        least = MIN_INT8_AGREEMENT if name == "litert_int8" else MIN_AGREEMENT
+        assert int(m[3]) == 360 and int(m[2]) >= least * 360, m[0]
+        assert m[5] == ("logit" if name.startswith(("onnx", "litert")) else "probability")
         assert float(m[6]) == pytest.approx(float(m[7]) / float(m[8]), rel=2e-2, abs=1e-30)  # relative to the scale
 
     # The same, measured here, apart from tfdp's own check.
@@ -143,6 +148,47 @@ def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported
         assert diff < tolerance, name
     graph = open(out / "saved_model" / "saved_model.pb", "rb").read()
     assert b"_XlaMustCompile" not in graph and b"XlaLaunch" not in graph  # no XLA cluster in the served graph
+
+
+def test_quantized_litert_files_are_a_half_and_a_quarter_and_compute_in_their_types(trained_run, exported,
+                                                                                   reference):
+    """`litert_float16` stores float16 weights, `litert_int8` runs every op of the network on int8 tensors with
+    the activation ranges of 256 training images; both take model.tflite's uint8 pixels and give float32 logits,
+    and both answer as the Keras model does (int8 nearly: its accuracy within two points of Keras')."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+    _, cfg = trained_run
+    stdout, out = exported
+    assert "tfdp: export: litert_int8: activation ranges from 256 images of the training split 'train'" in stdout
+    size = {name: os.path.getsize(out / name) for name in ("model.tflite", "model_float16.tflite", "model_int8.tflite")}
+    assert 0.45 < size["model_float16.tflite"] / size["model.tflite"] < 0.55, size
+    assert 0.2 < size["model_int8.tflite"] / size["model.tflite"] < 0.3, size
+
+    def ops(path):
+        """(op name, its output's type) of each op, as the interpreter runs it without a delegate."""
+        interpreter = Interpreter(model_path=str(path),
+                                  experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+        interpreter.allocate_tensors()
+        types = {t["index"]: t["dtype"] for t in interpreter.get_tensor_details()}
+        ends = (interpreter.get_input_details()[0]["dtype"], interpreter.get_output_details()[0]["dtype"])
+        return [(op["op_name"], types[op["outputs"][0]]) for op in interpreter._get_ops_details()], ends
+
+    int8_ops, ends = ops(out / "model_int8.tflite")
+    assert ends == (np.uint8, np.float32)
+    body = int8_ops[2:-1]   # after the input's cast and quantization, before the logits' dequantization
+    assert [name for name, _ in int8_ops[:2]] == ["CAST", "QUANTIZE"] and int8_ops[-1][0] == "DEQUANTIZE", int8_ops
+    assert sum(name == "CONV_2D" for name, _ in body) >= 10 and all(t == np.int8 for _, t in body), int8_ops
+    float16_ops, ends = ops(out / "model_float16.tflite")
+    assert ends == (np.uint8, np.float32) and ("DEQUANTIZE", np.float32) in float16_ops   # float16 weights widened
+
+    model, images, files, logits = reference
+    labels = np.array(build_source(cfg.data).split("val").labels)
+    for name, least, most in (("model_float16.tflite", MIN_AGREEMENT, 1e-3), ("model_int8.tflite", MIN_INT8_AGREEMENT, 0.1)):
+        got = run_litert(str(out / name), images)
+        agree, diff = agreement(name, got, logits, logits)
+        assert agree >= least and diff < most * np.max(np.abs(logits)), name
+        right, keras_right = np.mean(np.argmax(got, 1) == labels), np.mean(np.argmax(logits, 1) == labels)
+        print(f"{name}: top-1 {100 * right:.2f}% against Keras' {100 * keras_right:.2f}%")
+        assert abs(right - keras_right) <= 0.02, name
 
 
 def test_exported_graphs_take_raw_uint8_and_normalise_inside(trained_run, exported, reference):
@@ -255,15 +301,16 @@ def test_a_model_onnx_cannot_take_is_named_and_leaves_no_file(digits_dir, tmp_pa
 
 
 def test_one_format_that_cannot_be_written_does_not_cost_the_others(trained_run, tmp_path):
-    """A folder where model.onnx should go (a real write failure): the other three formats are written and
-    checked, then one line names the failed format and the written ones, and the exit status is 2."""
+    """A folder where model.onnx should go (a real write failure), and an int8 LiteRT file asked for with no
+    training split to calibrate it on: the other three formats are written and checked, then one line names the
+    failed formats and the written ones, and the exit status is 2."""
     args, _ = trained_run
     out = tmp_path / "export"
     (out / "model.onnx").mkdir(parents=True)
-    result = run_tfdp("export", *args, "--format=saved_model,keras,onnx,litert", f"--export_dir={out}",
-                      "--verify_images=32", timeout=600)
+    result = run_tfdp("export", *args, "--format=saved_model,keras,onnx,litert,litert_int8", f"--export_dir={out}",
+                      "--verify_images=32", "--set=data.train_split=nosuch", timeout=600)
     line = assert_one_line_error(result, 2, "--format=onnx: cannot write", "model.onnx",
-                                 "(written: saved_model, keras, litert)")
+                                 "--format=litert_int8 calibrates on the training split: ", "no 'nosuch' split", "(written: saved_model, keras, litert)")
     print(line)
     printed = {m[1] for m in (AGREEMENT_LINE.match(line) for line in result.stdout.splitlines()) if m}
     assert printed == {"saved_model", "keras", "litert"}, result.stdout

@@ -38,6 +38,8 @@ LINE = re.compile(r"tfdp: export: (\w+): .*: top-1 agrees with the Keras model o
 # float32 rounding is ~1e-6 of the outputs' scale; a broken graph is off by a whole share of it
 MAX_RELATIVE_DIFFERENCE = 1e-4
 IMAGES = 24
+# The float32 formats; the quantized LiteRT files take the same converter (tests/commands/test_export_formats.py).
+ZOO_FORMATS = ("saved_model", "keras", "onnx", "litert")
 # Two more keras.applications families, about 50 CPU-s each: mobilenet_v2 takes their converter paths by default.
 FULL_ZOO = pytest.mark.skipif(
     os.environ.get("TFDP_FULL_ZOO") != "1",
@@ -78,18 +80,18 @@ def test_zoo_model_exports_to_every_format_within_the_memory_bound(name, size, d
     result, peak = export_measured(
         ("--config=configs/digits.yaml", "--data_format=image_folder", f"--data_dir={digits_dir}",
          f"--model_dir={tmp_path}", f"--model={name}", f"--set=data.image_size={size}", f"--checkpoint={checkpoint}",
-         "--format=saved_model,keras,onnx,litert", f"--export_dir={out}", f"--verify_images={IMAGES}"))
+         f"--format={','.join(ZOO_FORMATS)}", f"--export_dir={out}", f"--verify_images={IMAGES}"))
     print(f"{name} at {size} px: {weights / 2**20:.1f} MiB of weights, `tfdp export` in all four formats peaked at "
           f"{peak / 2**30:.2f} GiB (bound {export_memory_bound(weights) / 2**30:.2f} GiB)")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = {m[1]: m for m in map(LINE.match, result.stdout.splitlines()) if m}
-    assert sorted(lines) == sorted(FORMATS), result.stdout
+    assert sorted(lines) == sorted(ZOO_FORMATS), result.stdout
     for fmt, m in lines.items():
         print(m[0])
         assert int(m[3]) == IMAGES and int(m[2]) >= IMAGES - 1, m[0]  # a near tie of random logits may flip one
         assert float(m[6]) < MAX_RELATIVE_DIFFERENCE, m[0]
         assert float(m[6]) == pytest.approx(float(m[7]) / float(m[8]), rel=0.02, abs=1e-12), m[0]
-    for fmt in FORMATS:
+    for fmt in ZOO_FORMATS:
         assert os.path.exists(out / FORMATS[fmt].filename), fmt
     # No XLA-compiled function (Keras' grouped convolution) in the served graph: runs without XLA too.
     assert b"_XlaMustCompile" not in (out / "saved_model" / "saved_model.pb").read_bytes()

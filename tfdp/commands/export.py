@@ -9,9 +9,10 @@ input `image_bytes`) and `model.keras`. ONNX and LiteRT have no JPEG decoder
 op, so `model.onnx` and `model.tflite` take the uint8 NHWC batch of
 evaluation-size crops and return logits, as timm's and torchvision's ONNX
 exports do. The SavedModel is TensorFlow's saver applied to the function
-Keras' `export(format="tf_saved_model")` traces, the LiteRT file its TFLite
-converter on the pixel function (each without Keras' export archive, whose
-walk over the model is slow), `model.keras` Keras' own `save`; ONNX is
+Keras' `export(format="tf_saved_model")` traces, the LiteRT files its TFLite
+converter on the pixel function (float32, or quantized after training:
+float16 weights, or int8 calibrated on training images), each without Keras'
+export archive, whose walk over the model is slow; `model.keras` is Keras' own `save`; ONNX is
 tf2onnx in its large-model mode (below). All
 come from the network rebuilt for inference: without its training-only
 random flip, with grouped convolutions split into plain ones
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import logging
@@ -361,9 +363,10 @@ def _graph_tensors(graph):
                 yield from _graph_tensors(sub)
 
 
-def _write_litert(network, served, cfg, path):
+def _write_litert(network, served, cfg, path, quantize=None):
     """TensorFlow's TFLite converter on the network's traced function (uint8 pixels → logits; signature
-    `serving_default`, input `image`, output `output_0`, as Keras' exporter names them).
+    `serving_default`, input `image`, output `output_0`, as Keras' exporter names them), `quantize(converter,
+    cfg)` setting its quantization (none: float32).
 
     Keras' `export(format="litert")` converts the same function but first builds and writes its whole export
     archive, whose walk over the model's objects is slow: a LiteRT export of ResNeXt-50 took 12 s instead of 18 s
@@ -379,9 +382,51 @@ def _write_litert(network, served, cfg, path):
     converter = tf.lite.TFLiteConverter.from_concrete_functions([serve.get_concrete_function()], holder)
     # Builtin ops only: the plain LiteRT interpreter (phones, ai_edge_litert) has no TensorFlow (Flex) ops.
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+    if quantize:
+        quantize(converter, cfg)
     flatbuffer = converter.convert()
     with open(path, "wb") as f:
         f.write(flatbuffer)
+
+
+def float16_weights(converter, cfg) -> None:
+    """Weights stored in float16: half the file. The CPU interpreter widens them to float32 once, at load; GPU
+    delegates compute in float16."""
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.target_spec.supported_types = [tf.float16]
+
+
+def int8_calibrated(converter, cfg) -> None:
+    """Weights and activations in int8 (a quarter of the file; integer kernels), each activation's range
+    measured on `calibration_images`. Every op of the network is an int8 op (`TFLITE_BUILTINS_INT8`: a model
+    with an op LiteRT cannot quantize fails to convert, rather than run part in float unseen); only the ends
+    stay as model.tflite's, so the file is used the same way: uint8 pixels are cast and quantized on the way in,
+    the logits dequantized to float32 on the way out."""
+    images = calibration_images(cfg)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = lambda: ([images[i:i + 1]] for i in range(len(images)))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+
+
+CALIBRATION_IMAGES = 256   # TensorFlow's post-training quantization guide: a few hundred representative images
+
+
+def calibration_images(cfg: Config, count: int = CALIBRATION_IMAGES) -> np.ndarray:
+    """Up to `count` images of the training split (`data.train_split`), through the evaluation crop: what the
+    deployed model will be given, and not the validation images the export is checked on. The files are spread
+    evenly over the split's listing, so a class-folder tree, listed class by class, gives every class."""
+    name = cfg.data.train_split
+    try:
+        split = build_source(cfg.data, splits=(name,)).split(name)
+    except UserError as e:
+        raise UserError(f"--format=litert_int8 calibrates on the training split: {e}") from None
+    share = split.subset(range(0, len(split.files), max(1, len(split.files) // count)))
+    batches = [images for _, images in verification_batches(cfg, share, count)]
+    if not batches:
+        raise UserError(f"--format=litert_int8 calibrates on the training split: no image of '{name}' could be read")
+    images = np.concatenate(batches)
+    say(f"tfdp: export: litert_int8: activation ranges from {len(images)} images of the training split '{name}'")
+    return images
 
 
 # --- runtimes -----------------------------------------------------------------
@@ -424,6 +469,10 @@ FORMATS = {
                    _write_onnx, _run_onnx),
     "litert": Format("model.tflite", (("ai_edge_litert.interpreter", "litert"),), "pixels",
                      _write_litert, _run_litert),
+    "litert_float16": Format("model_float16.tflite", (("ai_edge_litert.interpreter", "litert"),), "pixels",
+                             functools.partial(_write_litert, quantize=float16_weights), _run_litert),
+    "litert_int8": Format("model_int8.tflite", (("ai_edge_litert.interpreter", "litert"),), "pixels",
+                          functools.partial(_write_litert, quantize=int8_calibrated), _run_litert),
 }
 DEFAULT_FORMATS = ("saved_model", "keras")
 
