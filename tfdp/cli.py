@@ -54,7 +54,7 @@ flags.DEFINE_integer("top_k", None, "predict: classes (with probabilities) per i
                      "model's classes when it has fewer).")
 flags.DEFINE_string("export_dir", None, "export: output directory (default: model_dir/export).")
 flags.DEFINE_string("format", "saved_model,keras", "export: comma list of formats to write: saved_model, keras, "
-                    "onnx, litert, litert_float16, litert_int8 (see docs/export.md).")
+                    "onnx, onnx_int8, litert, litert_float16, litert_int8 (see docs/export.md).")
 flags.DEFINE_boolean("verify", True, "export: load each written format back in its own runtime and compare its "
                      "top-1 and outputs with the Keras model's on the validation split.")
 flags.DEFINE_integer("verify_images", 1000, "export: how many validation images --verify runs (0: all).")
@@ -351,8 +351,8 @@ Commands:
   evaluate   top-1/top-5 of a checkpoint on the validation split; --continuous: of each checkpoint a run
              commits, as it comes (the evaluator beside the workers)
   export     the model for serving: --format=saved_model,keras (default; encoded JPEG/PNG bytes in),
-             onnx, litert, litert_float16, litert_int8 (uint8 pixels in); each checked against Keras on
-             the validation split
+             onnx, onnx_int8, litert, litert_float16, litert_int8 (uint8 pixels in); each checked
+             against Keras on the validation split
   predict    top-k classes of every image in a folder, file, pattern or bucket prefix, as JSONL or CSV:
              tfdp predict --config=... --input=DIR --output=predictions.jsonl [--top_k=K]
   report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR

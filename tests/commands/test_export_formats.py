@@ -30,7 +30,7 @@ from tfdp.train.task import model_in_precision, serving_model
 
 MIN_AGREEMENT = 0.995
 FLOAT32_FORMATS = ("saved_model", "keras", "onnx", "litert")
-QUANTIZED_FORMATS = ("litert_float16", "litert_int8")
+QUANTIZED_FORMATS = ("litert_float16", "litert_int8", "onnx_int8")
 # int8 rounds every activation to one of 256 levels of its calibrated range: a near tie may change its answer
 MIN_INT8_AGREEMENT = 0.97
 
@@ -118,7 +118,7 @@ def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported
     printed = {m[1]: m for m in (AGREEMENT_LINE.match(line) for line in stdout.splitlines()) if m}
     assert sorted(printed) == sorted(FLOAT32_FORMATS + QUANTIZED_FORMATS), stdout
     for name, m in printed.items():
-        least = MIN_INT8_AGREEMENT if name == "litert_int8" else MIN_AGREEMENT
+        least = MIN_INT8_AGREEMENT if name.endswith("_int8") else MIN_AGREEMENT
         assert int(m[3]) == 360 and int(m[2]) >= least * 360, m[0]
         assert m[5] == ("logit" if name.startswith(("onnx", "litert")) else "probability")
         assert float(m[6]) == pytest.approx(float(m[7]) / float(m[8]), rel=2e-2, abs=1e-30)  # relative to the scale
@@ -150,18 +150,23 @@ def test_every_format_agrees_with_keras_in_its_own_runtime(trained_run, exported
     assert b"_XlaMustCompile" not in graph and b"XlaLaunch" not in graph  # no XLA cluster in the served graph
 
 
-def test_quantized_litert_files_are_a_half_and_a_quarter_and_compute_in_their_types(trained_run, exported,
-                                                                                   reference):
-    """`litert_float16` stores float16 weights, `litert_int8` runs every op of the network on int8 tensors with
-    the activation ranges of 256 training images; both take model.tflite's uint8 pixels and give float32 logits,
-    and both answer as the Keras model does (int8 nearly: its accuracy within two points of Keras')."""
+def test_quantized_files_are_a_half_and_a_quarter_and_compute_in_their_types(trained_run, exported, reference):
+    """`litert_float16` stores float16 weights; `litert_int8` runs every op of the network on int8 tensors and
+    `onnx_int8` quantizes the input of every convolution and dense layer (QDQ), both with the activation ranges
+    of 256 training images. All take the float32 files' uint8 pixels and give float32 logits, and all answer as
+    the Keras model does (int8 nearly: its accuracy within two points of Keras')."""
+    import onnx
+    import onnxruntime
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
     _, cfg = trained_run
     stdout, out = exported
-    assert "tfdp: export: litert_int8: activation ranges from 256 images of the training split 'train'" in stdout
-    size = {name: os.path.getsize(out / name) for name in ("model.tflite", "model_float16.tflite", "model_int8.tflite")}
+    for fmt in ("litert_int8", "onnx_int8"):
+        assert f"tfdp: export: {fmt}: activation ranges from 256 images of the training split 'train'" in stdout
+    size = {name: os.path.getsize(out / name) for name in ("model.tflite", "model_float16.tflite",
+                                                           "model_int8.tflite", "model.onnx", "model_int8.onnx")}
     assert 0.45 < size["model_float16.tflite"] / size["model.tflite"] < 0.55, size
     assert 0.2 < size["model_int8.tflite"] / size["model.tflite"] < 0.3, size
+    assert 0.2 < size["model_int8.onnx"] / size["model.onnx"] < 0.3, size
 
     def ops(path):
         """(op name, its output's type) of each op, as the interpreter runs it without a delegate."""
@@ -180,10 +185,20 @@ def test_quantized_litert_files_are_a_half_and_a_quarter_and_compute_in_their_ty
     float16_ops, ends = ops(out / "model_float16.tflite")
     assert ends == (np.uint8, np.float32) and ("DEQUANTIZE", np.float32) in float16_ops   # float16 weights widened
 
+    graph = onnx.load(str(out / "model_int8.onnx")).graph
+    dequantized = {node.output[0] for node in graph.node if node.op_type == "DequantizeLinear"}
+    layers = [node for node in graph.node if node.op_type in ("Conv", "Gemm", "MatMul")]
+    assert len(layers) >= 11 and all(node.input[0] in dequantized and node.input[1] in dequantized
+                                     for node in layers), [(n.op_type, list(n.input)) for n in layers]
+    session = onnxruntime.InferenceSession(str(out / "model_int8.onnx"), providers=["CPUExecutionProvider"])
+    assert (session.get_inputs()[0].type, session.get_outputs()[0].type) == ("tensor(uint8)", "tensor(float)")
+
     model, images, files, logits = reference
     labels = np.array(build_source(cfg.data).split("val").labels)
-    for name, least, most in (("model_float16.tflite", MIN_AGREEMENT, 1e-3), ("model_int8.tflite", MIN_INT8_AGREEMENT, 0.1)):
-        got = run_litert(str(out / name), images)
+    runs = {"model_float16.tflite": (run_litert(str(out / "model_float16.tflite"), images), MIN_AGREEMENT, 1e-3),
+            "model_int8.tflite": (run_litert(str(out / "model_int8.tflite"), images), MIN_INT8_AGREEMENT, 0.1),
+            "model_int8.onnx": (run_onnx(str(out / "model_int8.onnx"), images), MIN_INT8_AGREEMENT, 0.1)}
+    for name, (got, least, most) in runs.items():
         agree, diff = agreement(name, got, logits, logits)
         assert agree >= least and diff < most * np.max(np.abs(logits)), name
         right, keras_right = np.mean(np.argmax(got, 1) == labels), np.mean(np.argmax(logits, 1) == labels)

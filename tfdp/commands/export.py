@@ -41,6 +41,7 @@ import importlib
 import json
 import logging
 import os
+import tempfile
 import warnings
 from typing import Callable
 
@@ -213,6 +214,42 @@ def _write_onnx(network, served, cfg, path):
     _check_onnx_ops(model.graph)
     _name_onnx_output(model.graph, "logits")
     _save_onnx(model, storage, path, external=weights > ONNX_INLINE_BYTES)
+
+
+def _write_onnx_int8(network, served, cfg, path):
+    """model.onnx quantized by ONNX Runtime's static quantizer (QDQ: a QuantizeLinear/DequantizeLinear pair around
+    each quantized op, which ONNX Runtime fuses into integer kernels): weights int8 per channel, activations uint8
+    per tensor (ONNX Runtime's advice for x86 CPUs), each range measured on `calibration_images`. The input and
+    output are model.onnx's (uint8 pixels in, float32 logits out)."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quant_pre_process, quantize_static
+    images = calibration_images(cfg, "onnx_int8")
+    weights = weight_bytes(network)
+    with tempfile.TemporaryDirectory() as folder:
+        float_path, prepared = os.path.join(folder, "model.onnx"), os.path.join(folder, "prepared.onnx")
+        _write_onnx(network, served, cfg, float_path)
+        # ONNX Runtime's own preparation (its graph optimizations, ONNX's shape inference), which its quantizer asks
+        # for; not its symbolic shape inference, which gives up on a ViT's graph ("Incomplete symbolic shape
+        # inference") where ONNX's own infers every shape tfdp's graphs have
+        try:
+            quant_pre_process(float_path, prepared, skip_symbolic_shape=True,
+                              save_as_external_data=weights > ONNX_INLINE_BYTES)
+            quantize_static(prepared, path, CalibrationBatches(images), quant_format=QuantFormat.QDQ,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+                            use_external_data_format=weights // 4 > ONNX_INLINE_BYTES)
+        except Exception as e:  # noqa: BLE001 (ONNX Runtime's tools raise bare Exceptions for what they cannot do)
+            raise UserError(f"--format=onnx_int8: ONNX Runtime's quantizer cannot quantize model "
+                            f"'{cfg.model.name}': {first_line(e, 400)}") from None
+
+
+class CalibrationBatches:
+    """The calibration images as ONNX Runtime's calibrator reads them (its `CalibrationDataReader` protocol):
+    one input dictionary after another, then None."""
+
+    def __init__(self, images: np.ndarray, batch: int = 32):
+        self.batches = iter([{"image": images[i:i + batch]} for i in range(0, len(images), batch)])
+
+    def get_next(self):
+        return next(self.batches, None)
 
 
 def _convert_onnx(network, signature):
@@ -402,7 +439,7 @@ def int8_calibrated(converter, cfg) -> None:
     with an op LiteRT cannot quantize fails to convert, rather than run part in float unseen); only the ends
     stay as model.tflite's, so the file is used the same way: uint8 pixels are cast and quantized on the way in,
     the logits dequantized to float32 on the way out."""
-    images = calibration_images(cfg)
+    images = calibration_images(cfg, "litert_int8")
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
     converter.representative_dataset = lambda: ([images[i:i + 1]] for i in range(len(images)))
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
@@ -411,21 +448,22 @@ def int8_calibrated(converter, cfg) -> None:
 CALIBRATION_IMAGES = 256   # TensorFlow's post-training quantization guide: a few hundred representative images
 
 
-def calibration_images(cfg: Config, count: int = CALIBRATION_IMAGES) -> np.ndarray:
-    """Up to `count` images of the training split (`data.train_split`), through the evaluation crop: what the
-    deployed model will be given, and not the validation images the export is checked on. The files are spread
-    evenly over the split's listing, so a class-folder tree, listed class by class, gives every class."""
+def calibration_images(cfg: Config, fmt: str, count: int = CALIBRATION_IMAGES) -> np.ndarray:
+    """Up to `count` images of the training split (`data.train_split`), through the evaluation crop, for the int8
+    format `fmt` to measure its activations' ranges on: what the deployed model will be given, and not the
+    validation images the export is checked on. The files are spread evenly over the split's listing, so a
+    class-folder tree, listed class by class, gives every class."""
     name = cfg.data.train_split
     try:
         split = build_source(cfg.data, splits=(name,)).split(name)
     except UserError as e:
-        raise UserError(f"--format=litert_int8 calibrates on the training split: {e}") from None
+        raise UserError(f"--format={fmt} calibrates on the training split: {e}") from None
     share = split.subset(range(0, len(split.files), max(1, len(split.files) // count)))
     batches = [images for _, images in verification_batches(cfg, share, count)]
     if not batches:
-        raise UserError(f"--format=litert_int8 calibrates on the training split: no image of '{name}' could be read")
+        raise UserError(f"--format={fmt} calibrates on the training split: no image of '{name}' could be read")
     images = np.concatenate(batches)
-    say(f"tfdp: export: litert_int8: activation ranges from {len(images)} images of the training split '{name}'")
+    say(f"tfdp: export: {fmt}: activation ranges from {len(images)} images of the training split '{name}'")
     return images
 
 
@@ -467,6 +505,8 @@ FORMATS = {
     "keras": Format("model.keras", (), "bytes", _write_keras, _run_keras),
     "onnx": Format("model.onnx", (("tf2onnx", "onnx"), ("onnx", "onnx"), ("onnxruntime", "onnx")), "pixels",
                    _write_onnx, _run_onnx),
+    "onnx_int8": Format("model_int8.onnx", (("tf2onnx", "onnx"), ("onnx", "onnx"), ("onnxruntime", "onnx")), "pixels",
+                        _write_onnx_int8, _run_onnx),
     "litert": Format("model.tflite", (("ai_edge_litert.interpreter", "litert"),), "pixels",
                      _write_litert, _run_litert),
     "litert_float16": Format("model_float16.tflite", (("ai_edge_litert.interpreter", "litert"),), "pixels",
