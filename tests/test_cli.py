@@ -221,6 +221,7 @@ from tfdp.startup import console
 console.filter_native_stderr()
 os.write(2, b"Improper call to JPEG library in state 201\\n")
 os.write(2, b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\\n")
+os.write(2, b"fully_quantize: 0, inference_type: 6, input_inference_type: FLOAT32, output_inference_type: FLOAT32\\n")
 os.write(2, b"tfdp: a line of its own\\n")
 os.write(2, b"Corrupt JPEG data: 3 extraneous bytes before marker 0xd9\\n")
 if sys.argv[-1] == "term":

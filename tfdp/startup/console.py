@@ -55,8 +55,10 @@ def _message_pattern(text: str) -> bytes:
     return ".+".join(re.escape(p) for p in parts).encode()
 
 
-# The LiteRT interpreter's note on the CPU delegate it picks, printed once per interpreter (`tfdp export`'s check).
-LITERT_MESSAGES = ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU.",)
+# The LiteRT interpreter's note on the CPU delegate it picks, printed once per interpreter (`tfdp export`'s check),
+# and the TFLite calibrator's settings, printed once per int8 conversion (`--format=litert_int8`).
+LITERT_MESSAGES = ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU.",
+                   "fully_quantize: %d, inference_type: %d, input_inference_type: %s, output_inference_type: %s")
 NATIVE_NOISE = tuple(_message_pattern(m) for m in LIBJPEG_MESSAGES + LITERT_MESSAGES)
 # The filter process: forwards its stdin to its stdout line by line, less NATIVE_NOISE. It ignores the signals a
 # job's whole process group gets (Ctrl-C, Slurm's and Kubernetes' SIGTERM): it must outlive the command to pass on
