@@ -107,8 +107,12 @@ def exported(trained_run, tmp_path_factory):
     below read back in their own runtimes (one export, shared)."""
     args, _ = trained_run
     out = tmp_path_factory.mktemp("exported") / "export"
+    before = set(os.listdir())
     _, printed = export_in_process(*args, export_dir=str(out), formats=(*FLOAT32_FORMATS, *QUANTIZED_FORMATS),
                                    verify_images=0)
+    # The converters' own scratch files (ONNX Runtime's shape inference writes some into the working folder) are
+    # not the user's to clean up.
+    assert set(os.listdir()) == before, set(os.listdir()) ^ before
     return printed, out
 
 

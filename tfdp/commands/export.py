@@ -223,8 +223,10 @@ def _write_onnx_int8(network, served, cfg, path):
     output are model.onnx's (uint8 pixels in, float32 logits out)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quant_pre_process, quantize_static
     images = calibration_images(cfg, "onnx_int8")
-    weights = weight_bytes(network)
-    with tempfile.TemporaryDirectory() as folder:
+    weights, path = weight_bytes(network), os.path.abspath(path)
+    # In a scratch folder, made the working one: ONNX Runtime's tools leave files of their own in the working folder
+    # when they fail (`sym_shape_infer_temp.onnx`, `<uuid>.data`), which are not the user's to clean up.
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
         float_path, prepared = os.path.join(folder, "model.onnx"), os.path.join(folder, "prepared.onnx")
         _write_onnx(network, served, cfg, float_path)
         # ONNX Runtime's own preparation (its graph optimizations, ONNX's shape inference), which its quantizer asks
