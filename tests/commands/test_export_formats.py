@@ -329,7 +329,8 @@ def test_one_format_that_cannot_be_written_does_not_cost_the_others(trained_run,
     result = run_tfdp("export", *args, "--format=saved_model,keras,onnx,litert,litert_int8", f"--export_dir={out}",
                       "--verify_images=32", "--set=data.train_split=nosuch", timeout=600)
     line = assert_one_line_error(result, 2, "--format=onnx: cannot write", "model.onnx",
-                                 "--format=litert_int8 calibrates on the training split: ", "no 'nosuch' split", "(written: saved_model, keras, litert)")
+                                 "--format=litert_int8 calibrates on the training split: ", "no 'nosuch' split",
+                                 "(written: saved_model, keras, litert)")
     print(line)
     printed = {m[1] for m in (AGREEMENT_LINE.match(line) for line in result.stdout.splitlines()) if m}
     assert printed == {"saved_model", "keras", "litert"}, result.stdout

@@ -38,7 +38,7 @@ LINE = re.compile(r"tfdp: export: (\w+): .*: top-1 agrees with the Keras model o
 # float32 rounding is ~1e-6 of the outputs' scale; a broken graph is off by a whole share of it
 MAX_RELATIVE_DIFFERENCE = 1e-4
 IMAGES = 24
-# The float32 formats; the quantized LiteRT files take the same converter (tests/commands/test_export_formats.py).
+# The float32 formats; the quantized files come from the same conversions (tests/commands/test_export_formats.py).
 ZOO_FORMATS = ("saved_model", "keras", "onnx", "litert")
 # Two more keras.applications families, about 50 CPU-s each: mobilenet_v2 takes their converter paths by default.
 FULL_ZOO = pytest.mark.skipif(

@@ -211,7 +211,8 @@ def test_dali_decodes_on_each_replica_what_the_services_workers_read_and_checked
     cut-short one counted there, as a corrupt image, once per data epoch) and send the encoded bytes; this
     process deals each batch to one of 2 replicas' DALI pipelines, which decode it. Over 2 data epochs of
     flat-colour images that name themselves, every whole image is decoded with its own label, each at most
-    twice (one job's epochs run into each other through its shuffle buffer), the cut-short one never."""
+    twice (one job's epochs run into each other through its shuffle buffer), the cut-short one never, and
+    counted."""
     write_id_tree(tmp_path)
     cfg = DataConfig(format="image_folder", dir=str(tmp_path), image_size=8, service_address=service.address,
                      decoder="dali", max_bad_fraction=0.2)
@@ -231,7 +232,11 @@ def test_dali_decodes_on_each_replica_what_the_services_workers_read_and_checked
         steps += 1
     whole = set(range(IMAGES)) - {BROKEN}
     assert steps == 2 * len(whole) // 4 and set(seen) == whole and max(seen.values()) == 2, seen
-    assert corrupt.value() == 2
+    # Counted once per data epoch, at the next whole batch after it (`pipeline.tallied`): where the shuffle puts the
+    # second epoch's copy among the last records, after this finite stream's last whole batch (its remainder
+    # dropped), it is not counted (a training stream never ends). So 2, or 1 in a few runs in a hundred (CI of
+    # c60dcab).
+    assert corrupt.value() in (1, 2)
 
 
 @NEEDS_DALI
