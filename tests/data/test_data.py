@@ -1,5 +1,6 @@
 import collections
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -8,7 +9,9 @@ import tensorflow as tf
 from tfdp.data.layouts import digits as digits_lib
 from tfdp.config import DataConfig
 from tfdp.data import build_source
+from tfdp.data.corrupt import decode_error
 from tfdp.data.pipeline import Bookkeeping, StreamPosition, eval_dataset, train_dataset
+from tfdp.data.preprocess import train_transform
 from tfdp.errors import UserError
 
 
@@ -108,6 +111,35 @@ def test_png_images_are_read_too(tmp_path, digits_dir):
     cfg = DataConfig(format="image_folder", dir=str(tmp_path), image_size=16)
     images, _, _ = next(iter(eval_dataset(build_source(cfg).split("val"), cfg, 2)))
     assert tuple(images.shape) == (2, 16, 16, 3) and int(images[0, 8, 8, 0]) == 200
+
+
+def test_naming_a_corrupt_image_leaves_what_other_threads_run_alone(tmp_path, digits_dir):
+    """The pipeline names a corrupt image by decoding it again (`decode_error`, from its `tf.py_function`) while
+    other streams are built: DALI's per-replica streams on their devices, the evaluation's. Decoded eagerly, the
+    failing op aborted the rendezvous TensorFlow's eager ops share, and a stream built at that moment on the
+    second CPU failed with the image's error (7 tries in 10). Named over and over beside 20 such builds: none
+    fails, and every naming gives the image's own reason."""
+    from conftest import CPU_DEVICES
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes((open(os.path.join(digits_dir, "train", "0", sorted(os.listdir(os.path.join(
+        digits_dir, "train", "0")))[0]), "rb").read())[:200])
+    transform = train_transform(DataConfig(format="image_folder", dir=digits_dir, image_size=16), 3)
+    reasons, stop = [], threading.Event()
+
+    def name_it_again_and_again():
+        while not stop.is_set():
+            reasons.append(decode_error(str(broken), transform))
+    namer = threading.Thread(target=name_it_again_and_again, daemon=True)
+    namer.start()
+    try:
+        for _ in range(20):
+            stream = tf.data.Dataset.range(3).apply(tf.data.experimental.prefetch_to_device(CPU_DEVICES[1], 1))
+            with tf.device(CPU_DEVICES[1]):
+                assert int(next(iter(stream))) == 0
+    finally:
+        stop.set()
+        namer.join()
+    assert len(reasons) >= 20 and set(reasons) == {"Invalid JPEG data, size 200"}
 
 
 @pytest.mark.parametrize("make, message", [

@@ -7,7 +7,7 @@ batches, each image carried with its number, so no image is lost or counted twic
 count. The rows are made from the listing, not from what the pipeline returns: an image that cannot be
 read or decoded leaves the pipeline (one parallel map with `ignore_errors`, as fast as evaluation's, and
 the pipeline never stops), its number does not come back, and its row gets TensorFlow's reason, from
-decoding that one file again eagerly (`tfdp.data.corrupt.decode_error`). (A per-image guard inside the
+decoding that one file again (`tfdp.data.corrupt.decode_error`). (A per-image guard inside the
 pipeline, each image decoded in a dataset of its own with a fallback element, keeps the failure in the
 stream but decodes at about half the rate: `benchmarks/predict_decode.py`.) The output (JSONL or CSV, by
 its extension) is written atomically once every image has its row. What the user asked for is checked

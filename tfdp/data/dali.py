@@ -126,10 +126,14 @@ def encoded_transform(cfg: DataConfig, seed: int):
     """
     def transform(data, index):
         def jpeg():
+            # The header's shape feeds a check, so it is parsed: an op only waited on through a control edge
+            # and stateless, as the parse is, is pruned from a tf.data function (a broken header then passed).
             shape = tf.io.extract_jpeg_shape(data)
-            whole = tf.debugging.Assert(tf.equal(tf.strings.substr(data, -2, 2), b"\xff\xd9"),
-                                        ["a truncated JPEG: no end-of-image marker"])
-            with tf.control_dependencies([shape, whole]):
+            pixels = tf.debugging.Assert(tf.reduce_all(shape > 0), ["a JPEG of no pixels"])
+            with tf.control_dependencies([pixels]):   # after the header: its error names a broken one
+                whole = tf.debugging.Assert(tf.equal(tf.strings.substr(data, -2, 2), b"\xff\xd9"),
+                                            ["a truncated JPEG: no end-of-image marker"])
+            with tf.control_dependencies([whole]):
                 return tf.identity(data)
 
         def other():
