@@ -284,7 +284,7 @@ def test_predict_with_dali_gives_each_photo_the_tf_paths_row(photo_tree, tmp_pat
     8 a step: one row per photo in the tf path's order, each whole photo with the tf path's classes and
     probabilities (both decode the same central window with libjpeg-turbo here), the cut-short one an error row
     saying why (DALI's check before it: no end-of-image marker), as one whose header is cut but whose end marker
-    is there (the check parses the header: DALI would stop on it)."""
+    is there and a PNG cut short (the check parses the header, decodes the PNG: DALI would stop on either)."""
     tree = tmp_path / "photos"
     shutil.copytree(photo_tree, tree)
     photo = Image.open(tree / "val" / "c0" / "0000.jpg")
@@ -293,6 +293,8 @@ def test_predict_with_dali_gives_each_photo_the_tf_paths_row(photo_tree, tmp_pat
     photo.save(tree / "val" / "c0" / "odd_png.jpg", "PNG")
     whole = (tree / "val" / "c0" / "0000.jpg").read_bytes()
     (tree / "val" / "c0" / "odd_header.jpg").write_bytes(whole[:120] + whole[-2:])
+    png = (tree / "val" / "c0" / "odd_png.jpg").read_bytes()
+    (tree / "val" / "c0" / "odd_png_cut.jpg").write_bytes(png[:len(png) // 2])
     raw = {"model_dir": str(tmp_path), "model": {"name": "simple_cnn", "num_classes": 2},
            "data": {"format": "image_folder", "dir": str(tree), "image_size": 32},
            "train": {"batch_size_per_replica": 4}, "distribute": {"strategy": "mirrored", "cpu_replicas": 2}}
@@ -308,18 +310,18 @@ def test_predict_with_dali_gives_each_photo_the_tf_paths_row(photo_tree, tmp_pat
         summary = predict(data, runtime, weights, request(data, str(tree / "val"),
                                                            str(tmp_path / f"{decoder}.jsonl"), top_k=2))
         said = capsys.readouterr().out
-        assert summary["images"] == 16 and summary["failed"] == 2, summary
+        assert summary["images"] == 17 and summary["failed"] == 3, summary
         assert ("decoded and cropped by DALI" in said) == (decoder == "dali"), said
         rows[decoder] = read_rows(str(tmp_path / f"{decoder}.jsonl"))
     assert [r["path"] for r in rows["dali"]] == [r["path"] for r in rows["tf"]]
-    assert sum("odd_" in r["path"] for r in rows["dali"]) == 4
+    assert sum("odd_" in r["path"] for r in rows["dali"]) == 5
     for ours, theirs in zip(rows["dali"], rows["tf"]):
         if ours["path"].endswith("0005.jpg"):
             assert ours["predictions"] == [] and theirs["error"]
             assert ours["error"] == "a truncated JPEG: no end-of-image marker"   # the check's own words, alone
             continue
-        if ours["path"].endswith("odd_header.jpg"):
-            assert ours["predictions"] == [] and ours["error"].startswith("Invalid JPEG data") and theirs["error"]
+        if ours["path"].endswith(("odd_header.jpg", "odd_png_cut.jpg")):
+            assert ours["predictions"] == [] and ours["error"].startswith("Invalid") and theirs["error"]
             continue
         assert ours["error"] is None and [p["class"] for p in ours["predictions"]] == [
             p["class"] for p in theirs["predictions"]], (ours, theirs)

@@ -126,22 +126,26 @@ def encoded_transform(cfg: DataConfig, seed: int):
     """
     def transform(data, index):
         def jpeg():
-            # The header's shape feeds a check, so it is parsed: an op only waited on through a control edge
-            # and stateless, as the parse is, is pruned from a tf.data function (a broken header then passed).
-            shape = tf.io.extract_jpeg_shape(data)
-            pixels = tf.debugging.Assert(tf.reduce_all(shape > 0), ["a JPEG of no pixels"])
-            with tf.control_dependencies([pixels]):   # after the header: its error names a broken one
+            header = has_pixels(tf.io.extract_jpeg_shape(data))
+            with tf.control_dependencies([header]):   # after the header: its error names a broken one
                 whole = tf.debugging.Assert(tf.equal(tf.strings.substr(data, -2, 2), b"\xff\xd9"),
                                             ["a truncated JPEG: no end-of-image marker"])
             with tf.control_dependencies([whole]):
                 return tf.identity(data)
 
         def other():
-            image = tf.io.decode_image(data, channels=3, expand_animations=False)
-            with tf.control_dependencies([image]):
+            decoded = has_pixels(tf.shape(tf.io.decode_image(data, channels=3, expand_animations=False)))
+            with tf.control_dependencies([decoded]):
                 return tf.identity(data)
         return tf.cond(tf.io.is_jpeg(data), jpeg, other)
     return transform
+
+
+def has_pixels(shape: tf.Tensor) -> tf.Operation:
+    """A check on an image's shape, which makes the parse or decode that gave the shape run: in a tf.data
+    function a stateless op that only a control edge waits on is pruned (a broken header, or a broken PNG,
+    then passed `encoded_transform` and stopped DALI)."""
+    return tf.debugging.Assert(tf.reduce_all(shape > 0), ["an image of no pixels"])
 
 
 def blank_jpeg() -> tf.Tensor:
