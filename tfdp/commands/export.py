@@ -90,10 +90,42 @@ class Format:
     packages: tuple[tuple[str, str], ...]
     # "bytes": a batch of encoded images in, probabilities out; "pixels": uint8 NHWC crops in, logits out
     takes: str
-    # (inference network, bytes serving model, config, path) → None
+    # (the export's `Job`, path) → None
     write: Callable
     # path → function(batch) → numpy outputs, run in the format's own runtime
     load: Callable
+    # whether it measures activation ranges on training images (`Job.calibration`)
+    calibrated: bool = False
+
+
+@dataclasses.dataclass
+class Job:
+    """One `export` call: the inference network, its serving model and the config, and what its formats share:
+    the files written so far (`onnx_int8` quantizes this call's model.onnx rather than converting again) and the
+    calibration images, read once for every int8 format."""
+    network: keras.Model
+    served: keras.Model
+    cfg: Config
+    formats: tuple[str, ...]
+    written: dict[str, str] = dataclasses.field(default_factory=dict)
+    _images: np.ndarray | None = None
+    _why_not: str = ""
+
+    def calibration(self, fmt: str) -> np.ndarray:
+        """`calibration_images`, read when the first int8 format asks and kept for the others, with one line
+        naming the formats they calibrate; where there are none, `fmt`'s one-line error."""
+        if self._images is None and not self._why_not:
+            try:
+                self._images = calibration_images(self.cfg)
+            except UserError as e:
+                self._why_not = str(e)
+            else:
+                names = ", ".join(n for n in FORMATS if n in self.formats and FORMATS[n].calibrated)
+                say(f"tfdp: export: {names}: activation ranges from {len(self._images)} images of the training "
+                    f"split '{self.cfg.data.train_split}'")
+        if self._why_not:
+            raise UserError(f"--format={fmt} calibrates on the training split: {self._why_not}")
+        return self._images
 
 
 def inference_network(model: keras.Model, portable: bool = True) -> keras.Model:
@@ -137,7 +169,7 @@ def variables_held(model) -> tf.Module:
     return holder
 
 
-def _write_saved_model(network, served, cfg, path):
+def _write_saved_model(job, path):
     """The SavedModel Keras' `export(format="tf_saved_model")` writes (endpoint `serve`, also `serving_default`,
     input `image_bytes`, output `output_0`), saved straight from the traced function and the network's own
     `tf.Variable`s (as `_write_litert` gives them to its converter).
@@ -147,6 +179,8 @@ def _write_saved_model(network, served, cfg, path):
     resource the function used but this holder does not track makes `tf.saved_model.save` fail, not write a
     broken file.
     """
+    served = job.served
+
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")], autograph=False)
     def serve(image_bytes):
         return served(image_bytes, training=False)
@@ -157,8 +191,8 @@ def _write_saved_model(network, served, cfg, path):
     tf.saved_model.save(holder, path, signatures={"serve": concrete, "serving_default": concrete})
 
 
-def _write_keras(network, served, cfg, path):
-    served.save(path)
+def _write_keras(job, path):
+    job.served.save(path)
 
 
 # Weights above this many bytes go into `model.onnx.data` beside `model.onnx` (ONNX external data, as timm's large
@@ -204,31 +238,38 @@ def available_memory() -> int | None:
     return None
 
 
-def _write_onnx(network, served, cfg, path):
+def _write_onnx(job, path, fmt: str = "onnx"):
+    """model.onnx (`fmt`: the format asked for, which the errors name)."""
+    network, cfg = job.network, job.cfg
     weights = weight_bytes(network)
     need, free = onnx_memory_bound(weights), available_memory()
     if free is not None and need > free:  # refused before the conversion allocates anything
-        raise UserError(f"--format=onnx: converting model '{cfg.model.name}' ({weights / 2**30:.2f} GiB of weights) "
-                        f"needs up to {need / 2**30:.1f} GiB more memory, and {free / 2**30:.1f} GiB is available")
+        raise UserError(f"--format={fmt}: converting model '{cfg.model.name}' ({weights / 2**30:.2f} GiB of "
+                        f"weights) needs up to {need / 2**30:.1f} GiB more memory, and {free / 2**30:.1f} GiB is "
+                        f"available")
     model, storage = _convert_onnx(network, pixel_signature(cfg))
     _check_onnx_ops(model.graph)
     _name_onnx_output(model.graph, "logits")
     _save_onnx(model, storage, path, external=weights > ONNX_INLINE_BYTES)
 
 
-def _write_onnx_int8(network, served, cfg, path):
+def _write_onnx_int8(job, path):
     """model.onnx quantized by ONNX Runtime's static quantizer (QDQ: a QuantizeLinear/DequantizeLinear pair around
     each quantized op, which ONNX Runtime fuses into integer kernels): weights int8 per channel, activations uint8
-    per tensor (ONNX Runtime's advice for x86 CPUs), each range measured on `calibration_images`. The input and
-    output are model.onnx's (uint8 pixels in, float32 logits out)."""
+    per tensor (ONNX Runtime's advice for x86 CPUs), each range measured on `Job.calibration`. The input and
+    output are model.onnx's (uint8 pixels in, float32 logits out): the one this export wrote, else one converted
+    in a scratch folder."""
     from onnxruntime.quantization import QuantFormat, QuantType, quant_pre_process, quantize_static
-    images = calibration_images(cfg, "onnx_int8")
-    weights, path = weight_bytes(network), os.path.abspath(path)
+    cfg = job.cfg
+    images = job.calibration("onnx_int8")
+    weights, path = weight_bytes(job.network), os.path.abspath(path)
+    made = os.path.abspath(job.written["onnx"]) if "onnx" in job.written else None
     # In a scratch folder, made the working one: ONNX Runtime's tools leave files of their own in the working folder
     # when they fail (`sym_shape_infer_temp.onnx`, `<uuid>.data`), which are not the user's to clean up.
     with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
-        float_path, prepared = os.path.join(folder, "model.onnx"), os.path.join(folder, "prepared.onnx")
-        _write_onnx(network, served, cfg, float_path)
+        float_path, prepared = made or os.path.join(folder, "model.onnx"), os.path.join(folder, "prepared.onnx")
+        if not made:
+            _write_onnx(job, float_path, fmt="onnx_int8")
         # ONNX Runtime's own preparation (its graph optimizations, ONNX's shape inference), which its quantizer asks
         # for; not its symbolic shape inference, which gives up on a ViT's graph ("Incomplete symbolic shape
         # inference") where ONNX's own infers every shape tfdp's graphs have
@@ -402,10 +443,10 @@ def _graph_tensors(graph):
                 yield from _graph_tensors(sub)
 
 
-def _write_litert(network, served, cfg, path, quantize=None):
+def _write_litert(job, path, quantize=None):
     """TensorFlow's TFLite converter on the network's traced function (uint8 pixels → logits; signature
     `serving_default`, input `image`, output `output_0`, as Keras' exporter names them), `quantize(converter,
-    cfg)` setting its quantization (none: float32).
+    job)` setting its quantization (none: float32).
 
     Keras' `export(format="litert")` converts the same function but first builds and writes its whole export
     archive, whose walk over the model's objects is slow: a LiteRT export of ResNeXt-50 took 12 s instead of 18 s
@@ -413,7 +454,9 @@ def _write_litert(network, served, cfg, path, quantize=None):
     object it is given: a `tf.Module` holding the network's own `tf.Variable`s (Keras 3's variables wrap them;
     the network itself is not tracked that way, and without them the file's weights would be uninitialised).
     """
-    @tf.function(input_signature=pixel_signature(cfg), autograph=False)
+    network = job.network
+
+    @tf.function(input_signature=pixel_signature(job.cfg), autograph=False)
     def serve(image):
         return network(image, training=False)
 
@@ -422,26 +465,26 @@ def _write_litert(network, served, cfg, path, quantize=None):
     # Builtin ops only: the plain LiteRT interpreter (phones, ai_edge_litert) has no TensorFlow (Flex) ops.
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
     if quantize:
-        quantize(converter, cfg)
+        quantize(converter, job)
     flatbuffer = converter.convert()
     with open(path, "wb") as f:
         f.write(flatbuffer)
 
 
-def float16_weights(converter, cfg) -> None:
+def float16_weights(converter, job) -> None:
     """Weights stored in float16: half the file. The CPU interpreter widens them to float32 once, at load; GPU
     delegates compute in float16."""
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
     converter.target_spec.supported_types = [tf.float16]
 
 
-def int8_calibrated(converter, cfg) -> None:
+def int8_calibrated(converter, job) -> None:
     """Weights and activations in int8 (a quarter of the file; integer kernels), each activation's range
-    measured on `calibration_images`. Every op of the network is an int8 op (`TFLITE_BUILTINS_INT8`: a model
+    measured on `Job.calibration`. Every op of the network is an int8 op (`TFLITE_BUILTINS_INT8`: a model
     with an op LiteRT cannot quantize fails to convert, rather than run part in float unseen); only the ends
     stay as model.tflite's, so the file is used the same way: uint8 pixels are cast and quantized on the way in,
     the logits dequantized to float32 on the way out."""
-    images = calibration_images(cfg, "litert_int8")
+    images = job.calibration("litert_int8")
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
     converter.representative_dataset = lambda: ([images[i:i + 1]] for i in range(len(images)))
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
@@ -450,23 +493,18 @@ def int8_calibrated(converter, cfg) -> None:
 CALIBRATION_IMAGES = 256   # TensorFlow's post-training quantization guide: a few hundred representative images
 
 
-def calibration_images(cfg: Config, fmt: str, count: int = CALIBRATION_IMAGES) -> np.ndarray:
+def calibration_images(cfg: Config, count: int = CALIBRATION_IMAGES) -> np.ndarray:
     """Up to `count` images of the training split (`data.train_split`), through the evaluation crop, for the int8
-    format `fmt` to measure its activations' ranges on: what the deployed model will be given, and not the
+    formats to measure their activations' ranges on: what the deployed model will be given, and not the
     validation images the export is checked on. The files are spread evenly over the split's listing, so a
-    class-folder tree, listed class by class, gives every class."""
+    class-folder tree, listed class by class, gives every class. A missing split is its one-line error."""
     name = cfg.data.train_split
-    try:
-        split = build_source(cfg.data, splits=(name,)).split(name)
-    except UserError as e:
-        raise UserError(f"--format={fmt} calibrates on the training split: {e}") from None
+    split = build_source(cfg.data, splits=(name,)).split(name)
     share = split.subset(range(0, len(split.files), max(1, len(split.files) // count)))
     batches = [images for _, images in verification_batches(cfg, share, count)]
     if not batches:
-        raise UserError(f"--format={fmt} calibrates on the training split: no image of '{name}' could be read")
-    images = np.concatenate(batches)
-    say(f"tfdp: export: {fmt}: activation ranges from {len(images)} images of the training split '{name}'")
-    return images
+        raise UserError(f"no image of '{name}' could be read")
+    return np.concatenate(batches)
 
 
 # --- runtimes -----------------------------------------------------------------
@@ -508,13 +546,13 @@ FORMATS = {
     "onnx": Format("model.onnx", (("tf2onnx", "onnx"), ("onnx", "onnx"), ("onnxruntime", "onnx")), "pixels",
                    _write_onnx, _run_onnx),
     "onnx_int8": Format("model_int8.onnx", (("tf2onnx", "onnx"), ("onnx", "onnx"), ("onnxruntime", "onnx")), "pixels",
-                        _write_onnx_int8, _run_onnx),
+                        _write_onnx_int8, _run_onnx, calibrated=True),
     "litert": Format("model.tflite", (("ai_edge_litert.interpreter", "litert"),), "pixels",
                      _write_litert, _run_litert),
     "litert_float16": Format("model_float16.tflite", (("ai_edge_litert.interpreter", "litert"),), "pixels",
                              functools.partial(_write_litert, quantize=float16_weights), _run_litert),
     "litert_int8": Format("model_int8.tflite", (("ai_edge_litert.interpreter", "litert"),), "pixels",
-                          functools.partial(_write_litert, quantize=int8_calibrated), _run_litert),
+                          functools.partial(_write_litert, quantize=int8_calibrated), _run_litert, calibrated=True),
 }
 DEFAULT_FORMATS = ("saved_model", "keras")
 
@@ -562,16 +600,18 @@ def export(model: keras.Model, cfg: Config, class_names: tuple[str, ...], out_di
     the next format is written all the same: one model tf2onnx cannot take
     should not cost its LiteRT file. The TensorFlow formats take every tfdp
     model, so a conversion error there is a bug and keeps its traceback.
+    The formats are written in `FORMATS`' order, so a quantized file
+    follows the float32 one it can start from.
     """
     check_packages(formats)
     os.makedirs(out_dir, exist_ok=True)
     network = inference_network(model)
-    served = bytes_model(network, cfg)
-    written = Written({}, {})
-    for name in formats:
+    job = Job(network, bytes_model(network, cfg), cfg, formats)
+    written = Written(job.written, {})
+    for name in sorted(formats, key=list(FORMATS).index):
         path = os.path.join(out_dir, FORMATS[name].filename)
         try:
-            FORMATS[name].write(network, served, cfg, path)
+            FORMATS[name].write(job, path)
         except UserError as e:
             written.failed[name] = str(e)
             continue
