@@ -213,13 +213,15 @@ class _Round:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def next_for(self, replica: int, n: int):
+        """`replica`'s next batch, None at the end of a finite stream (an evaluation's). The end is read as an
+        empty optional, not an "End of sequence" error: an eager op that fails aborts the rendezvous all eager
+        ops share, and a stream built meanwhile on another device failed with it (tfdp.data.corrupt.decodes)."""
         with self.lock:
             while not self.queues[replica]:
-                try:
-                    element = next(self.iterator)
-                except StopIteration:
+                element = self.iterator.get_next_as_optional()
+                if not element.has_value():
                     return None
-                self.queues[self.taken % n].append(element.numpy())
+                self.queues[self.taken % n].append(element.get_value().numpy())
                 self.taken += 1
             return self.queues[replica].popleft()
 
