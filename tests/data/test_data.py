@@ -120,10 +120,11 @@ def test_naming_a_corrupt_image_leaves_what_other_threads_run_alone(tmp_path, di
     second CPU failed with the image's error (7 tries in 10). Named over and over beside 20 such builds: none
     fails, and every naming gives the image's own reason."""
     from conftest import CPU_DEVICES
+    cfg = DataConfig(format="image_folder", dir=digits_dir, image_size=16)
     broken = tmp_path / "broken.jpg"
-    broken.write_bytes((open(os.path.join(digits_dir, "train", "0", sorted(os.listdir(os.path.join(
-        digits_dir, "train", "0")))[0]), "rb").read())[:200])
-    transform = train_transform(DataConfig(format="image_folder", dir=digits_dir, image_size=16), 3)
+    with open(build_source(cfg).split("train").files[0], "rb") as photo:
+        broken.write_bytes(photo.read()[:200])   # as an interrupted copy leaves it
+    transform = train_transform(cfg, 3)
     reasons, stop = [], threading.Event()
 
     def name_it_again_and_again():
