@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from conftest import REPO, assert_one_line_error, run_tfdp
 from tfdp.rundir.checkpoints import CheckpointStore
+from support.cgroups import memory_limited, why_no_memory_cgroup
 from support.inprocess import cli_config, export_in_process
 from tfdp.config import DistributeConfig, validate
 from tfdp.data import build_source
@@ -348,6 +349,30 @@ def test_one_format_that_cannot_be_written_does_not_cost_the_others(trained_run,
     assert printed == {"saved_model", "keras", "litert"}, result.stdout
     assert (out / "model.tflite").is_file() and (out / "model.keras").is_file()
     assert (out / "saved_model" / "saved_model.pb").is_file() and (out / "classes.json").is_file()
+
+
+# A container's memory limit below the ONNX conversion's bound (1 GiB + 10 x the weights: 1.2 GiB for this network),
+# and well above what `tfdp export` charges to a fresh cgroup by the time it checks (0.33 GiB at its peak, measured)
+CONTAINER_LIMIT = 1 << 30
+
+
+@pytest.mark.skipif(why_no_memory_cgroup() is not None, reason=str(why_no_memory_cgroup()))
+def test_a_conversion_its_container_cannot_hold_is_refused_before_it_starts(trained_run, tmp_path):
+    """`tfdp export` in a real memory cgroup of 1 GiB, as in a container with that limit, on a host with far more
+    free: both ONNX formats are refused in one line naming each, with the memory the cgroup leaves, instead of
+    the kernel killing the conversion at the limit; nothing is written."""
+    args, _ = trained_run
+    out = tmp_path / "export"
+    with memory_limited(CONTAINER_LIMIT) as inside:
+        result = subprocess.run(inside([sys.executable, "-m", "tfdp", "export", *args, "--format=onnx_int8,onnx",
+                                        f"--export_dir={out}"]), capture_output=True, text=True, timeout=300,
+                                cwd=REPO)
+    line = assert_one_line_error(result, 2, "--format=onnx: converting model 'resnet10_small' (",
+                                 "--format=onnx_int8: converting model 'resnet10_small' (", "(written: no format)")
+    print(line)
+    available = [float(g) for g in re.findall(r"and ([0-9.]+) GiB is available to this process", line)]
+    assert len(available) == 2 and max(available) < CONTAINER_LIMIT / 2**30, line
+    assert not (out / "model.onnx").exists() and not (out / "model_int8.onnx").exists()
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,7 @@ from tfdp.errors import UserError, first_line
 from tfdp.models.layers import split_grouped_convolutions
 from tfdp.config.image_sizes import eval_image_size
 from tfdp.startup.console import say
+from tfdp.startup.memory import available_memory
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -226,18 +227,6 @@ def onnx_memory_bound(weights: int) -> int:
     return ONNX_MEMORY_FIXED_BYTES + ONNX_MEMORY_PER_WEIGHT_BYTE * weights
 
 
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (what can be allocated without swapping), None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _write_onnx(job, path, fmt: str = "onnx"):
     """model.onnx (`fmt`: the format asked for, which the errors name)."""
     network, cfg = job.network, job.cfg
@@ -246,7 +235,7 @@ def _write_onnx(job, path, fmt: str = "onnx"):
     if free is not None and need > free:  # refused before the conversion allocates anything
         raise UserError(f"--format={fmt}: converting model '{cfg.model.name}' ({weights / 2**30:.2f} GiB of "
                         f"weights) needs up to {need / 2**30:.1f} GiB more memory, and {free / 2**30:.1f} GiB is "
-                        f"available")
+                        f"available to this process (the host's memory, or its container's limit)")
     model, storage = _convert_onnx(network, pixel_signature(cfg))
     _check_onnx_ops(model.graph)
     _name_onnx_output(model.graph, "logits")
