@@ -8,12 +8,12 @@ import contextlib
 import os
 import shlex
 
-from tfdp.startup.memory import _memory_mounts
+from tfdp.startup.memory import memory_mounts
 
 
 def _writable_hierarchy() -> tuple[str, str] | None:
     """(mount point, "v1" | "v2") of a memory hierarchy this process can make a cgroup in, else None."""
-    for _, mount, version in _memory_mounts("self"):
+    for _, mount, version in memory_mounts("self"):
         if version == "v2":
             with open(os.path.join(mount, "cgroup.subtree_control"), encoding="ascii") as f:
                 if "memory" not in f.read().split():

@@ -51,7 +51,7 @@ def memory_cgroup_folders(pid: str = "self") -> list[tuple[str, tuple[str, str, 
     """
     paths = _cgroup_paths(pid)
     folders = []
-    for root, mount, version in _memory_mounts(pid):
+    for root, mount, version in memory_mounts(pid):
         path = paths.get(version)
         if path is None:
             continue
@@ -81,7 +81,7 @@ def _cgroup_paths(pid: str) -> dict[str, str]:
     return paths
 
 
-def _memory_mounts(pid: str) -> list[tuple[str, str, str]]:
+def memory_mounts(pid: str) -> list[tuple[str, str, str]]:
     """(root within the hierarchy, mount point, "v1" | "v2") of each mounted hierarchy that can limit memory."""
     mounts = []
     try:
