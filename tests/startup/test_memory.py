@@ -34,7 +34,8 @@ def test_a_process_in_a_limited_cgroup_counts_the_limit_not_the_host(depth):
     unlimited cgroup): either way the headroom is the limit less what the process holds, and it, not the host's
     MemAvailable, is what the process may take."""
     headroom, host, available = figures_inside(depth)
-    assert LIMIT - MOST_A_PYTHON_HOLDS < headroom < LIMIT
     assert host > LIMIT  # this host has more free than the cgroup allows; the test means nothing otherwise
-    assert available == headroom
+    # each figure read on its own: the process's usage may move by a page between the reads
+    assert LIMIT - MOST_A_PYTHON_HOLDS < headroom < LIMIT
+    assert LIMIT - MOST_A_PYTHON_HOLDS < available < LIMIT
 
