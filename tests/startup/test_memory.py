@@ -38,4 +38,3 @@ def test_a_process_in_a_limited_cgroup_counts_the_limit_not_the_host(depth):
     # each figure read on its own: the process's usage may move by a page between the reads
     assert LIMIT - MOST_A_PYTHON_HOLDS < headroom < LIMIT
     assert LIMIT - MOST_A_PYTHON_HOLDS < available < LIMIT
-

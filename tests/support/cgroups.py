@@ -5,10 +5,14 @@ tests that use it skip and say why without one."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shlex
+import time
 
 from tfdp.startup.memory import memory_mounts
+
+_NUMBERS = itertools.count()
 
 
 def _writable_hierarchy() -> tuple[str, str] | None:
@@ -34,9 +38,10 @@ def why_no_memory_cgroup() -> str | None:
 def memory_limited(limit: int, depth: int = 1):
     """Yields a function that prefixes a command so it runs inside a fresh cgroup limited to `limit` bytes, or
     with `depth` > 1 in a cgroup that many levels below the limited one, which sets no limit of its own (a pod's
-    container inside the pod's cgroup); the cgroups are removed afterwards, once the command has ended."""
+    container inside the pod's cgroup); the cgroups are removed afterwards, once every process in them has ended
+    (a tfdp process's console reader outlives it by a moment: `tfdp.startup.console`)."""
     mount, version = _writable_hierarchy()
-    folders = [os.path.join(mount, f"tfdp-test-{os.getpid()}")]
+    folders = [os.path.join(mount, f"tfdp-test-{os.getpid()}-{next(_NUMBERS)}")]
     folders += [os.path.join(folders[0], *["inner"] * level) for level in range(1, depth)]
     try:
         for folder in folders:
@@ -52,4 +57,20 @@ def memory_limited(limit: int, depth: int = 1):
     finally:
         for folder in reversed(folders):
             if os.path.isdir(folder):
-                os.rmdir(folder)
+                _remove_when_empty(folder)
+
+
+def _remove_when_empty(folder: str, seconds: float = 60) -> None:
+    """Removes the cgroup once no process is left in it (the kernel refuses before: EBUSY), waiting up to
+    `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            os.rmdir(folder)
+            return
+        except OSError:
+            with open(os.path.join(folder, "cgroup.procs"), encoding="ascii") as f:
+                left = f.read().split()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{folder}: processes {left} still in it after {seconds:g} s") from None
+            time.sleep(0.1)
