@@ -85,7 +85,7 @@ class DataConfig:
     progressive_end_epoch: NonNegInt = 0   # first 0-based epoch at image_size
     progressive_step: PosInt = 32   # ramp sizes rounded to multiples of this (FFCV: 32)
     shuffle_buffer: PosInt = 10_000   # examples in the training shuffle buffer
-    cache: Bool = False   # keep the encoded training images in memory after the first epoch
+    cache: Bool = False   # keep the encoded images in memory after the first epoch (refused if the share cannot fit)
     deterministic: Bool = False   # crop windows from train.seed and the stream position: runs repeat them
     # Who decodes and crops the training and validation images: tf (TensorFlow, on the host's CPUs), dali (NVIDIA
     # DALI on each replica's GPU, or its CPU operators on CPU replicas; the examples and their order stay tfdp's,

@@ -190,7 +190,7 @@ def payloads(share: Split, cfg: DataConfig, ordered: bool, build: Callable[[], t
     if (share.kind not in KINDS or not ordered or cfg.cache or cfg.service_address
             or not urls or not storage.is_remote_url(urls[0])):
         return build(), NO_STREAM
-    sizes = _sizes(urls)
+    sizes = object_sizes(urls)
     local = dict(zip(urls, storage.cache_paths(urls, cfg.cache_dir)))
     there = _on_disk(local)
     total = limit_bytes(cfg, sum(there.values()))
@@ -229,7 +229,7 @@ def _on_disk(local: dict[str, str]) -> dict[str, int]:
     return sizes
 
 
-def _sizes(urls: tuple[str, ...]) -> dict[str, int]:
+def object_sizes(urls: tuple[str, ...]) -> dict[str, int]:
     """Each object's size: as the data's listing saw it (`storage.note_sizes`), else from one listing of the
     folder the others share (a request per object would take minutes for a million images)."""
     sizes = {u: storage.known_size(u) for u in urls}

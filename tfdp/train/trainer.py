@@ -31,7 +31,7 @@ from tfdp.train.callbacks import (AverageReplicaState, Checkpointer, EmaEvaluati
 from tfdp.errors import atomic_write_text
 from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import Config, DataConfig
-from tfdp.data import Source, build_source, streaming
+from tfdp.data import Source, build_source, memory_cache, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
 from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.rundir.bucket import Place, place_for
@@ -156,6 +156,9 @@ class Trainer:
         plan = make_plan(cfg, source, runtime, CheckpointStore(model_dir).newest_state())  # a resume: its global batch
         for split in (cfg.data.train_split, cfg.data.val_split):
             check_lost(source.split(split), cfg.data.max_bad_fraction)
+        if cfg.data.cache and not cfg.data.service_address:   # the service's workers read, and cache nothing
+            cached = [cfg.data.train_split] + ([cfg.data.val_split] if self.validates else [])
+            memory_cache.check_fits([source.split(split) for split in cached], runtime.num_workers)
         say(plan.layout.line() + f", {runtime.num_workers} worker(s)")
         if plan.resume_line:
             say(plan.resume_line)
