@@ -10,11 +10,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import REPO, assert_one_line_error
 from support.cgroups import memory_limited, why_no_memory_cgroup
 from tfdp.data.layouts import Split
-from tfdp.data.memory_cache import PER_EXAMPLE, SAMPLED_FILES, cached_bytes
+from tfdp.data.memory_cache import PER_EXAMPLE, SAMPLED_FILES, cached_bytes, check_fits
+from tfdp.errors import UserError
 from tfdp.startup.memory import available_memory
 
 CONTAINER_LIMIT = 2 << 30
@@ -43,6 +45,19 @@ def test_a_splits_cached_bytes_are_its_files_or_an_even_sample_of_them(tmp_path)
     assert abs(estimate - real) < 0.03 * real, (estimate, real)
 
     assert cached_bytes(Split("train", ("synthetic",), counts=(1000,), synthetic=True)) == 0
+
+
+def test_workers_sharing_a_host_check_their_shares_together(tmp_path):
+    """Split 2 ways, a split of 1.4x the memory this process has left (sparse files) fits each worker alone, and
+    is refused when both workers fill one host."""
+    paths = write_files(tmp_path / "train", [0] * 4)
+    for path in paths:
+        os.truncate(path, int(1.4 * available_memory()) // 4)
+    split = Split("train", tuple(paths), labels=(0,) * 4)
+    check_fits([split], workers=2, on_host=1)
+    with pytest.raises(UserError, match=r"^data.cache: keeping this worker's 1/2 of 'train' in memory takes about "
+                                        r"[0-9.]+ GiB \(the encoded images\), x2 for the workers on this host, but "):
+        check_fits([split], workers=2, on_host=2)
 
 
 def test_a_share_larger_than_the_memory_left_is_refused_before_training(tiny_dir, tmp_path):

@@ -27,6 +27,18 @@ def test_ranks_put_the_chief_first():
     assert cluster_lib.parse_tf_config(spec(["h0:9"], "chief", 0, chief=["h1:1"])).rank == 0
 
 
+def test_the_workers_on_a_host_are_those_at_its_address():
+    """`tfdp launch`'s workers all listen on 127.0.0.1, a Kubernetes job's pods each on a host of its own, a Slurm
+    job's tasks on their node: how many share this task's machine (and its memory); the evaluator trains nothing."""
+    launch = cluster_lib.parse_tf_config(spec(["127.0.0.1:2000", "127.0.0.1:2001"], index=1, chief=["127.0.0.1:1999"]))
+    assert launch.members_on_host == 3
+    pods = json.dumps({"cluster": {"worker": ["job-worker-0.ns:2222", "job-worker-1.ns:2222"],
+                                   "evaluator": ["job-worker-0.ns:2223"]}, "task": {"type": "worker", "index": 0}})
+    assert cluster_lib.parse_tf_config(pods).members_on_host == 1
+    nodes = spec(["node1:5000", "node1:5001", "node2:5000", "node2:5001", "node2:5002"], index=3)
+    assert cluster_lib.parse_tf_config(nodes).members_on_host == 3
+
+
 def test_round_trip_through_tf_config():
     c = cluster_lib.parse_tf_config(spec(["a:1", "b:2"], index=1))
     assert cluster_lib.parse_tf_config(cluster_lib.to_tf_config(c)) == c

@@ -36,17 +36,19 @@ def cached_bytes(split: Split) -> int:
     return sum(sizes) * len(split.files) // len(sample) + PER_EXAMPLE * split.num_examples
 
 
-def check_fits(splits: list[Split], workers: int) -> None:
+def check_fits(splits: list[Split], workers: int, on_host: int = 1) -> None:
     """A one-line refusal, before the first step, when a worker's share of `splits` cannot stay in memory.
 
     Each worker caches its 1/`workers` of each split (records and files are dealt out evenly), in its own
-    process: workers that share a host each check against the host's memory, not their sum."""
+    process; the `on_host` workers sharing this machine (`tfdp launch`, Slurm tasks on one node) fill its memory
+    together, and start together: each sees the memory none has taken yet, so each checks their sum."""
     need = sum(cached_bytes(split) for split in splits) // workers
     free = available_memory()
-    if free is None or need <= free:
+    if free is None or need * on_host <= free:
         return
     names = " and ".join(dict.fromkeys(f"'{split.name}'" for split in splits))
     share = f"this worker's 1/{workers} of " if workers > 1 else ""
+    together = f", x{on_host} for the workers on this host" if on_host > 1 else ""
     raise UserError(f"data.cache: keeping {share}{names} in memory takes about {need / GiB:.1f} GiB (the encoded "
-                    f"images), but {free / GiB:.1f} GiB is available to this process (the host's memory, or its "
-                    f"container's limit): set data.cache: false (the files are then read again each epoch)")
+                    f"images){together}, but {free / GiB:.1f} GiB is available to this process (the host's memory, "
+                    f"or its container's limit): set data.cache: false (the files are then read again each epoch)")

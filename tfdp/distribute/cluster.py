@@ -73,6 +73,13 @@ class Cluster:
     def address(self) -> str:
         return self.tasks[self.task_type][self.task_index]
 
+    @property
+    def members_on_host(self) -> int:
+        """Training tasks on this task's host (by the host part of their addresses, this one among them): what
+        share one machine's memory (`tfdp launch`'s workers, several Slurm tasks on a node)."""
+        host = self.address.rpartition(":")[0]
+        return sum(address.rpartition(":")[0] == host for _, _, address in self.members)
+
     def describe(self, task_type: str, index: int) -> str:
         return f"{task_type} {index} ({self.tasks[task_type][index]})"
 

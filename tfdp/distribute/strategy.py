@@ -42,6 +42,7 @@ class Runtime:
     devices: tuple[str, ...]
     num_workers: int = 1
     worker_index: int = 0
+    workers_on_host: int = 1   # this worker and the others sharing its machine (and its memory)
 
     @property
     def num_replicas(self) -> int:
@@ -128,7 +129,8 @@ def _multi_worker(cfg: DistributeConfig) -> Runtime:
         # training steps run: strategy.run called eagerly is a slow path TensorFlow warns about.
         tf.function(lambda: strategy.reduce("SUM", strategy.run(lambda: tf.constant(1)), axis=None))()
     devices = tuple(strategy.extended.worker_devices)
-    return Runtime(strategy, "multi_worker", devices, num_workers=cluster.num_workers, worker_index=cluster.rank)
+    return Runtime(strategy, "multi_worker", devices, num_workers=cluster.num_workers, worker_index=cluster.rank,
+                   workers_on_host=cluster.members_on_host)
 
 
 @contextlib.contextmanager

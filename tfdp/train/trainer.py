@@ -158,7 +158,8 @@ class Trainer:
             check_lost(source.split(split), cfg.data.max_bad_fraction)
         if cfg.data.cache and not cfg.data.service_address:   # the service's workers read, and cache nothing
             cached = [cfg.data.train_split] + ([cfg.data.val_split] if self.validates else [])
-            memory_cache.check_fits([source.split(split) for split in cached], runtime.num_workers)
+            memory_cache.check_fits([source.split(split) for split in cached], runtime.num_workers,
+                                    runtime.workers_on_host)
         say(plan.layout.line() + f", {runtime.num_workers} worker(s)")
         if plan.resume_line:
             say(plan.resume_line)
