@@ -60,26 +60,52 @@ def test_workers_sharing_a_host_check_their_shares_together(tmp_path):
         check_fits([split], workers=2, on_host=2)
 
 
-def test_a_share_larger_than_the_memory_left_is_refused_before_training(tiny_dir, tmp_path):
-    """`data.cache: true` on training images twice as large as the memory left (sparse files: a real JPEG, then
-    zeros that take no disk) is one line with the share's size and the memory left, before the first step, where
-    tf.data would fill its cache until the kernel killed the process. Inside a 2 GiB memory cgroup where one can be
-    made (a container's limit, far below the host's memory; a regression is then killed there), else against the
-    host's own memory."""
-    data = tmp_path / "data"
-    shutil.copytree(tiny_dir, data)
-    train = sorted(str(p) for p in (data / "train").rglob("*") if p.is_file())
-    limit = CONTAINER_LIMIT if why_no_memory_cgroup() is None else available_memory()
-    size = 2 * limit // len(train)
-    for path in train:
+def sparse_copy(data_dir, root, split: str, limit: int) -> int:
+    """A copy of `data_dir` whose `split` images are each a real JPEG followed by zeros that take no disk, twice
+    `limit` in all; returns the bytes of one."""
+    shutil.copytree(data_dir, root)
+    files = sorted(str(p) for p in (root / split).rglob("*") if p.is_file())
+    size = 2 * limit // len(files)
+    for path in files:
         os.truncate(path, size)
-    command = [sys.executable, "-m", "tfdp", "train", "--config=configs/digits.yaml", "--data_format=image_folder",
-               f"--data_dir={data}", f"--model_dir={tmp_path / 'run'}", "--set=data.cache=true"]
+    return size * len(files)
+
+
+def run_in_container(args, limit: int):
+    """`tfdp ARGS` inside a memory cgroup of `limit` bytes, or unconfined where none can be made."""
+    command = [sys.executable, "-m", "tfdp", *args, "--set=data.cache=true"]
     with memory_limited(CONTAINER_LIMIT) if limit == CONTAINER_LIMIT else contextlib.nullcontext(lambda c: c) as inside:
-        result = subprocess.run(inside(command), capture_output=True, text=True, timeout=300, cwd=REPO)
+        return subprocess.run(inside(command), capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_a_share_larger_than_the_memory_left_is_refused_before_training(tiny_dir, tmp_path):
+    """`data.cache: true` on training images twice as large as the memory left is one line with the share's size
+    and the memory left, before the first step, where tf.data would fill its cache until the kernel killed the
+    process. Inside a 2 GiB memory cgroup where one can be made (a container's limit, far below the host's memory;
+    a regression is then killed there), else against the host's own memory."""
+    limit = CONTAINER_LIMIT if why_no_memory_cgroup() is None else available_memory()
+    total = sparse_copy(tiny_dir, tmp_path / "data", "train", limit)
+    result = run_in_container(["train", "--config=configs/digits.yaml", "--data_format=image_folder",
+                               f"--data_dir={tmp_path / 'data'}", f"--model_dir={tmp_path / 'run'}"], limit)
     line = assert_one_line_error(result, 2, "data.cache: keeping 'train' and 'val' in memory takes about",
                                  "GiB is available to this process", "set data.cache: false")
     need, free = map(float, re.findall(r"([0-9.]+) GiB", line))
     print(line)
-    assert need >= size * len(train) / 2**30 - 0.1 and free < limit / 2**30 and free < need / 1.5, line
+    assert need >= total / 2**30 - 0.1 and free < limit / 2**30 and free < need / 1.5, line
     assert "tfdp: epoch" not in result.stdout and not list((tmp_path / "run").rglob("*.index")), result.stdout
+
+
+def test_a_validation_split_larger_than_the_memory_left_is_refused_before_evaluating(tiny_dir, tmp_path):
+    """`tfdp evaluate` (one pass, or `--continuous` and a cluster's evaluator task, which read the split again for
+    every checkpoint) caches the validation split from its first pass: the same line, before the model is built
+    or the checkpoint read (here a file that is none: a regression fails on it, or is killed in the cgroup)."""
+    limit = CONTAINER_LIMIT if why_no_memory_cgroup() is None else available_memory()
+    total = sparse_copy(tiny_dir, tmp_path / "data", "val", limit)
+    checkpoint = tmp_path / "model.weights.h5"
+    checkpoint.write_bytes(b"not read")
+    result = run_in_container(["evaluate", "--config=configs/digits.yaml", "--data_format=image_folder",
+                               f"--data_dir={tmp_path / 'data'}", f"--checkpoint={checkpoint}"], limit)
+    line = assert_one_line_error(result, 2, "data.cache: keeping 'val' in memory takes about",
+                                 "GiB is available to this process", "set data.cache: false")
+    need, free = map(float, re.findall(r"([0-9.]+) GiB", line))
+    assert need >= total / 2**30 - 0.1 and free < need / 1.5, line

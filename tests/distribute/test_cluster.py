@@ -32,6 +32,8 @@ def test_the_workers_on_a_host_are_those_at_its_address():
     job's tasks on their node: how many share this task's machine (and its memory); the evaluator trains nothing."""
     launch = cluster_lib.parse_tf_config(spec(["127.0.0.1:2000", "127.0.0.1:2001"], index=1, chief=["127.0.0.1:1999"]))
     assert launch.members_on_host == 3
+    mixed = spec(["localhost:2000", "127.0.0.1:2001", "[::1]:2002", "127.0.1.1:2003", "node1:2004"], index=1)
+    assert cluster_lib.parse_tf_config(mixed).members_on_host == 4   # loopback, however it is written
     pods = json.dumps({"cluster": {"worker": ["job-worker-0.ns:2222", "job-worker-1.ns:2222"],
                                    "evaluator": ["job-worker-0.ns:2223"]}, "task": {"type": "worker", "index": 0}})
     assert cluster_lib.parse_tf_config(pods).members_on_host == 1

@@ -8,7 +8,7 @@ import keras
 
 from tfdp.rundir.checkpoints import CheckpointStore, load_checkpoint
 from tfdp.config import Config
-from tfdp.data import build_source
+from tfdp.data import build_source, memory_cache
 from tfdp.data.pipeline import data_errors
 from tfdp.data.layouts import require_complete
 from tfdp.errors import UserError
@@ -36,6 +36,8 @@ class Evaluator:
                             f"{cfg.model.num_classes}")
         self.split = source.split(cfg.data.val_split)
         require_complete(self.split)
+        if cfg.data.cache:   # tf.data fills the cache during the first pass: a split too large is killed in it
+            memory_cache.check_fits([self.split], runtime.num_workers)
         self.cfg, self.runtime = cfg, runtime
         task = ClassificationTask(cfg, runtime, source)
         with runtime.strategy.scope():

@@ -77,11 +77,18 @@ class Cluster:
     def members_on_host(self) -> int:
         """Training tasks on this task's host (by the host part of their addresses, this one among them): what
         share one machine's memory (`tfdp launch`'s workers, several Slurm tasks on a node)."""
-        host = self.address.rpartition(":")[0]
-        return sum(address.rpartition(":")[0] == host for _, _, address in self.members)
+        host = host_of(self.address)
+        return sum(host_of(address) == host for _, _, address in self.members)
 
     def describe(self, task_type: str, index: int) -> str:
         return f"{task_type} {index} ({self.tasks[task_type][index]})"
+
+
+def host_of(address: str) -> str:
+    """The machine of a `host:port` address, as written: the loopback names (`localhost`, 127.x.x.x, `[::1]`) are one
+    machine; other names are not resolved (a lookup could hang on a cluster's DNS before training starts)."""
+    host = address.rpartition(":")[0].strip("[]")
+    return "loopback" if host in ("localhost", "::1") or host.startswith("127.") else host
 
 
 def parse_tf_config(text: str) -> Cluster:
