@@ -28,6 +28,9 @@ CPU_DEVICES = split_cpu(2)
 
 
 DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+# Runs the tests marked `full` too: dear runs whose mechanism a cheaper test of the default run checks (an accuracy
+# outcome, one more family of a conversion already covered), kept out of CI's run for the suite's time.
+FULL_ENV = "TFDP_FULL"
 
 
 def pytest_configure(config):
@@ -51,10 +54,15 @@ def pytest_collection_modifyitems(config, items):
     longest files start at once and the short ones fill the gaps at the end, instead of one process
     running a long file alone while the others idle. The seconds come from tests/durations.json (refresh
     with `--store-durations`); a file missing from it counts as 60 s, a typical file with a training run.
+    Tests marked `full` skip, with the marker's reason, unless TFDP_FULL=1; `gpu` ones skip on a host without one.
     """
     with open(DURATIONS, encoding="utf-8") as f:
         seconds = json.load(f)
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 60))
+    if os.environ.get(FULL_ENV) != "1":
+        for item in items:
+            if marker := item.get_closest_marker("full"):
+                item.add_marker(pytest.mark.skip(reason=f"runs with {FULL_ENV}=1: {marker.kwargs['reason']}"))
     if not has_gpu():
         skip = pytest.mark.skip(reason="needs a GPU: no NVIDIA device on this host (/dev/nvidiactl)")
         for item in items:

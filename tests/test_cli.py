@@ -126,6 +126,8 @@ def test_train_two_replicas_reaches_accuracy_saves_config_and_evaluates(demo_run
 
 
 @pytest.mark.slow
+@pytest.mark.full(reason="33 CPU-s of three 8-epoch runs for an accuracy outcome; bfloat16 training itself is "
+                  "checked step by step by tests/optim/test_accumulation.py and the Swin and EVA runs")
 def test_mixed_bfloat16_matches_float32_accuracy(tmp_path, digits_dir, demo_run):
     """Compared on the plateau (last 3 epochs, 2 seeds): one run's final epoch
     on 360 images moves by a point between seeds in either precision. The demo's run above is the float32 run

@@ -7,7 +7,7 @@ peak resident memory is read back (`ru_maxrss` of the finished child) and held
 to `tfdp.commands.export.export_memory_bound` for the model's weights (docs/export.md).
 One model per family runs by default, ResNeXt (grouped convolutions) among
 them. EfficientNetV2-B0 and Inception-v3 (keras.applications, as MobileNetV2)
-run only with TFDP_FULL_ZOO=1 (and are `slow`): MobileNetV2 takes the same
+run only with TFDP_FULL=1 (and are `slow`): MobileNetV2 takes the same
 converter paths (a keras.applications functional graph, batch norm, depthwise
 convolutions) in the default run. VGG is measured by benchmarks/export_memory.py
 (its export needs more memory than a test may take beside the suite's other
@@ -41,10 +41,8 @@ IMAGES = 24
 # The float32 formats; the quantized files come from the same conversions (tests/commands/test_export_formats.py).
 ZOO_FORMATS = ("saved_model", "keras", "onnx", "litert")
 # Two more keras.applications families, about 50 CPU-s each: mobilenet_v2 takes their converter paths by default.
-FULL_ZOO = pytest.mark.skipif(
-    os.environ.get("TFDP_FULL_ZOO") != "1",
-    reason="runs with TFDP_FULL_ZOO=1: mobilenet_v2 covers the keras.applications converter paths (functional "
-           "graph, batch norm, depthwise convolutions) in the default run")
+FULL_ZOO = pytest.mark.full(reason="mobilenet_v2 covers the keras.applications converter paths (functional graph, "
+                                   "batch norm, depthwise convolutions) in the default run")
 
 ZOO = [  # (registry name, image size): one per family
     ("simple_cnn", 8),

@@ -117,9 +117,14 @@ def test_several_streams_on_one_worker_are_dealt_to_dali_in_the_tf_paths_order(i
     assert all(i % CLASSES == label for step in dali_steps for ids, labels in step for i, label in zip(ids, labels))
 
 
+# Replicas per worker in the clusters below: each worker deals its share between its DALI pipelines, as a host of
+# several GPUs does. One replica per worker is the same code with one pipeline (`Runtime.datasets_per_replica`), and
+# a single DALI pipeline's order is checked above ("one_device", "mirrored" on 1); each case is a cluster's 17 CPU-s.
+PER_WORKER = 2
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("per_worker", [1, 2])
-def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree, tmp_path, per_worker):
+def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree, tmp_path):
     """A real 2-worker MultiWorkerMirroredStrategy cluster on 127.0.0.1 (`tests/support/dali_batches.py` in each
     process): each worker's DALI batches hold its own share of the tf path's, in its order, and resume at a
     position. TensorFlow's own per-worker input would deal them through its MultiDeviceIterator, which crashes
@@ -133,14 +138,14 @@ def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree,
                                                                                      "index": index}}
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(REPO, "tests", "support", "dali_batches.py"), id_tree,
-             str(tmp_path / f"worker-{index}.json"), str(per_worker)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, "TF_CONFIG": json.dumps(tf_config)}))
+             str(tmp_path / f"worker-{index}.json"), str(PER_WORKER)], cwd=REPO, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ, "TF_CONFIG": json.dumps(tf_config)}))
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     found = [json.loads((tmp_path / f"worker-{index}.json").read_text()) for index in range(2)]
     for worker in found:
         assert worker["dali"] == worker["tf"]  # steps (per local replica) and stream positions alike
-        assert all(len(step) == per_worker for step in worker["dali"]["steps"])
+        assert all(len(step) == PER_WORKER for step in worker["dali"]["steps"])
         assert worker["resumed"] == worker["dali"]["steps"][2:5]
         assert all(i % CLASSES == label for step in worker["dali"]["steps"] for ids, labels in step
                    for i, label in zip(ids, labels))
@@ -150,8 +155,7 @@ def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("per_worker", [1, 2])
-def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny_dir, per_worker):
+def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny_dir):
     """`tfdp launch --workers=2` with data.decoder: dali: MultiWorkerMirroredStrategy's `fit`, each worker's DALI
     pipeline fed its own share; both workers end with the same weights (the all-reduce over DALI's batches). With
     2 replicas per worker, as on hosts of several GPUs, each worker deals its share to two DALI pipelines."""
@@ -159,10 +163,10 @@ def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny
                         "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
                         f"--data_dir={tiny_dir}", "--data_format=image_folder", f"--model_dir={tmp_path}/run",
                         "--epochs=2", "--set=schedule.warmup_epochs=0", "--set=data.decoder=dali",
-                        f"--set=distribute.cpu_replicas_per_worker={per_worker}",
-                        f"--batch_size_per_replica={32 // per_worker}", timeout=600)
+                        f"--set=distribute.cpu_replicas_per_worker={PER_WORKER}",
+                        f"--batch_size_per_replica={32 // PER_WORKER}", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
-    assert f"on {2 * per_worker} replica(s), global batch 64" in launched.stdout, launched.stdout[-3000:]
+    assert f"on {2 * PER_WORKER} replica(s), global batch 64" in launched.stdout, launched.stdout[-3000:]
     for worker in (0, 1):
         assert (f"[worker {worker}] tfdp: data: training and validation images decoded and cropped by DALI"
                 in launched.stdout), launched.stdout[-3000:]

@@ -20,12 +20,13 @@ from tfdp.errors import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 
-def assert_matches_two_replica_run(tmp_path, data_dir, rtol: float, atol: float) -> None:
-    """The weights in tmp_path/mw after epoch 4 equal a one-process 2-replica run's (global batch 64) on `data_dir`:
-    `tfdp train`, in this process (the 2 logical CPUs conftest splits) instead of a third `tfdp` process."""
+def assert_matches_two_replica_run(tmp_path, data_dir, rtol: float, atol: float, *extra: str) -> None:
+    """The weights in tmp_path/mw after epoch 4 equal a one-process 2-replica run's (global batch 64) on `data_dir`
+    with the flags `extra`: `tfdp train`, in this process (the 2 logical CPUs conftest splits) instead of a third
+    `tfdp` process."""
     from support.inprocess import train_in_process
     train_in_process(*FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
-                     "--batch_size_per_replica=32", *deterministic(data_dir))
+                     "--batch_size_per_replica=32", *deterministic(data_dir), *extra)
     ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")
     reference = layer_weights(tmp_path / "mirrored" / "checkpoints" / "epoch-0004" / "model.weights.h5")
     assert ours.keys() == reference.keys() and len(ours) >= 8
@@ -33,17 +34,23 @@ def assert_matches_two_replica_run(tmp_path, data_dir, rtol: float, atol: float)
         np.testing.assert_allclose(ours[name], reference[name], rtol=rtol, atol=atol, err_msg=name)
 
 
+# Fine-tuning's switch (tests/optim/test_finetune.py): the backbone frozen for epoch 1, a learning rate per layer.
+FREEZE_THEN_TRAIN = ["--set=train.freeze=[backbone]", "--set=train.freeze_epochs=1", "--set=optimizer.layer_decay=0.5"]
+
+
 def test_two_workers_of_two_replicas_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir):
     """2 workers of 2 replicas each with the whole step compiled by XLA (the update too) against Keras' own op-by-op
     step on 2 replicas of one process: the same weights to float tolerance, and identical on both workers. Each
     worker mirrors over 2 logical CPUs (`distribute.cpu_replicas_per_worker`), as a GPU host's worker over its
     cards: its input is dealt between its replicas and the all-reduce runs within each host and across them, 4
-    replicas of 16 images, the same global batch of 64. (Workers of one replica each against the same reference:
+    replicas of 16 images, the same global batch of 64. Both runs fine-tune as test_finetune.py's do, the backbone
+    frozen for epoch 1 and a learning rate per layer: the workers switch together, each to its second compiled
+    step. (Workers of one replica each against the same reference without the switch:
     tests/optim/test_accumulation.py, with 2 micro-batches.)"""
     launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
                         f"--model_dir={tmp_path}/mw", "--batch_size_per_replica=16",
                         "--set=distribute.cpu_replicas_per_worker=2", *deterministic(tiny_dir),
-                        "--set=train.jit_compile=true", timeout=600)
+                        "--set=train.jit_compile=true", *FREEZE_THEN_TRAIN, timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
     prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", launched.stdout))
     assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
@@ -56,9 +63,10 @@ def test_two_workers_of_two_replicas_match_each_other_and_a_two_replica_run(tmp_
     # The workers' console is a one-host run's, each line after its [worker i]: none from TensorFlow's loggers.
     assert tf_log_lines(launched.stdout + launched.stderr) == [], launched.stdout[-3000:]
     for i in (0, 1):
-        assert "tfdp: done: 4 epochs" in (tmp_path / "logs" / f"worker-{i}.log").read_text()
+        log = (tmp_path / "logs" / f"worker-{i}.log").read_text()
+        assert "tfdp: fine-tuning: every layer trains from epoch 2 on" in log and "tfdp: done: 4 epochs" in log, log
 
-    assert_matches_two_replica_run(tmp_path, tiny_dir, rtol=1e-3, atol=1e-4)
+    assert_matches_two_replica_run(tmp_path, tiny_dir, 1e-3, 1e-4, *FREEZE_THEN_TRAIN)
     # Only the chief wrote into model_dir; the other worker's temporary output is gone.
     assert [r["epoch"] for r in read_jsonl(tmp_path / "mw" / "metrics.jsonl")] == [1, 2, 3, 4]
     assert not [p for p in os.listdir("/tmp") if p.startswith("tfdp-worker1-")]

@@ -53,6 +53,8 @@ def op_determinism_restored():
 
 
 @pytest.mark.slow
+@pytest.mark.full(reason="52 CPU-s of ResNet-50 for an accuracy outcome; test_the_momentum_reaches_every_batch_norm_"
+                  "layer checks that every batch norm gets the default it depends on")
 def test_a_keras_applications_resnet50_from_scratch_validates_well_above_chance(tmp_path, op_determinism_restored):
     """Two epochs of 600 real photos (12 classes) at 32 px in batches of 32 (36 steps, what a 0.9 average needs to
     forget its initial values; 0.99 keeps 70 % of them), deterministic: three times chance at least. The same run

@@ -42,6 +42,8 @@ def top1(stdout: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.full(reason="48 CPU-s of three runs for an accuracy outcome; loading a run's best checkpoint and "
+                  "init_exclude are checked by tests/models/test_weights.py")
 def test_pretrained_on_0_to_4_beats_scratch_on_5_to_9_after_one_epoch(digits_dir, tmp_path):
     first = digit_subset(digits_dir, tmp_path / "d04", "01234")
     second = digit_subset(digits_dir, tmp_path / "d59", "56789")

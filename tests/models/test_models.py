@@ -108,8 +108,7 @@ ONE_PER_BUILDER = {
 
 # Representatives whose real 2-replica training is asserted elsewhere (AdamW steps on 2 replicas of
 # tfdp's strategy, the weights moved, finite and equal to 1 replica's): not stepped again here.
-TRAINED_ON_TWO_REPLICAS_IN = {"convnext_atto": "tests/models/test_transformer_runs.py",
-                              "vit_mini_patch4_small": "tests/models/test_transformer_runs.py",
+TRAINED_ON_TWO_REPLICAS_IN = {"vit_mini_patch4_small": "tests/models/test_transformer_runs.py",
                               # its builder, at the fixture's size (the same code with 3 small stages)
                               "swin_tiny_patch4_window7_224": "tests/models/test_swin.py",
                               # its builder (DINOv3's and EVA-02's) at the fixture's size, q/v biases and SwiGLU

@@ -281,8 +281,8 @@ def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_p
                         *deterministic(tiny_dir), "--set=train.jit_compile=true", timeout=600)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
     assert "tfdp: batch: global 64 = 16 per replica x 2 replica(s) x 2 accumulation step(s)" in launched.stdout
-    # The reference: test_multi_worker's one-process 2-replica run (`assert_matches_two_replica_run`), in this
-    # process (the 2 logical CPUs conftest splits) instead of a third `tfdp` process.
+    # The reference: test_multi_worker's one-process 2-replica run (`assert_matches_two_replica_run`, without its
+    # fine-tuning switch), in this process (the 2 logical CPUs conftest splits) instead of a third `tfdp` process.
     train_in_process(*FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
                      "--batch_size_per_replica=32", *deterministic(tiny_dir))
     ours = layer_weights(tmp_path / "mw" / "checkpoints" / "epoch-0004" / "model.weights.h5")

@@ -279,7 +279,8 @@ def test_fine_tuning_from_a_checkpoint_freezes_then_trains_everything(tmp_path, 
     """Pretrain 1 epoch; fine-tune 2 more with the backbone frozen for epoch 2: epoch 2 leaves the backbone
     and its batch-norm statistics bit-identical (the head moves); epoch 3 trains everything. Both runs in this
     process, with the flags `tfdp train` would get: the freeze switch is tested here, the process boundary
-    (kill -9, resume, two workers) below. On the 64 tiny digits: one step of 64 an epoch, which moves every
+    (kill -9 and resume) below, two workers switching together in
+    tests/distribute/test_multi_worker.py. On the 64 tiny digits: one step of 64 an epoch, which moves every
     weight and batch-norm statistic it trains as five would."""
     from support.inprocess import train_in_process
     run = tmp_path / "run"
@@ -346,23 +347,6 @@ def test_killed_before_and_after_the_switch_resumes_bit_identical(tmp_path, smal
     assert "layers frozen" not in final  # resumed past the switch: everything trains
     prints = lambda text: re.findall(r"weights fingerprint (\w+)", text)  # noqa: E731
     assert prints(final) == prints(clean) != []
-
-
-@pytest.mark.slow
-@pytest.mark.multiworker
-def test_two_workers_freeze_switch_and_agree(tmp_path, tiny_dir):
-    """2 workers (the 64 tiny digits: one global step an epoch), the backbone frozen for epoch 1: they switch
-    together and end with the same weights."""
-    launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--",
-                        *common_args(tiny_dir, tmp_path / "mw", 2), "--model=simple_cnn",
-                        "--set=train.jit_compile=true", "--set=train.freeze=[backbone]",
-                        "--set=train.freeze_epochs=1", "--set=optimizer.layer_decay=0.5", timeout=600)
-    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
-    prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", launched.stdout))
-    assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
-    for i in (0, 1):
-        log = (tmp_path / "logs" / f"worker-{i}.log").read_text()
-        assert "every layer trains from epoch 2 on" in log and "tfdp: done: 2 epochs" in log
 
 
 @pytest.mark.parametrize("extra, fragments", [

@@ -122,17 +122,20 @@ def fingerprint(stdout):
 
 @pytest.mark.slow
 def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_path, small_dir):
-    """kill -9 twice at random moments (during steps or checkpoint writes), resume each time; with random flips,
-    whose streams every resume continues. The killed runs are `tfdp` processes; the uninterrupted run and the
-    last resume, where the process boundary is not the point, are `tfdp train`'s function in this process."""
+    """kill -9 twice at random moments (during steps or checkpoint writes), resume each time; with random flips
+    and drop path (the layer every family's residual branches use, the ViTs' and ConvNeXts' too), whose streams
+    every resume continues, and AdamW's moments. The killed runs are `tfdp` processes; the uninterrupted run and
+    the last resume, where the process boundary is not the point, are `tfdp train`'s function in this process."""
     from support.inprocess import train_in_process
-    flipped = ["--set=data.hflip=true"]
-    _, clean_stdout = train_in_process(*demo_args(small_dir, tmp_path / "clean")[1:], *flipped)
+    stochastic = ["--set=data.hflip=true", "--set=model.drop_path=0.1", "--set=optimizer.name=adamw",
+               "--set=optimizer.lr=0.001", "--set=optimizer.weight_decay=0.05",
+               "--set=optimizer.decay_norm_and_bias=false"]
+    _, clean_stdout = train_in_process(*demo_args(small_dir, tmp_path / "clean")[1:], *stochastic)
     model_dir = tmp_path / "killed"
     rng = random.Random(7)
     resumed_steps = []
     for kill in range(2):
-        proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir), *flipped], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir), *stochastic], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         # Wait for this run's first new checkpoint, then kill after a random delay: mid-step or mid-write.
         before = set(checkpoint_dirs(model_dir))
@@ -144,7 +147,7 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
         out = proc.communicate()[0]
         if m := re.search(r"resuming at epoch (\d+) of 3(?:, step (\d+) of 5)?", out):
             resumed_steps.append((int(m.group(1)) - 1) * 5 + int(m.group(2) or 1) - 1)
-    _, final_stdout = train_in_process(*demo_args(small_dir, model_dir)[1:], *flipped)
+    _, final_stdout = train_in_process(*demo_args(small_dir, model_dir)[1:], *stochastic)
     assert "tfdp: resuming at epoch" in final_stdout and "random streams" not in final_stdout
     assert len(resumed_steps) == 1 and resumed_steps[0] > 0  # the second run went on from the first's checkpoint
     assert fingerprint(final_stdout) == fingerprint(clean_stdout) != []
@@ -160,7 +163,7 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
     # What training reported for the last epoch is what `tfdp evaluate` finds in its checkpoint (its command
     # function, in this process: the process boundary is not the point here).
     from support.inprocess import evaluate_in_process
-    _, evaluated = evaluate_in_process(*demo_args(small_dir, model_dir)[1:], *flipped,
+    _, evaluated = evaluate_in_process(*demo_args(small_dir, model_dir)[1:], *stochastic,
                                        checkpoint=f"{model_dir}/checkpoints/epoch-0003/model.weights.h5")
     assert f"loss {rows[-1]['val_loss']:.4f}, top1 {rows[-1]['val_top1']:.4f}" in evaluated
 
