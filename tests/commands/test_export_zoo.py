@@ -9,7 +9,8 @@ One model per family runs by default, ResNeXt (grouped convolutions) among
 them. EfficientNetV2-B0 and Inception-v3 (keras.applications, as MobileNetV2)
 run only with TFDP_FULL=1 (and are `slow`): MobileNetV2 takes the same
 converter paths (a keras.applications functional graph, batch norm, depthwise
-convolutions) in the default run. VGG is measured by benchmarks/export_memory.py
+convolutions) in the default run; so does ConvNeXt-atto, whose depthwise
+convolutions are MobileNetV2's and whose LayerNorm and GELU are the DeiT's. VGG is measured by benchmarks/export_memory.py
 (its export needs more memory than a test may take beside the suite's other
 processes), and EfficientNetV2-L too, without an agreement check: with random
 weights its activations grow to ~1e4 and the rounding differences of Keras' own
@@ -50,7 +51,10 @@ ZOO = [  # (registry name, image size): one per family
     ("resnext50_32x4d", 32),
     ("mobilenet_v2", 32),
     ("deit_tiny_distilled_patch16_224", 32),   # attention, LayerNorm, GELU, two classifier heads averaged
-    ("convnext_atto", 32),                     # depthwise 7x7 convolutions, LayerNorm, GELU, layer scale
+    # depthwise 7x7 convolutions, LayerNorm, GELU, layer scale: mobilenet_v2's and the DeiT's converter paths
+    pytest.param("convnext_atto", 32, marks=[pytest.mark.slow, pytest.mark.full(
+        reason="its converter paths are mobilenet_v2's (depthwise convolutions) and the DeiT's (LayerNorm, GELU) "
+               "in the default run")]),
     pytest.param("efficientnetv2_b0", 32, marks=[pytest.mark.slow, FULL_ZOO]),   # squeeze-excite, swish
     pytest.param("inception_v3", 75, marks=[pytest.mark.slow, FULL_ZOO]),        # concatenated branches
 ]

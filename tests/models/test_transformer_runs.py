@@ -4,7 +4,7 @@ The small ViT, `vit_mini_patch4_small` (4 blocks of width 64, 4 px patches) at 1
 off the norms, biases, position embedding and class token (`optimizer.decay_norm_and_bias: false`), as its
 recipes. Its LayerNorms, unlike batch norm, do not depend on how the batch is cut, nor do ConvNeXt's: timm's
 `convnext_atto` is stepped on 2 replicas by tests/models/test_models.py. A run killed with `kill -9` resumes bit
-for bit with drop path, the layer of every family's residual branches, and AdamW: tests/train/test_resume.py.
+for bit with drop path, the layer of every family's residual branches: tests/train/test_resume.py.
 """
 
 import numpy as np
