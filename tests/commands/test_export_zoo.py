@@ -5,13 +5,13 @@ conversion, not accuracy), at a small image size and 10 classes, saved as a
 checkpoint and exported by the real `tfdp export` in a fresh process, whose
 peak resident memory is read back (`ru_maxrss` of the finished child) and held
 to `tfdp.commands.export.export_memory_bound` for the model's weights (docs/export.md).
-One model per family runs by default, ResNeXt (grouped convolutions) among
-them. EfficientNetV2-B0 and Inception-v3 (keras.applications, as MobileNetV2)
-run only with TFDP_FULL=1 (and are `slow`): MobileNetV2 takes the same
-converter paths (a keras.applications functional graph, batch norm, depthwise
-convolutions) in the default run; so does ConvNeXt-atto, whose depthwise
-convolutions are MobileNetV2's and whose LayerNorm and GELU are the DeiT's. VGG is measured by benchmarks/export_memory.py
-(its export needs more memory than a test may take beside the suite's other
+One model per family: by default simple_cnn, SqueezeNet, ResNeXt (grouped
+convolutions), MobileNetV2 and the DeiT. Three more run only with TFDP_FULL=1
+(and are `slow`), their converter paths taken in the default run: EfficientNetV2-B0 and Inception-v3 take MobileNetV2's
+(a keras.applications functional graph, batch norm, depthwise convolutions),
+ConvNeXt-atto MobileNetV2's depthwise convolutions and the DeiT's LayerNorm and
+GELU. VGG is measured by benchmarks/export_memory.py (its export needs more
+memory than a test may take beside the suite's other
 processes), and EfficientNetV2-L too, without an agreement check: with random
 weights its activations grow to ~1e4 and the rounding differences of Keras' own
 eager and graph execution alone change its top-1 (no format can agree with that).

@@ -133,8 +133,8 @@ def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_p
     rng = random.Random(7)
     resumed_steps = []
     for kill in range(2):
-        proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir), *stochastic], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "tfdp", *demo_args(small_dir, model_dir), *stochastic],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         # Wait for this run's first new checkpoint, then kill after a random delay: mid-step or mid-write.
         before = set(checkpoint_dirs(model_dir))
         deadline = time.time() + 300
