@@ -272,6 +272,9 @@ def test_keras_own_gradient_accumulation_cannot_run_under_mirrored_strategy():
 
 @pytest.mark.slow
 @pytest.mark.multiworker
+@pytest.mark.full(reason="25 CPU-s of a cluster: accumulation's path on 2 replicas (micro-batches, one all-reduce, "
+                  "the XLA update) is the in-process CASES rows', and a cluster's fit with the XLA step is "
+                  "test_multi_worker.py's 2 workers x 2 replicas run")
 def test_two_workers_accumulating_train_as_two_replicas_on_the_whole_batch(tmp_path, tiny_dir):
     """2 workers (`tfdp launch`), whole-step XLA, 2 micro-batches of 16 per worker and step, against one process
     with 2 replicas of 32 and Keras' own step: the same weights after 4 steps (rtol 1e-4, atol 1e-5)."""

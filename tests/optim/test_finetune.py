@@ -325,6 +325,9 @@ def kill_after(args, model_dir, checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.full(reason="51 CPU-s of four runs: a resume into the frozen phase is the fine-tuning-from-a-checkpoint "
+                  "run's, a resume mid-epoch test_split_puts_the_switch_between_two_fits', and kill -9 at random "
+                  "steps test_resume.py's")
 def test_killed_before_and_after_the_switch_resumes_bit_identical(tmp_path, small_dir):
     """Epoch 1 frozen (stem, stage1, stage2), epoch 2 trains everything, 5 steps an epoch, a step checkpoint every
     2: killed (-9) at step 2, in the frozen phase, then, resumed, at step 6, after the switch; the run resumed
