@@ -31,7 +31,8 @@ flags.DEFINE_integer("cpu_replicas", None, "Override distribute.cpu_replicas: lo
 flags.DEFINE_string("model", None, "Override model.name (a registry name, see tfdp/models).")
 flags.DEFINE_string("init_from", None, "Override model.init_from: imagenet, a run directory, a checkpoint folder, a "
                     ".keras, .weights.h5 or .safetensors file or a keras-hub preset folder to start a fresh run from "
-                    "(local, or gs://... / s3://..., copied into data.cache_dir first).")
+                    "(local, or gs://... / s3://..., copied into data.cache_dir first), or a Hugging Face Hub "
+                    "repository (hf-hub:timm/NAME, hf://ORG/NAME; fetched into its cache first).")
 flags.DEFINE_string("data_dir", None, "Override data.dir.")
 flags.DEFINE_string("data_format", None, "Override data.format (a registry name, see tfdp/data).")
 flags.DEFINE_integer("workers", 2, "launch: number of worker processes to start on this host.")
@@ -109,14 +110,27 @@ def config_and_runtime(args: list[str], training: bool = False):
 
 
 def with_local_init_from(cfg: config_lib.Config) -> config_lib.Config:
-    """`model.init_from` in a bucket: what it holds copied into data.cache_dir (`tfdp.rundir.init_from`), and the
-    config resolved again from the copy, so the weights' own preprocessing applies as from a local path."""
+    """`model.init_from` on the Hugging Face Hub (fetched into its cache, `tfdp.rundir.hub`) or in a bucket (copied
+    into data.cache_dir, `tfdp.rundir.init_from`), and the config resolved again from the local copy, so the
+    weights' own preprocessing applies as from a local path. A run that resumes reads neither (its checkpoints
+    hold the weights, its config.yaml the preprocessing), so it fetches nothing: a host without a network resumes."""
     from tfdp.data.storage import is_remote_url
-    if not is_remote_url(cfg.model.init_from):
+    from tfdp.rundir import hub
+    from tfdp.rundir.init_from import local_copy, resumes
+    spec = cfg.model.init_from
+    if resumes(cfg.model_dir):
         return cfg
-    from tfdp.rundir.init_from import local_copy
-    local = local_copy(cfg.model.init_from, cfg.data.cache_dir, "model.init_from")
-    say(f"tfdp: init_from: {cfg.model.init_from} copied to {local}")
+    if hub.is_handle(spec):
+        say(f"tfdp: init_from: fetching {spec} from the Hugging Face Hub, or its cache")
+        local = hub.local_copy(spec, "model.init_from")
+        say(f"tfdp: init_from: {spec} is {local}")
+    elif hub.is_refused_handle(spec):
+        raise UserError(hub.refusal(spec, "model.init_from"))
+    elif is_remote_url(spec):
+        local = local_copy(spec, cfg.data.cache_dir, "model.init_from")
+        say(f"tfdp: init_from: {spec} copied to {local}")
+    else:
+        return cfg
     return config_lib.load_config(FLAGS.config, {**overrides_from_flags(), "model.init_from": local})
 
 

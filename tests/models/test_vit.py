@@ -385,7 +385,11 @@ def test_keras_hub_presets_without_weights_or_task_or_local_copy_are_one_line(tm
                     "data": {"image_size": 16}})
     loaded, new = load_into(build_model(cfg.model, cfg.data), read_source(str(bare), cfg.model, cfg.data), cfg.model)
     assert new == ["head (init_exclude)"] and len(loaded) == 4 * 6 + 4
-    for handle in ("kaggle://keras/vit/keras/vit_base_patch16_224_imagenet/4", "hf://google/vit"):
+    # Handles reach the readers only as the local files `tfdp train` fetched (tests/rundir/test_hub.py)
+    for handle, said in (("kaggle://keras/vit/keras/vit_base_patch16_224_imagenet/4", "is a keras-hub preset handle "
+                          "on Kaggle, which tfdp does not fetch from"),
+                         ("hf://google/vit", "the weights' readers take a local path"),
+                         ("hf-hub:timm/vit_small_patch16_224.augreg_in21k", "the weights' readers take a local path")):
         with pytest.raises(UserError) as error:
             read_source(handle, cfg.model, cfg.data)
-        one_line(error, f"{handle} is a keras-hub preset handle", "download it to a folder first")
+        one_line(error, f"{handle}", said)

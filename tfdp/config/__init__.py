@@ -151,8 +151,9 @@ class ModelConfig:
     # Weights a fresh run starts from (a resumed run continues from its own checkpoint): imagenet (Keras' own
     # files, keras.applications models), a tfdp run directory, a checkpoint folder, a .keras or .weights.h5
     # file, a torchvision/timm .safetensors state dict, or a keras-hub preset folder (ViT, ResNet); local or in a
-    # bucket (gs://, s3://: `tfdp train` copies it into data.cache_dir first); see docs/pretrained-weights.md.
-    # "": random init.
+    # bucket (gs://, s3://: `tfdp train` copies it into data.cache_dir first); or a Hugging Face Hub repository
+    # (hf-hub:timm/NAME, hf://ORG/NAME, @REVISION optional: fetched into the Hub's cache first); see
+    # docs/pretrained-weights.md. "": random init.
     init_from: Str = ""
     # fnmatch patterns over layer names and layer/variable paths (e.g. "logits", "stage4_*", "*/bias") that
     # model.init_from leaves as initialised.

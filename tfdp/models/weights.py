@@ -18,6 +18,10 @@ values in Keras' variable order), by the reader its kind names in `SOURCES`;
 - a keras-hub preset folder (what `save_to_preset` writes: config.json,
   model.weights.h5, and for a task its head in task.weights.h5) for the
   families that register a reader of its backbone class (`KERAS_HUB_LAYOUTS`).
+- a Hugging Face Hub repository (`hf-hub:timm/NAME`, `hf://ORG/NAME`) is read
+  as the timm file or keras-hub preset folder it holds, once `tfdp train` has
+  fetched it into the Hub's cache (`tfdp.rundir.hub`), as a bucket's weights
+  are copied into data.cache_dir (`tfdp.rundir.init_from`).
 
 Every layer of the model must find its weights, with the same shapes, and every
 tensor of the source must find its layer, so a file of another architecture
@@ -53,6 +57,7 @@ import h5py
 import keras
 import numpy as np
 
+from tfdp.rundir import hub
 from tfdp.rundir.checkpoints import STATE, WEIGHTS, CheckpointStore
 from tfdp.config import pretrained
 from tfdp.config import DataConfig, ModelConfig
@@ -548,19 +553,14 @@ SOURCES: dict[str, Source] = {
     "keras_hub": Source("a keras-hub preset folder", is_keras_hub_preset,
                         lambda spec, model_cfg, _: read_keras_hub_preset(spec, model_cfg)),
 }
-# the handles keras-hub's from_preset downloads from
-PRESET_HANDLES = ("kaggle://", "hf://")
-
-
 def read_source(spec: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
     """The weights `spec` names, read by the first kind of source that matches it."""
-    if spec.startswith(PRESET_HANDLES):
-        raise UserError(f"model.init_from: {spec} is a keras-hub preset handle, and tfdp reads local files only: "
-                        f"download it to a folder first (on a machine with network: keras_hub.models."
-                        f"ImageClassifier.from_preset('{spec}').save_to_preset(DIR)) and give that folder")
-    if "://" in spec:
+    if hub.is_refused_handle(spec):
+        raise UserError(hub.refusal(spec, "model.init_from"))
+    if "://" in spec or hub.is_handle(spec):
         raise UserError(f"model.init_from: {spec}: the weights' readers take a local path (`tfdp train` copies a "
-                        f"bucket's weights into data.cache_dir first: tfdp.rundir.init_from)")
+                        f"bucket's weights into data.cache_dir, and fetches a Hugging Face Hub repository into its "
+                        f"cache, first: tfdp.rundir)")
     path = os.path.expanduser(spec)
     for source in SOURCES.values():
         if source.matches(path):

@@ -17,14 +17,16 @@ copy, before TensorFlow starts:
 
 With an object or a checkpoint folder of a tfdp run, the run's `config.yaml`
 comes too, so the weights' preprocessing reaches the config as it does from a
-local run. Every start copies afresh (a run's best checkpoint changes at the
-same size as the run goes on), each file replacing its old copy in one
+local run. Every fresh start copies afresh (a run's best checkpoint changes at
+the same size as the run goes on), each file replacing its old copy in one
 rename: a reader, another worker of the host included, never meets half a
-file.
+file. A run that resumes (`resumes`) copies nothing: its own checkpoint holds
+the weights.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
 
 from tfdp.data import storage
@@ -56,6 +58,17 @@ def local_copy(url: str, cache_dir: str, what: str = "model.init_from") -> str:
     wanted += run_config_above(fs, path)
     storage.localize([fs.unstrip_protocol(p) for p in wanted], cache_dir, fresh=True)
     return storage.cache_paths([fs.unstrip_protocol(path)], cache_dir)[0]
+
+
+def resumes(model_dir: str) -> bool:
+    """A local `model_dir` holding a complete checkpoint (a folder with its state.json, `tfdp.rundir.checkpoints`;
+    a killed write's `.tmp-*` is none): `tfdp train` there continues from it and reads no `model.init_from`, so
+    there is nothing to copy or fetch."""
+    checkpoints = os.path.join(os.path.expanduser(model_dir), "checkpoints")
+    if "://" in model_dir or not os.path.isdir(checkpoints):
+        return False
+    return any(not name.startswith(".") and os.path.isfile(os.path.join(checkpoints, name, "state.json"))
+               for name in os.listdir(checkpoints))
 
 
 def is_run(fs, path: str) -> bool:
