@@ -95,15 +95,19 @@ def test_a_run_starts_from_a_timm_repository_and_its_pretrained_cfg(hub, tiny_di
 
 def test_a_keras_hub_preset_is_fetched_whole_and_a_moved_branch_is_followed(hub):
     """`hf://ORG/NAME`: a repository whose config.json names a keras-hub class comes as the preset folder, byte for
-    byte, and configures the run as the folder on disk does. When main moves, the next fetch takes the new commit;
-    `@COMMIT` keeps the old one, from the cache."""
+    byte, and configures the run as the folder on disk does; three processes fetching it at once into one empty
+    cache (a host's workers starting together) all get it whole. When main moves, the next fetch takes the new
+    commit; `@COMMIT` keeps the old one, from the cache."""
     from tfdp.config import validate
     env, preset = hub.env, os.path.join(FIXTURES, "vit_kerashub_mini")
     first = hub.repos[PRESET_REPO][-1][0]
-    fetched = fetch(f"hf://{PRESET_REPO}", env)
-    assert fetched.returncode == 0, fetched.stderr[-2000:]
-    folder = fetched.stdout.strip()
-    assert folder == snapshot(env, PRESET_REPO, first)
+    code = f"from tfdp.rundir.hub import local_copy; print(local_copy('hf://{PRESET_REPO}'))"
+    together = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env={**os.environ, **env}) for _ in range(3)]
+    outputs = [process.communicate(timeout=120) for process in together]
+    assert [process.returncode for process in together] == [0, 0, 0], [err[-2000:] for _, err in outputs]
+    assert {out.strip() for out, _ in outputs} == {snapshot(env, PRESET_REPO, first)}
+    folder = snapshot(env, PRESET_REPO, first)
     assert sorted(os.listdir(folder)) == sorted(os.listdir(preset))
     for name in os.listdir(preset):
         assert open(os.path.join(folder, name), "rb").read() == open(os.path.join(preset, name), "rb").read(), name
