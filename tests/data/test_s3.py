@@ -77,6 +77,35 @@ def test_raw_tree_in_s3_lists_like_the_local_one(local, remote):
                 == truth_labels(local["truth"], split))
 
 
+def test_a_labels_file_in_s3_lists_its_images_as_the_tree_does_and_they_read(local, remote, tmp_path):
+    """data.format csv in the bucket: a train.csv beside the raw tree, naming its images in their sub-folders, lists
+    them as s3:// URLs with the tree's labels (the same synset order); the images' folders are listed, not each
+    image looked up; the pipeline reads them; one not there is one line."""
+    fs = remote["fs"]
+    tree = build_source(DataConfig(format="imagenet", dir=remote["raw"])).split("train")
+    prefix = remote["raw"].rstrip("/") + "/"
+    rows = "".join(f"{f[len(prefix):]},{posixpath.basename(posixpath.dirname(f))}\n" for f in tree.files)
+    data = f"{remote['raw']}/labelled-{tmp_path.name}"
+    fs.pipe_file(f"{data}/train.csv", ("image,label\n" + rows.replace("train/", "../train/")).encode())
+    with pytest.raises(UserError, match="is not a path inside the data directory"):
+        build_source(DataConfig(format="csv", dir=data), splits=("train",))
+    fs.pipe_file(f"{remote['raw']}/train.csv", ("image,label\n" + rows).encode())
+    fs.invalidate_cache()
+    listed = build_source(DataConfig(format="csv", dir=remote["raw"]), splits=("train",)).split("train")
+    assert listed.files == tree.files and listed.labels == tree.labels
+    assert all(f.startswith("s3://") for f in listed.files)
+    cfg = DataConfig(format="csv", dir=remote["raw"], cache_dir=str(tmp_path / "cache"), image_size=32)
+    labels = [int(label) for _, batch_labels, weights in eval_dataset(listed, cfg, 4, num_classes=CLASSES)
+              for label, w in zip(batch_labels.numpy(), weights.numpy()) if w > 0]
+    assert sorted(labels) == sorted(tree.labels)
+    fs.pipe_file(f"{remote['raw']}/train.csv", ("image,label\n" + rows + "train/n0/gone.JPEG,n0\n").encode())
+    fs.invalidate_cache()
+    with pytest.raises(UserError, match=rf"1 of its {len(tree.files) + 1} images are not in {remote['raw']} "
+                                        rf"\(first: train/n0/gone.JPEG, line {len(tree.files) + 2}\)"):
+        build_source(DataConfig(format="csv", dir=remote["raw"]), splits=("train",))
+    fs.rm(f"{remote['raw']}/train.csv")
+
+
 def test_converter_writes_the_same_shards_into_the_bucket(local, remote):
     fs = remote["fs"]
     names = sorted(n for n in os.listdir(local["shards"]) if not n.startswith("."))

@@ -24,6 +24,12 @@ def _image_folder(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     return image_folder(cfg.dir, splits)
 
 
+def _csv(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
+    """Images listed with their labels in `<split>.csv` files; classes from training's and validation's labels."""
+    from tfdp.data.layouts.csv_labels import csv_source
+    return csv_source(cfg.dir, splits, (cfg.train_split, cfg.val_split))
+
+
 def _imagenet(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     from tfdp.data.layouts.imagenet import imagenet_tree
     return imagenet_tree(cfg.dir, splits)
@@ -56,6 +62,7 @@ def synthetic_split(name: str, examples: int, parts: int = 1024) -> Split:
 SOURCES: dict[str, Callable[[DataConfig, tuple[str, ...]], Source]] = {
     "digits": _digits,
     "image_folder": _image_folder,
+    "csv": _csv,
     "imagenet": _imagenet,
     "tfrecord": _tfrecord,
     "tfds": _tfds,

@@ -1,0 +1,133 @@
+"""`data.format: csv`: images listed with their labels in `DIR/<split>.csv`. The real digits' JPEGs, flattened into
+one folder and listed in labels files, give each image the label the class folders give it; a run trains on them;
+every bad labels file is one line."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import shutil
+
+import pytest
+
+from conftest import assert_one_line_error, run_tfdp
+from tfdp.config import DataConfig
+from tfdp.data import build_source
+from tfdp.errors import UserError
+
+
+def write_csv(path, header, rows, encoding="utf-8"):
+    with open(path, "w", newline="", encoding=encoding) as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def csv_dataset(tiny_dir: str, root, label=lambda cls: f"digit_{cls}", header=("file_name", "label")) -> str:
+    """tiny_dir's images in one folder, `root/images/`, listed in train.csv and val.csv (with Excel's byte-order
+    mark and an extra column, as spreadsheets write them)."""
+    os.makedirs(root / "images")
+    for split in ("train", "val"):
+        rows = []
+        for cls in sorted(os.listdir(os.path.join(tiny_dir, split))):
+            for name in sorted(os.listdir(os.path.join(tiny_dir, split, cls))):
+                shutil.copy(os.path.join(tiny_dir, split, cls, name), root / "images" / f"{split}-{cls}-{name}")
+                rows.append((f"images/{split}-{cls}-{name}", label(cls), "a note"))
+        write_csv(root / f"{split}.csv", (*header, "notes"), rows, encoding="utf-8-sig")
+    return str(root)
+
+
+def by_content(source, split: str) -> dict[str, int]:
+    """sha1 of each listed image's bytes → its label."""
+    listed = source.split(split)
+    return {hashlib.sha1(open(f, "rb").read()).hexdigest(): label for f, label in zip(listed.files, listed.labels)}
+
+
+def test_labels_files_list_the_images_as_their_class_folders_do(tiny_dir, tmp_path):
+    """Names sorted (digit_0 … digit_9: the folders' order), as numbers where every label is an integer (0, 5, 10,
+    … 45: not '10' before '5'), or in classes.txt's order; a command that lists validation alone (evaluate) gets
+    training's classes too."""
+    folders = build_source(DataConfig(format="image_folder", dir=tiny_dir))
+    named = build_source(DataConfig(format="csv", dir=csv_dataset(tiny_dir, tmp_path / "named")))
+    assert named.class_names == tuple(f"digit_{c}" for c in folders.class_names)
+    for split in ("train", "val"):
+        assert by_content(named, split) == by_content(folders, split)
+        assert named.split(split).num_examples == folders.split(split).num_examples
+
+    numbers = csv_dataset(tiny_dir, tmp_path / "numbers", label=lambda cls: str(5 * int(cls)),
+                          header=("image", "class"))
+    source = build_source(DataConfig(format="csv", dir=numbers))
+    assert source.class_names == tuple(str(5 * i) for i in range(10))
+    assert by_content(source, "train") == by_content(folders, "train")
+
+    (tmp_path / "numbers" / "classes.txt").write_text("".join(f"{5 * i}\n" for i in reversed(range(10))))
+    reversed_order = build_source(DataConfig(format="csv", dir=numbers))
+    assert {k: 9 - v for k, v in by_content(reversed_order, "val").items()} == by_content(folders, "val")
+    os.remove(tmp_path / "numbers" / "classes.txt")
+
+    rows = list(csv.reader(open(tmp_path / "numbers" / "val.csv", encoding="utf-8-sig")))
+    write_csv(tmp_path / "numbers" / "val.csv", rows[0], [r for r in rows[1:] if r[1] != "45"])  # no 9s to evaluate
+    alone = build_source(DataConfig(format="csv", dir=numbers), splits=("val",))
+    assert alone.class_names == source.class_names and set(alone.splits) == {"val"}
+    assert 9 not in alone.split("val").labels
+
+
+def test_a_run_trains_and_evaluates_from_labels_files(tiny_dir, tmp_path):
+    """Through the command line: the images listed, trained on 2 replicas, evaluated."""
+    data = csv_dataset(tiny_dir, tmp_path / "data")
+    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
+                      "--data_format=csv", f"--data_dir={data}", f"--model_dir={tmp_path / 'run'}", "--epochs=1",
+                      "--set=schedule.warmup_epochs=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tfdp: data: 64 train / 40 val images, 10 classes" in result.stdout, result.stdout
+    assert "tfdp: done: 1 epochs, validation top-1" in result.stdout
+
+
+def test_every_bad_labels_file_is_one_line(tiny_dir, tmp_path):
+    data = tmp_path / "data"
+    csv_dataset(tiny_dir, data)
+    train = list(csv.reader(open(data / "train.csv", encoding="utf-8-sig")))
+    header, rows = train[0], train[1:]
+
+    def refused(*fragments, header=header, rows=rows, raw=None, splits=None):
+        if raw is not None:
+            (data / "train.csv").write_bytes(raw)
+        else:
+            write_csv(data / "train.csv", header, rows)
+        with pytest.raises(UserError) as error:
+            build_source(DataConfig(format="csv", dir=str(data)), splits=splits)
+        text = str(error.value)
+        assert "\n" not in text and all(f in text for f in fragments), text
+
+    where = f"{data}/train.csv"
+    refused(f"{where}: its header (file_name,notes) must name one label column (label, class, category); it has none",
+            header=("file_name", "notes"), rows=[(r[0], r[2]) for r in rows])
+    refused("must name one label column (label, class, category); it has label and class",
+            header=(*header, "class"), rows=[(*r, "x") for r in rows])
+    refused(f"{where}, line 3: no label", rows=[rows[0], (rows[1][0], " ", "")] + rows[2:])
+    refused(f"{where}, line 2: image '../escape.jpg' is not a path inside the data directory",
+            rows=[("../escape.jpg", "digit_0", "")] + rows[1:])
+    refused(f"{where}, line 2: image 's3://elsewhere/x.jpg' is not a path inside",
+            rows=[("s3://elsewhere/x.jpg", "digit_0", "")] + rows[1:])
+    refused(f"{where}, line 4: images/notes.txt is not an image TensorFlow decodes",
+            rows=rows[:2] + [("images/notes.txt", "digit_0", "")] + rows[3:])
+    refused(f"{where}, line 5: 1 field(s), where the header has 3", rows=rows[:3] + [(rows[3][0],)] + rows[4:])
+    refused(f"{where}: 2 of its 66 images are not in {data} (first: images/gone.jpg, line 3)",
+            rows=[rows[0], ("images/gone.jpg", "digit_1", ""), *rows[1:], ("nowhere/x.png", "digit_2", "")])
+    refused(f"{where} lists no images", rows=[])
+    refused(f"{where} is not UTF-8 text", raw=b"file_name,label\n\xff\xfe\x00bad,1\n")
+    write_csv(data / "train.csv", header, rows)
+    (data / "classes.txt").write_text("digit_0\ndigit_1\n")
+    refused(f"{data}/classes.txt lacks 8 label(s) the csv files use (first: digit_2)")
+    (data / "classes.txt").write_text("digit_0\ndigit_0\n")
+    refused(f"{data}/classes.txt names digit_0 more than once")
+    os.remove(data / "classes.txt")
+    os.remove(data / "val.csv")
+    refused(f"data.format csv: no val.csv in {data}")
+    assert build_source(DataConfig(format="csv", dir=str(data)), splits=("train",)).split("train").num_examples == 64
+
+    # through the command line: the same line, exit 2, before TensorFlow loads
+    result = run_tfdp("train", "--config=configs/digits.yaml", "--data_format=csv", f"--data_dir={data}",
+                      f"--model_dir={tmp_path / 'run'}")
+    assert_one_line_error(result, 2, f"data.format csv: no val.csv in {data}")

@@ -1,0 +1,141 @@
+"""Images listed in a labels file: `data.format: csv`.
+
+The layout of most datasets that are not class folders (a Kaggle competition's `train.csv`, Hugging Face's
+`imagefolder` with its `metadata.csv`, a labelling tool's export): `DIR/<split>.csv` for each split, whose header
+names the image column (`file_name`, `image`, `filename`, `path` or `file`) and the label column (`label`, `class`,
+`category`); other columns are left alone. Image paths are relative to `DIR` (`images/0001.jpg`), in a bucket too.
+
+Labels are class names. They index the sorted names (in number order where every name is an integer, so labels
+0..N-1 keep their numbers) of every label in the training and validation files, both read whichever split a command
+lists, so a run and its evaluation give each index one meaning; a `classes.txt` in `DIR` (one name per line) fixes
+the order instead, and must hold every label. Every image listed must be there: `DIR`'s folders are listed once
+(a bucket's concurrently), and one line names the first image missing and how many are. So does one line for a
+row without a label, a path that leaves `DIR`, or an image TensorFlow does not decode.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import csv
+import io
+import posixpath
+
+from tfdp.data.layouts import (IMAGE_PATTERNS, LISTING_THREADS, Source, Split, folder_entries, is_image_file,
+                               read_text)
+from tfdp.data.storage import filesystem, is_remote, url
+from tfdp.errors import UserError
+
+IMAGE_COLUMNS = ("file_name", "image", "filename", "path", "file")
+LABEL_COLUMNS = ("label", "class", "category")
+CLASSES = "classes.txt"
+
+
+def csv_source(root: str, split_names: tuple[str, ...], labelled_splits: tuple[str, ...]) -> Source:
+    """`root/<split>.csv` for each of `split_names`; the class list from `classes.txt`, or from the labels of
+    `labelled_splits` (training's and validation's) wherever their files exist."""
+    fs, path = filesystem(root)
+    if not fs.isdir(path):
+        raise UserError(f"data directory not found: {url(fs, path)}")
+    rows = {name: read_rows(fs, path, name) for name in dict.fromkeys((*split_names, *labelled_splits))
+            if name in split_names or fs.isfile(posixpath.join(path, f"{name}.csv"))}
+    classes = class_list(fs, path, rows)
+    index = {name: i for i, name in enumerate(classes)}
+    splits = {}
+    for name in split_names:
+        files = [posixpath.join(path, image) for image, _, _ in rows[name]]
+        check_present(fs, path, name, files, [line for _, _, line in rows[name]])
+        splits[name] = Split(name=name, files=tuple(url(fs, f) for f in files),
+                             labels=tuple(index[label] for _, label, _ in rows[name]))
+    return Source(class_names=classes, splits=splits)
+
+
+def read_rows(fs, root: str, split: str) -> list[tuple[str, str, int]]:
+    """(image path relative to root, label, line number) of every row of `root/<split>.csv`."""
+    where = url(fs, posixpath.join(root, f"{split}.csv"))
+    if not fs.isfile(posixpath.join(root, f"{split}.csv")):
+        raise UserError(f"data.format csv: no {split}.csv in {url(fs, root)} (a labels file per split: "
+                        f"{split}.csv with a header naming its image and label columns)")
+    reader = csv.reader(io.StringIO(read_text(fs, posixpath.join(root, f"{split}.csv")).lstrip("\ufeff")))
+    header = [name.strip().lower() for name in next(reader, [])]
+    image_col, label_col = (_column(header, names, what, where) for names, what in
+                            ((IMAGE_COLUMNS, "image"), (LABEL_COLUMNS, "label")))
+    rows = []
+    for line, row in enumerate(reader, start=2):
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) <= max(image_col, label_col):
+            raise UserError(f"{where}, line {line}: {len(row)} field(s), where the header has {len(header)}")
+        image, label = row[image_col].strip(), row[label_col].strip()
+        rows.append((_relative(image, where, line), _label(label, where, line), line))
+    if not rows:
+        raise UserError(f"{where} lists no images")
+    return rows
+
+
+def _column(header: list[str], names: tuple[str, ...], what: str, where: str) -> int:
+    found = [name for name in names if name in header]
+    if len(found) != 1:
+        how = f"has {' and '.join(found)}" if found else "has none"
+        raise UserError(f"{where}: its header ({','.join(header) or 'empty'}) must name one {what} column "
+                        f"({', '.join(names)}); it {how}")
+    return header.index(found[0])
+
+
+def _relative(image: str, where: str, line: int) -> str:
+    """The image's path under the data directory, normalised; one that leaves it, or no image, is one line."""
+    path = posixpath.normpath(image.replace("\\", "/")) if image else ""
+    if not path or path.startswith(("/", "../")) or path == ".." or "://" in image:
+        raise UserError(f"{where}, line {line}: image '{image}' is not a path inside the data directory "
+                        f"(paths are relative to it)")
+    if not is_image_file(path):
+        raise UserError(f"{where}, line {line}: {image} is not an image TensorFlow decodes ({IMAGE_PATTERNS})")
+    return path
+
+
+def _label(label: str, where: str, line: int) -> str:
+    if not label:
+        raise UserError(f"{where}, line {line}: no label")
+    return label
+
+
+def class_list(fs, root: str, rows: dict[str, list[tuple[str, str, int]]]) -> tuple[str, ...]:
+    """classes.txt's names in its order, or every label's, sorted (as numbers where all are integers)."""
+    labels = {label for split in rows.values() for _, label, _ in split}
+    classes_file = posixpath.join(root, CLASSES)
+    if fs.isfile(classes_file):
+        classes = tuple(name.strip() for name in read_text(fs, classes_file).splitlines() if name.strip())
+        duplicated = sorted({name for name in classes if classes.count(name) > 1})
+        if duplicated:
+            raise UserError(f"{url(fs, classes_file)} names {duplicated[0]} more than once")
+        unknown = sorted(labels - set(classes))
+        if unknown:
+            raise UserError(f"{url(fs, classes_file)} lacks {len(unknown)} label(s) the csv files use "
+                            f"(first: {unknown[0]})")
+        return classes
+    numeric = all(label.lstrip("-").isdigit() for label in labels)
+    return tuple(sorted(labels, key=int if numeric else None))
+
+
+def check_present(fs, root: str, split: str, files: list[str], lines: list[int]) -> None:
+    """Every listed image is in its folder: one listing per folder (concurrent in a bucket), not one look per
+    image."""
+    folders = sorted({posixpath.dirname(f) for f in files})
+    lister = lambda folder: (folder, _names(fs, folder))  # noqa: E731
+    if is_remote(fs):
+        with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS) as pool:
+            present = dict(pool.map(lister, folders))
+    else:
+        present = dict(map(lister, folders))
+    missing = [(f, line) for f, line in zip(files, lines) if posixpath.basename(f) not in present[posixpath.dirname(f)]]
+    if missing:
+        first, line = missing[0]
+        raise UserError(f"{url(fs, posixpath.join(root, f'{split}.csv'))}: {len(missing)} of its {len(files)} "
+                        f"images are not in {url(fs, root)} (first: {posixpath.relpath(first, root)}, line {line})")
+
+
+def _names(fs, folder: str) -> set[str]:
+    """The names of the files in `folder` (none where it is not a folder)."""
+    try:
+        return {posixpath.basename(path) for path, is_dir in folder_entries(fs, folder) if not is_dir}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
