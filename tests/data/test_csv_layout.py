@@ -73,6 +73,29 @@ def test_labels_files_list_the_images_as_their_class_folders_do(tiny_dir, tmp_pa
     assert 9 not in alone.split("val").labels
 
 
+def test_the_converter_turns_labels_files_into_shards_with_the_same_labels(tiny_dir, tmp_path):
+    """`python -m pipelines.convert_imagenet --format=csv`: the shards hold every listed image once, under the label
+    and class name the csv listing gives it, class names with spaces and classes.txt's order (not sorted) kept."""
+    import tensorflow as tf
+    from pipelines.convert_imagenet import convert
+    data = csv_dataset(tiny_dir, tmp_path / "data", label=lambda cls: f"digit {cls}")
+    (tmp_path / "data" / "classes.txt").write_text("".join(f"digit {c}\n" for c in (3, 1, 4, 0, 5, 9, 2, 6, 8, 7)))
+    convert(data, str(tmp_path / "shards"), data_format="csv", train_shards=2, val_shards=1, workers=1,
+            progress=False)
+    listed = build_source(DataConfig(format="csv", dir=data))
+    shards = build_source(DataConfig(format="tfrecord", dir=str(tmp_path / "shards")))
+    assert shards.class_names == listed.class_names
+    for split in ("train", "val"):
+        stored = {}
+        for record in tf.data.TFRecordDataset(list(shards.split(split).files)):
+            example = tf.train.Example.FromString(record.numpy()).features.feature
+            stored[hashlib.sha1(example["image/encoded"].bytes_list.value[0]).hexdigest()] = (
+                example["image/class/label"].int64_list.value[0] - 1,
+                example["image/class/synset"].bytes_list.value[0].decode())
+        assert stored == {digest: (label, listed.class_names[label])
+                          for digest, label in by_content(listed, split).items()}
+
+
 def test_a_run_trains_and_evaluates_from_labels_files(tiny_dir, tmp_path):
     """Through the command line: the images listed, trained on 2 replicas, evaluated."""
     data = csv_dataset(tiny_dir, tmp_path / "data")

@@ -77,13 +77,20 @@ def _readable_count(path: str, expected: int) -> int:
 
 
 def read_synsets(fs, root: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(synset ids in label order, their names) from the first synset file found, else empty."""
+    """(synset ids in label order, their names) from the first synset file found, else empty.
+
+    The file's order is the label order: the converter writes its classes so (a labels file's classes need not be
+    in sorted order: `data.format: csv` orders numbers as numbers, or by its classes.txt), and ImageNet's own lists
+    are already sorted, as its labels are."""
     for name in SYNSET_FILES:
         path = posixpath.join(root, name)
         if fs.exists(path):
-            rows = [line.split(None, 1) for line in read_text(fs, path).splitlines() if line.strip()]
-            entries = sorted((row[0], row[1].strip() if len(row) > 1 else row[0]) for row in rows)
-            return tuple(e[0] for e in entries), tuple(e[1] for e in entries)
+            # the converter's "id<TAB>name" (an id may hold spaces: a labels file's class names), or ImageNet's
+            # "n01440764 tench, Tinca tinca"
+            rows = [line.split("\t", 1) if "\t" in line else line.split(None, 1)
+                    for line in read_text(fs, path).splitlines() if line.strip()]
+            return (tuple(row[0].strip() for row in rows),
+                    tuple(row[1].strip() if len(row) > 1 else row[0].strip() for row in rows))
     return (), ()
 
 
