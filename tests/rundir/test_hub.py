@@ -162,6 +162,7 @@ def test_what_stops_a_fetch_is_one_line(hub, tmp_path):
         result = run_tfdp("train", "--config=configs/digits.yaml", f"--model_dir={tmp_path / 'run'}",
                           f"--init_from={handle}", env_extra=env, timeout=120)
         assert expected in assert_one_line_error(result, 2), handle
+        assert result.stderr.count("\n") == 1, result.stderr   # huggingface_hub's retries say nothing of their own
         assert "tfdp: init_from: hf" not in result.stdout.replace("tfdp: init_from: fetching", "")
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
     with_token = fetch("hf-hub:timm/gated", {**hub.env, "HF_TOKEN": "hf_secret"})

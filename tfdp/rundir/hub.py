@@ -71,8 +71,9 @@ def local_copy(handle: str, what: str = "model.init_from") -> str:
     """The local path that stands for `handle` once what tfdp reads of it is in the Hub's cache: a keras-hub preset's
     snapshot folder, or a timm repository's model.safetensors."""
     repo, revision = parse(handle, what)
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils import disable_progress_bars, logging as hub_logging
     disable_progress_bars()   # tfdp's own lines say what is fetched; bars would fill a cluster's logs
+    hub_logging.set_verbosity_error()   # and its retries' warnings (twice each, through absl too): the line says why
     try:
         config, commit = _config(repo, revision)
         if config is not None and _is_keras_hub(config):
