@@ -318,7 +318,8 @@ def _write_text(out: str, name: str, text: str) -> None:
 FLAGS = flags.FLAGS
 flags.DEFINE_string("src", None, "Raw tree: image-net.org or Kaggle layout, or class folders (local or a bucket).")
 flags.DEFINE_string("out", None, "Output directory for the shards (local or a bucket: gs://..., s3://...).")
-flags.DEFINE_enum("format", "imagenet", ["imagenet", "image_folder", "csv"], "Layout of --src (csv: labels files, as data.format csv).")
+flags.DEFINE_enum("format", "imagenet", ["imagenet", "image_folder", "csv"],
+                  "Layout of --src (csv: labels files, as data.format csv).")
 flags.DEFINE_integer("train_shards", 1024, "Number of train shards.")
 flags.DEFINE_integer("val_shards", 128, "Number of validation shards.")
 flags.DEFINE_integer("workers", 0, "Processes (0: one per CPU).")

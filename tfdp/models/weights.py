@@ -553,6 +553,8 @@ SOURCES: dict[str, Source] = {
     "keras_hub": Source("a keras-hub preset folder", is_keras_hub_preset,
                         lambda spec, model_cfg, _: read_keras_hub_preset(spec, model_cfg)),
 }
+
+
 def read_source(spec: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
     """The weights `spec` names, read by the first kind of source that matches it."""
     if hub.is_refused_handle(spec):

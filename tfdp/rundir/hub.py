@@ -26,8 +26,9 @@ import re
 
 from tfdp.errors import UserError, first_line
 
-# timm's prefix, keras-hub's
+# timm's prefix, keras-hub's; and keras-hub's other home, which tfdp does not fetch from
 HANDLES = ("hf-hub:", "hf://")
+REFUSED = ("kaggle://",)
 REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -35,10 +36,6 @@ SAFETENSORS = "model.safetensors"
 # must be there; a task's classifier and the image converter's preprocessing where the preset has them.
 PRESET_WEIGHTS = "model.weights.h5"
 PRESET_OPTIONAL = ("task.json", "task.weights.h5", "preprocessor.json", "image_converter.json", "metadata.json")
-
-
-# keras-hub's other home, which tfdp does not fetch from
-REFUSED = ("kaggle://",)
 
 
 def is_handle(spec: str) -> bool:
@@ -60,8 +57,8 @@ def refusal(spec: str, what: str) -> str:
 def parse(handle: str, what: str) -> tuple[str, str]:
     """(repository id, revision) of `hf-hub:ORG/NAME[@REV]` or `hf://ORG/NAME[@REV]`; the revision defaults to main."""
     rest = handle[len(next(p for p in HANDLES if handle.startswith(p))):].strip("/")
-    repo, _, revision = rest.partition("@")
-    if not REPO_ID.match(repo) or (_ and not revision):
+    repo, at, revision = rest.partition("@")
+    if not REPO_ID.match(repo) or (at and not revision):
         raise UserError(f"{what}: {handle} does not name a Hugging Face Hub repository (hf-hub:ORG/NAME or "
                         f"hf://ORG/NAME, optionally @REVISION)")
     return repo, revision or "main"

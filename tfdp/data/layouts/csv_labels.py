@@ -126,7 +126,8 @@ def check_present(fs, root: str, split: str, files: list[str], lines: list[int])
             present = dict(pool.map(lister, folders))
     else:
         present = dict(map(lister, folders))
-    missing = [(f, line) for f, line in zip(files, lines) if posixpath.basename(f) not in present[posixpath.dirname(f)]]
+    missing = [(f, line) for f, line in zip(files, lines)
+               if posixpath.basename(f) not in present[posixpath.dirname(f)]]
     if missing:
         first, line = missing[0]
         raise UserError(f"{url(fs, posixpath.join(root, f'{split}.csv'))}: {len(missing)} of its {len(files)} "
