@@ -66,6 +66,17 @@ def test_labels_files_list_the_images_as_their_class_folders_do(tiny_dir, tmp_pa
     assert {k: 9 - v for k, v in by_content(reversed_order, "val").items()} == by_content(folders, "val")
     os.remove(tmp_path / "numbers" / "classes.txt")
 
+    # integer labels that are no name in classes.txt index it; a semicolon-separated file (a comma-decimal locale's)
+    indexed = csv_dataset(tiny_dir, tmp_path / "indexed", label=lambda cls: cls)
+    names = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+    (tmp_path / "indexed" / "classes.txt").write_text("\n".join(names) + "\n")
+    rows = list(csv.reader(open(tmp_path / "indexed" / "val.csv", encoding="utf-8-sig")))
+    (tmp_path / "indexed" / "val.csv").write_text("".join(";".join(row) + "\n" for row in rows))
+    by_index = build_source(DataConfig(format="csv", dir=indexed))
+    assert by_index.class_names == names
+    assert by_content(by_index, "train") == by_content(folders, "train")
+    assert by_content(by_index, "val") == by_content(folders, "val")
+
     rows = list(csv.reader(open(tmp_path / "numbers" / "val.csv", encoding="utf-8-sig")))
     write_csv(tmp_path / "numbers" / "val.csv", rows[0], [r for r in rows[1:] if r[1] != "45"])  # no 9s to evaluate
     alone = build_source(DataConfig(format="csv", dir=numbers), splits=("val",))
@@ -143,6 +154,12 @@ def test_every_bad_labels_file_is_one_line(tiny_dir, tmp_path):
     write_csv(data / "train.csv", header, rows)
     (data / "classes.txt").write_text("digit_0\ndigit_1\n")
     refused(f"{data}/classes.txt lacks 8 label(s) the csv files use (first: digit_2)")
+    (data / "classes.txt").write_text("digit_0\ndigit_1\n")
+    os.rename(data / "val.csv", data / "val.csv.kept")
+    refused(f"{data}/classes.txt lacks 10 label(s) the csv files use (first: 0), which are neither its names nor "
+            f"indices into its 2 lines", rows=[(r[0], r[1][-1], r[2]) for r in rows], splits=("train",))
+    os.rename(data / "val.csv.kept", data / "val.csv")
+    write_csv(data / "train.csv", header, rows)
     (data / "classes.txt").write_text("digit_0\ndigit_0\n")
     refused(f"{data}/classes.txt names digit_0 more than once")
     os.remove(data / "classes.txt")

@@ -3,12 +3,12 @@
 The layout of most datasets that are not class folders (a Kaggle competition's `train.csv`, Hugging Face's
 `imagefolder` with its `metadata.csv`, a labelling tool's export): `DIR/<split>.csv` for each split, whose header
 names the image column (`file_name`, `image`, `filename`, `path` or `file`) and the label column (`label`, `class`,
-`category`); other columns are left alone. Image paths are relative to `DIR` (`images/0001.jpg`), in a bucket too.
+`category`), separated by commas (or semicolons or tabs); other columns are left alone. Image paths are relative to `DIR` (`images/0001.jpg`), in a bucket too.
 
 Labels are class names. They index the sorted names (in number order where every name is an integer, so labels
 0..N-1 keep their numbers) of every label in the training and validation files, both read whichever split a command
 lists, so a run and its evaluation give each index one meaning; a `classes.txt` in `DIR` (one name per line) fixes
-the order instead, and must hold every label. Every image listed must be there: `DIR`'s folders are listed once
+the order instead, and must hold every label (or, where labels are integers, as many lines as they index). Every image listed must be there: `DIR`'s folders are listed once
 (a bucket's concurrently), and one line names the first image missing and how many are. So does one line for a
 row without a label, a path that leaves `DIR`, or an image TensorFlow does not decode.
 """
@@ -38,8 +38,7 @@ def csv_source(root: str, split_names: tuple[str, ...], labelled_splits: tuple[s
         raise UserError(f"data directory not found: {url(fs, path)}")
     rows = {name: read_rows(fs, path, name) for name in dict.fromkeys((*split_names, *labelled_splits))
             if name in split_names or fs.isfile(posixpath.join(path, f"{name}.csv"))}
-    classes = class_list(fs, path, rows)
-    index = {name: i for i, name in enumerate(classes)}
+    classes, index = class_list(fs, path, rows)
     splits = {}
     for name in split_names:
         files = [posixpath.join(path, image) for image, _, _ in rows[name]]
@@ -55,7 +54,8 @@ def read_rows(fs, root: str, split: str) -> list[tuple[str, str, int]]:
     if not fs.isfile(posixpath.join(root, f"{split}.csv")):
         raise UserError(f"data.format csv: no {split}.csv in {url(fs, root)} (a labels file per split: "
                         f"{split}.csv with a header naming its image and label columns)")
-    reader = csv.reader(io.StringIO(read_text(fs, posixpath.join(root, f"{split}.csv")).lstrip("\ufeff")))
+    text = read_text(fs, posixpath.join(root, f"{split}.csv")).lstrip("\ufeff")
+    reader = csv.reader(io.StringIO(text), delimiter=_delimiter(text.partition("\n")[0]))
     header = [name.strip().lower() for name in next(reader, [])]
     image_col, label_col = (_column(header, names, what, where) for names, what in
                             ((IMAGE_COLUMNS, "image"), (LABEL_COLUMNS, "label")))
@@ -70,6 +70,14 @@ def read_rows(fs, root: str, split: str) -> list[tuple[str, str, int]]:
     if not rows:
         raise UserError(f"{where} lists no images")
     return rows
+
+
+def _delimiter(header: str) -> str:
+    """A comma, or the semicolon or tab of a header that has one and no comma (spreadsheets set to a locale whose
+    decimal mark is the comma write semicolons)."""
+    if "," in header:
+        return ","
+    return next((d for d in (";", "\t") if d in header), ",")
 
 
 def _column(header: list[str], names: tuple[str, ...], what: str, where: str) -> int:
@@ -98,22 +106,30 @@ def _label(label: str, where: str, line: int) -> str:
     return label
 
 
-def class_list(fs, root: str, rows: dict[str, list[tuple[str, str, int]]]) -> tuple[str, ...]:
-    """classes.txt's names in its order, or every label's, sorted (as numbers where all are integers)."""
+def class_list(fs, root: str, rows: dict[str, list[tuple[str, str, int]]]) -> tuple[tuple[str, ...], dict]:
+    """(class names, label → index): classes.txt's names in its order, or every label's, sorted (as numbers where
+    all are integers). With a classes.txt, labels are its names; where none is and every label is an integer
+    below its length, they are indices into it (labels exported as numbers, their names kept apart)."""
     labels = {label for split in rows.values() for _, label, _ in split}
     classes_file = posixpath.join(root, CLASSES)
-    if fs.isfile(classes_file):
-        classes = tuple(name.strip() for name in read_text(fs, classes_file).splitlines() if name.strip())
-        duplicated = sorted({name for name in classes if classes.count(name) > 1})
-        if duplicated:
-            raise UserError(f"{url(fs, classes_file)} names {duplicated[0]} more than once")
-        unknown = sorted(labels - set(classes))
-        if unknown:
-            raise UserError(f"{url(fs, classes_file)} lacks {len(unknown)} label(s) the csv files use "
-                            f"(first: {unknown[0]})")
-        return classes
-    numeric = all(label.lstrip("-").isdigit() for label in labels)
-    return tuple(sorted(labels, key=int if numeric else None))
+    if not fs.isfile(classes_file):
+        classes = tuple(sorted(labels, key=int if all(_is_integer(label) for label in labels) else None))
+        return classes, {name: i for i, name in enumerate(classes)}
+    classes = tuple(name.strip() for name in read_text(fs, classes_file).splitlines() if name.strip())
+    duplicated = sorted({name for name in classes if classes.count(name) > 1})
+    if duplicated:
+        raise UserError(f"{url(fs, classes_file)} names {duplicated[0]} more than once")
+    unknown = sorted(labels - set(classes))
+    if not unknown:
+        return classes, {name: i for i, name in enumerate(classes)}
+    if not labels & set(classes) and all(_is_integer(label) and 0 <= int(label) < len(classes) for label in labels):
+        return classes, {label: int(label) for label in labels}
+    raise UserError(f"{url(fs, classes_file)} lacks {len(unknown)} label(s) the csv files use (first: {unknown[0]}), "
+                    f"which are neither its names nor indices into its {len(classes)} lines")
+
+
+def _is_integer(label: str) -> bool:
+    return label.lstrip("-").isdigit()
 
 
 def check_present(fs, root: str, split: str, files: list[str], lines: list[int]) -> None:
