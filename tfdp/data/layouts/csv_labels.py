@@ -3,14 +3,16 @@
 The layout of most datasets that are not class folders (a Kaggle competition's `train.csv`, Hugging Face's
 `imagefolder` with its `metadata.csv`, a labelling tool's export): `DIR/<split>.csv` for each split, whose header
 names the image column (`file_name`, `image`, `filename`, `path` or `file`) and the label column (`label`, `class`,
-`category`), separated by commas (or semicolons or tabs); other columns are left alone. Image paths are relative to `DIR` (`images/0001.jpg`), in a bucket too.
+`category`), separated by commas (or semicolons or tabs); other columns are left alone. Image paths are relative
+to `DIR` (`images/0001.jpg`), in a bucket too.
 
 Labels are class names. They index the sorted names (in number order where every name is an integer, so labels
 0..N-1 keep their numbers) of every label in the training and validation files, both read whichever split a command
 lists, so a run and its evaluation give each index one meaning; a `classes.txt` in `DIR` (one name per line) fixes
-the order instead, and must hold every label (or, where labels are integers, as many lines as they index). Every image listed must be there: `DIR`'s folders are listed once
-(a bucket's concurrently), and one line names the first image missing and how many are. So does one line for a
-row without a label, a path that leaves `DIR`, or an image TensorFlow does not decode.
+the order instead, and must hold every label (or, where labels are integers, as many lines as they index). Every
+image listed must be there: `DIR`'s folders are listed once (a bucket's concurrently), and one line names the first
+image missing and how many are. So does one line for a row without a label, a path that leaves `DIR`, or an image
+TensorFlow does not decode.
 """
 
 from __future__ import annotations
