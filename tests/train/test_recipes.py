@@ -146,7 +146,7 @@ RECIPE_RUNS = {
     **{name: ["--model=simple_cnn", "--set=model.drop_path=0.0", "--set=train.global_batch=32"]
        for name in ("convnext_t_imagenet.yaml", "deit_s16_imagenet.yaml")},
     "vit_b16_finetune.yaml": ["--model=simple_cnn", "--set=model.drop_path=0.0", "--set=train.global_batch=32",
-                              '--set=model.init_from=""'],   # no weights file here: layer decay on a fresh model
+                              '--set=model.init_from=""'],   # no Hub here: layer decay on a fresh model
 }
 
 
