@@ -46,8 +46,8 @@ def by_content(source, split: str) -> dict[str, int]:
 
 def test_labels_files_list_the_images_as_their_class_folders_do(tiny_dir, tmp_path):
     """Names sorted (digit_0 … digit_9: the folders' order), as numbers where every label is an integer (0, 5, 10,
-    … 45: not '10' before '5'), or in classes.txt's order; a command that lists validation alone (evaluate) gets
-    training's classes too."""
+    … 45: not '10' before '5'), or in classes.txt's order; Hugging Face imagefolder's <split>/metadata.csv; a
+    command that lists validation alone (evaluate) gets training's classes too."""
     folders = build_source(DataConfig(format="image_folder", dir=tiny_dir))
     named = build_source(DataConfig(format="csv", dir=csv_dataset(tiny_dir, tmp_path / "named")))
     assert named.class_names == tuple(f"digit_{c}" for c in folders.class_names)
@@ -65,6 +65,20 @@ def test_labels_files_list_the_images_as_their_class_folders_do(tiny_dir, tmp_pa
     reversed_order = build_source(DataConfig(format="csv", dir=numbers))
     assert {k: 9 - v for k, v in by_content(reversed_order, "val").items()} == by_content(folders, "val")
     os.remove(tmp_path / "numbers" / "classes.txt")
+
+    # Hugging Face's imagefolder: <split>/metadata.csv, its paths starting from the split's folder
+    hub_layout = tmp_path / "imagefolder"
+    for split in ("train", "val"):
+        rows = list(csv.reader(open(tmp_path / "named" / f"{split}.csv", encoding="utf-8-sig")))
+        os.makedirs(hub_layout / split / "images")
+        for image, _, _ in rows[1:]:
+            shutil.copy(tmp_path / "named" / image, hub_layout / split / image)
+        write_csv(hub_layout / split / "metadata.csv", ("file_name", "label"), [r[:2] for r in rows[1:]])
+    imagefolder = build_source(DataConfig(format="csv", dir=str(hub_layout)))
+    assert imagefolder.class_names == named.class_names
+    for split in ("train", "val"):
+        assert by_content(imagefolder, split) == by_content(folders, split)
+        assert all(f.startswith(f"{hub_layout}/{split}/images/") for f in imagefolder.split(split).files)
 
     # integer labels that are no name in classes.txt index it; a semicolon-separated file (a comma-decimal locale's)
     indexed = csv_dataset(tiny_dir, tmp_path / "indexed", label=lambda cls: cls)
@@ -164,10 +178,10 @@ def test_every_bad_labels_file_is_one_line(tiny_dir, tmp_path):
     refused(f"{data}/classes.txt names digit_0 more than once")
     os.remove(data / "classes.txt")
     os.remove(data / "val.csv")
-    refused(f"data.format csv: no val.csv in {data}")
+    refused(f"data.format csv: no val.csv (nor val/metadata.csv) in {data}")
     assert build_source(DataConfig(format="csv", dir=str(data)), splits=("train",)).split("train").num_examples == 64
 
     # through the command line: the same line, exit 2, before TensorFlow loads
     result = run_tfdp("train", "--config=configs/digits.yaml", "--data_format=csv", f"--data_dir={data}",
                       f"--model_dir={tmp_path / 'run'}")
-    assert_one_line_error(result, 2, f"data.format csv: no val.csv in {data}")
+    assert_one_line_error(result, 2, f"data.format csv: no val.csv (nor val/metadata.csv) in {data}")

@@ -1,7 +1,8 @@
 """Images listed in a labels file: `data.format: csv`.
 
 The layout of most datasets that are not class folders (a Kaggle competition's `train.csv`, Hugging Face's
-`imagefolder` with its `metadata.csv`, a labelling tool's export): `DIR/<split>.csv` for each split, whose header
+`imagefolder` with its `metadata.csv`, a labelling tool's export): `DIR/<split>.csv` for each split (or
+`DIR/<split>/metadata.csv`, Hugging Face's, its paths starting from the split's folder), whose header
 names the image column (`file_name`, `image`, `filename`, `path` or `file`) and the label column (`label`, `class`,
 `category`), separated by commas (or semicolons or tabs); other columns are left alone. Image paths are relative
 to `DIR` (`images/0001.jpg`), in a bucket too.
@@ -33,30 +34,42 @@ CLASSES = "classes.txt"
 
 
 def csv_source(root: str, split_names: tuple[str, ...], labelled_splits: tuple[str, ...]) -> Source:
-    """`root/<split>.csv` for each of `split_names`; the class list from `classes.txt`, or from the labels of
-    `labelled_splits` (training's and validation's) wherever their files exist."""
+    """Each of `split_names` from its labels file (`labels_file`); the class list from `classes.txt`, or from the
+    labels of `labelled_splits` (training's and validation's) wherever their files exist."""
     fs, path = filesystem(root)
     if not fs.isdir(path):
         raise UserError(f"data directory not found: {url(fs, path)}")
-    rows = {name: read_rows(fs, path, name) for name in dict.fromkeys((*split_names, *labelled_splits))
-            if name in split_names or fs.isfile(posixpath.join(path, f"{name}.csv"))}
+    found = {name: labels_file(fs, path, name) for name in dict.fromkeys((*split_names, *labelled_splits))}
+    for name in split_names:
+        if found[name] is None:
+            raise UserError(f"data.format csv: no {name}.csv (nor {name}/metadata.csv) in {url(fs, path)} (a labels "
+                            f"file per split, with a header naming its image and label columns)")
+    rows = {name: read_rows(fs, path, *found[name]) for name in found if found[name] is not None}
     classes, index = class_list(fs, path, rows)
     splits = {}
     for name in split_names:
         files = [posixpath.join(path, image) for image, _, _ in rows[name]]
-        check_present(fs, path, name, files, [line for _, _, line in rows[name]])
+        check_present(fs, path, url(fs, found[name][0]), files, [line for _, _, line in rows[name]])
         splits[name] = Split(name=name, files=tuple(url(fs, f) for f in files),
                              labels=tuple(index[label] for _, label, _ in rows[name]))
     return Source(class_names=classes, splits=splits)
 
 
-def read_rows(fs, root: str, split: str) -> list[tuple[str, str, int]]:
-    """(image path relative to root, label, line number) of every row of `root/<split>.csv`."""
-    where = url(fs, posixpath.join(root, f"{split}.csv"))
-    if not fs.isfile(posixpath.join(root, f"{split}.csv")):
-        raise UserError(f"data.format csv: no {split}.csv in {url(fs, root)} (a labels file per split: "
-                        f"{split}.csv with a header naming its image and label columns)")
-    text = read_text(fs, posixpath.join(root, f"{split}.csv")).lstrip("\ufeff")
+def labels_file(fs, root: str, split: str) -> tuple[str, str] | None:
+    """(the split's labels file, the folder under root its image paths start from): `<split>.csv` (paths from
+    root), or Hugging Face imagefolder's `<split>/metadata.csv` (paths from the split's folder); None: neither."""
+    for path, base in ((posixpath.join(root, f"{split}.csv"), ""),
+                       (posixpath.join(root, split, "metadata.csv"), split)):
+        if fs.isfile(path):
+            return path, base
+    return None
+
+
+def read_rows(fs, root: str, path: str, base: str) -> list[tuple[str, str, int]]:
+    """(image path relative to root, label, line number) of every row of the labels file `path`, whose image paths
+    start from `root/base`."""
+    where = url(fs, path)
+    text = read_text(fs, path).lstrip("\ufeff")
     reader = csv.reader(io.StringIO(text), delimiter=_delimiter(text.partition("\n")[0]))
     header = [name.strip().lower() for name in next(reader, [])]
     image_col, label_col = (_column(header, names, what, where) for names, what in
@@ -68,7 +81,7 @@ def read_rows(fs, root: str, split: str) -> list[tuple[str, str, int]]:
         if len(row) <= max(image_col, label_col):
             raise UserError(f"{where}, line {line}: {len(row)} field(s), where the header has {len(header)}")
         image, label = row[image_col].strip(), row[label_col].strip()
-        rows.append((_relative(image, where, line), _label(label, where, line), line))
+        rows.append((posixpath.join(base, _relative(image, where, line)), _label(label, where, line), line))
     if not rows:
         raise UserError(f"{where} lists no images")
     return rows
@@ -92,7 +105,8 @@ def _column(header: list[str], names: tuple[str, ...], what: str, where: str) ->
 
 
 def _relative(image: str, where: str, line: int) -> str:
-    """The image's path under the data directory, normalised; one that leaves it, or no image, is one line."""
+    """The image's path under the folder the labels file names paths from, normalised; one that leaves it, or no
+    image, is one line."""
     path = posixpath.normpath(image.replace("\\", "/")) if image else ""
     if not path or path.startswith(("/", "../")) or path == ".." or "://" in image:
         raise UserError(f"{where}, line {line}: image '{image}' is not a path inside the data directory "
@@ -134,7 +148,7 @@ def _is_integer(label: str) -> bool:
     return label.lstrip("-").isdigit()
 
 
-def check_present(fs, root: str, split: str, files: list[str], lines: list[int]) -> None:
+def check_present(fs, root: str, where: str, files: list[str], lines: list[int]) -> None:
     """Every listed image is in its folder: one listing per folder (concurrent in a bucket), not one look per
     image."""
     folders = sorted({posixpath.dirname(f) for f in files})
@@ -148,8 +162,8 @@ def check_present(fs, root: str, split: str, files: list[str], lines: list[int])
                if posixpath.basename(f) not in present[posixpath.dirname(f)]]
     if missing:
         first, line = missing[0]
-        raise UserError(f"{url(fs, posixpath.join(root, f'{split}.csv'))}: {len(missing)} of its {len(files)} "
-                        f"images are not in {url(fs, root)} (first: {posixpath.relpath(first, root)}, line {line})")
+        raise UserError(f"{where}: {len(missing)} of its {len(files)} images are not in {url(fs, root)} "
+                        f"(first: {posixpath.relpath(first, root)}, line {line})")
 
 
 def _names(fs, folder: str) -> set[str]:
