@@ -55,6 +55,10 @@ ZOO = [  # (registry name, image size): one per family
     pytest.param("convnext_atto", 32, marks=[pytest.mark.slow, pytest.mark.full(
         reason="its converter paths are mobilenet_v2's (depthwise convolutions) and the DeiT's (LayerNorm, GELU) "
                "in the default run")]),
+    # ConvNeXt V2: the GRN's norms (a square, a spatial sum, a square root, a channel mean) after the GELU
+    pytest.param("convnextv2_atto", 32, marks=[pytest.mark.slow, pytest.mark.full(
+        reason="its block is convnext_atto's with the GRN's elementwise ops and reductions, which every other "
+               "family's LayerNorm and pooling convert")]),
     pytest.param("efficientnetv2_b0", 32, marks=[pytest.mark.slow, FULL_ZOO]),   # squeeze-excite, swish
     pytest.param("inception_v3", 75, marks=[pytest.mark.slow, FULL_ZOO]),        # concatenated branches
 ]

@@ -19,7 +19,7 @@ from test_models import TIMM, TORCHVISION
 from tfdp.config import DistributeConfig, OptimizerConfig, pretrained, validate
 from tfdp.errors import UserError
 from tfdp.models import MODELS, build_model
-from tfdp.models.convnext import SPECS, ConvNeXtSpec, LayerScale, convnext
+from tfdp.models.convnext import SPECS, ConvNeXtSpec, GELUResponseNorm, LayerScale, convnext
 from tfdp.models.registry import DROP_PATH
 from tfdp.models.resnet import DropPath
 from tfdp.models.weights import layers_with_weights, load_into, read_source, torch_weights
@@ -42,11 +42,13 @@ def fixture() -> dict:
 
 def convnext_parameters(spec: ConvNeXtSpec, classes: int) -> int:
     """ConvNeXt's parameter count from its depths and widths: the 4x4 stem and its LayerNorm; per block the 7x7
-    depthwise convolution, LayerNorm, the 4x MLP and the layer scale (8d^2 + 58d); per downsampling a LayerNorm
-    and a 2x2 convolution; the head's LayerNorm and Dense layer."""
+    depthwise convolution, LayerNorm, the 4x MLP and the layer scale (8d^2 + 58d), or in V2 the GRN's scale and
+    shift over the 4d channels instead of the layer scale (8d^2 + 65d); per downsampling a LayerNorm and a 2x2
+    convolution; the head's LayerNorm and Dense layer."""
     dims = spec.dims
     stem = 48 * dims[0] + dims[0] + 2 * dims[0]
-    blocks = sum(depth * (8 * d * d + 58 * d) for depth, d in zip(spec.depths, dims))
+    per_block = 65 if spec.grn else 58
+    blocks = sum(depth * (8 * d * d + per_block * d) for depth, d in zip(spec.depths, dims))
     downsampling = sum(2 * a + 4 * a * b + b for a, b in zip(dims, dims[1:]))
     return stem + blocks + downsampling + 2 * dims[-1] + dims[-1] * classes + classes
 
@@ -56,9 +58,9 @@ def test_counts_are_timms_and_torchvisions(fixture):
     tiny..large equal torchvision's), the numbers test_models.py holds; atto is built here, tiny in the
     full-size mapping test below (test_models builds the other sizes only where it must, see there)."""
     counts = fixture["counts"]
-    assert {name: convnext_parameters(spec, 1000) for name, spec in SPECS.items()} == counts["timm"]
+    assert {name: convnext_parameters(spec, 1000) for name, spec in SPECS.items() if not spec.grn} == counts["timm"]
     assert {name: counts["timm"][name] for name in counts["torchvision"]} == counts["torchvision"]
-    assert {name: TIMM.get(name, TORCHVISION.get(name)) for name in SPECS} == counts["timm"]
+    assert {name: TIMM.get(name, TORCHVISION.get(name)) for name in SPECS if not SPECS[name].grn} == counts["timm"]
     model = MODELS["convnext_atto"]((32, 32, 3), 1000)
     assert model.count_params() == sum(int(np.prod(w.shape)) for w in model.trainable_weights) == 3_695_520
 
@@ -142,6 +144,8 @@ def test_drop_path_layer_scale_dropout_head_and_groups():
     assert unfrozen == {"convnext_atto_head_dense"}
     ids, groups = layer_ids(model, "convnext_atto")
     assert groups == 14
+    v2 = MODELS["convnextv2_atto"]((32, 32, 3), 10)
+    assert layer_ids(v2, "convnextv2_atto")[1] == 14 and "convnextv2_atto" in DROP_PATH
     layer_id = {layer.name.removeprefix("convnext_atto_"): ids[id(layer.trainable_weights[0])]
                 for layer in layers_with_weights(model)}
     assert (layer_id["stem_conv"], layer_id["stage_0_block_1_depthwise_conv"]) == (0, 2)
@@ -149,10 +153,16 @@ def test_drop_path_layer_scale_dropout_head_and_groups():
     assert layer_id["head_layernorm"] == layer_id["head_dense"] == 13
 
 
-def test_norms_layer_scale_and_biases_are_not_decayed_on_request():
+@pytest.mark.parametrize("grn", [False, True])
+def test_norms_layer_scale_and_biases_are_not_decayed_on_request(grn):
     """AdamW with decay_norm_and_bias false, one step of zero gradients: only the decay moves a variable, and it
-    moves the kernels alone (not LayerNorm's gamma/beta, the layer scale, the biases)."""
-    model = convnext((32, 32, 3), 5, 0.0, ConvNeXtSpec("convnext_atto", (1, 1, 1, 1), (8, 8, 8, 8)))
+    moves the kernels alone (not LayerNorm's gamma/beta, the layer scale or V2's GRN, the biases)."""
+    model = convnext((32, 32, 3), 5, 0.0, ConvNeXtSpec("convnext_atto", (1, 1, 1, 1), (8, 8, 8, 8), grn=grn))
+    if grn:   # away from zero, so the decay would move them
+        for layer in model.layers:
+            if isinstance(layer, GELUResponseNorm):
+                layer.gamma.assign(np.ones(layer.dim, np.float32))
+                layer.beta.assign(np.ones(layer.dim, np.float32))
     optimizer = build_optimizer(OptimizerConfig(name="adamw", weight_decay=0.5, decay_norm_and_bias=False), 0.1)
     variables = model.trainable_variables
     before = [keras.ops.convert_to_numpy(v).copy() for v in variables]
@@ -206,3 +216,85 @@ def test_drop_path_runs_traced_on_two_replicas():
     assert [len(replicas) for replicas in steps] == [2, 2]
     assert all(np.isfinite(r).all() and not np.allclose(r, inference) for replicas in steps for r in replicas)
     assert not np.allclose(steps[0][0], steps[1][0])  # new masks each step
+
+
+# ---------------------------------------------------------------- ConvNeXt V2
+
+V2_FILE = os.path.join(FIXTURES, "convnextv2_timm", "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def v2_fixture() -> dict:
+    """tests/fixtures/convnextv2_* (make_convnextv2_fixture.py, real torch and timm): a small timm ConvNeXt V2
+    (conv_mlp, as atto..nano; every parameter drawn, the GRN's scales away from their zero start) saved by timm's
+    `save_for_hf`, its logits on the 4 photos, the full-size convnextv2_tiny's keys and shapes, timm's counts."""
+    with open(os.path.join(FIXTURES, "convnextv2_fixture.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_v2_counts_are_timms(v2_fixture):
+    """Every V2's depths and widths give timm's count at 1,000 classes (atto..huge); atto is built."""
+    v2 = {name: spec for name, spec in SPECS.items() if spec.grn}
+    assert {name: convnext_parameters(spec, 1000) for name, spec in v2.items()} == v2_fixture["counts"]
+    assert {name: TIMM[name] for name in v2} == v2_fixture["counts"]
+    assert MODELS["convnextv2_atto"]((32, 32, 3), 1000).count_params() == v2_fixture["counts"]["convnextv2_atto"]
+
+
+def test_v2_weights_give_timms_logits_and_bring_their_preprocessing(v2_fixture, tmp_path):
+    """The small V2 loads every tensor (GRN's scale and shift among them) and gives timm's logits on the photos;
+    config.json's pretrained cfg (convnextv2_tiny.fcmae_ft_in22k_in1k: ImageNet's mean and std, bicubic) reaches
+    the data config; a `.keras` file of it (what `tfdp export` writes) loads back to the same logits; under
+    mixed_bfloat16 (GRN's norms in float32) it stays within bfloat16's rounding of them."""
+    small = v2_fixture["small"]
+    cfg = validate({"model": {"name": "convnextv2_atto", "num_classes": small["num_classes"], "init_from": V2_FILE},
+                    "data": {"image_size": 224}})
+    found = pretrained.from_weights(cfg.model)
+    np.testing.assert_allclose(found.mean, 255 * MEAN, rtol=1e-6)
+    np.testing.assert_allclose(found.std, 255 * STD, rtol=1e-6)
+    assert (found.eval_crop_fraction, found.interpolation) == (small["timm_crop_pct"], "bicubic")
+    spec = ConvNeXtSpec("convnextv2_atto", tuple(small["depths"]), tuple(small["dims"]), grn=True)
+    model = convnext((224, 224, 3), small["num_classes"], 0.0, spec)
+    assert not any(isinstance(layer, LayerScale) for layer in model.layers)
+    grns = [layer for layer in model.layers if isinstance(layer, GELUResponseNorm)]
+    assert [g.name for g in grns][:2] == ["convnextv2_atto_stage_0_block_0_grn", "convnextv2_atto_stage_1_block_0_grn"]
+    loaded, new = load_into(model, read_source(V2_FILE, cfg.model, cfg.data), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    assert all(np.abs(keras.ops.convert_to_numpy(g.gamma)).max() > 0.1 for g in grns)
+    photos = (np.load(os.path.join(FIXTURES, "photos.npy")).astype(np.float32) / 255 - MEAN) / STD
+    logits = model.predict(photos, verbose=0)
+    expected = np.load(os.path.join(FIXTURES, "convnextv2_logits.npz"))["timm"]
+    assert np.abs(logits - expected).max() / np.abs(expected).max() <= MAX_RELATIVE
+    model.save(tmp_path / "v2.keras")
+    np.testing.assert_allclose(keras.models.load_model(tmp_path / "v2.keras").predict(photos, verbose=0), logits,
+                               rtol=1e-6, atol=1e-6)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        half = convnext((224, 224, 3), small["num_classes"], 0.0, spec)
+        half.set_weights(model.get_weights())
+        low = keras.ops.convert_to_numpy(half(photos)).astype(np.float32)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert np.abs(low - expected).max() / np.abs(expected).max() < 0.05
+
+
+def test_v2_full_size_state_dict_maps_and_v1_weights_do_not_fit(v2_fixture, fixture):
+    """timm's convnextv2_tiny keys and shapes, zeros for values: every tensor finds its layer and every layer its
+    tensors. A V1 file in a V2 model, and a V2 file in a V1 model, are one line naming what the file lacks (the
+    GRN, the layer scale)."""
+    cfg = validate({"model": {"name": "convnextv2_tiny", "num_classes": 1000}, "data": {"image_size": 32}})
+    model = build_model(cfg.model, cfg.data)
+    assert model.count_params() == v2_fixture["counts"]["convnextv2_tiny"]
+    tensors = {k: np.zeros(shape, np.float16) for k, shape in v2_fixture["state_dict_tiny"].items()}
+    loaded, new = load_into(model, torch_weights(tensors, cfg.model, "timm"), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    v1 = {k: np.zeros(shape, np.float16) for k, shape in fixture["state_dicts"]["timm"].items()}
+    with pytest.raises(UserError, match=r"^model.init_from: convnext_tiny.safetensors does not fit model "
+                                        r"'convnextv2_tiny': it has nothing for convnextv2_tiny_stage_0_block_0_grn/"
+                                        r"gamma \(384,\) \(another architecture\?\)$"):
+        load_into(model, torch_weights(v1, cfg.model, "convnext_tiny.safetensors"), cfg.model)
+    v1_cfg = validate({"model": {"name": "convnext_tiny", "num_classes": 1000}, "data": {"image_size": 32}})
+    with pytest.raises(UserError, match=r"^model.init_from: convnextv2_tiny.safetensors does not fit model "
+                                        r"'convnext_tiny': it has nothing for convnext_tiny_stage_0_block_0_"
+                                        r"layer_scale/gamma \(96,\) \(another architecture\?\)$"):
+        load_into(build_model(v1_cfg.model, v1_cfg.data),
+                  torch_weights(tensors, v1_cfg.model, "convnextv2_tiny.safetensors"), v1_cfg.model)

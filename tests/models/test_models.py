@@ -23,6 +23,9 @@ TORCHVISION = {
 # timm's counts (its parameters), compared with our trainable weights, for models torchvision does not have.
 TIMM = {
     "convnext_atto": 3_695_520, "convnext_femto": 5_217_784, "convnext_pico": 9_045_672, "convnext_nano": 15_593_560,
+    "convnextv2_atto": 3_708_400, "convnextv2_femto": 5_233_240, "convnextv2_pico": 9_066_280,
+    "convnextv2_nano": 15_623_800, "convnextv2_tiny": 28_635_496, "convnextv2_small": 50_318_440,
+    "convnextv2_base": 88_717_800, "convnextv2_large": 197_956_840, "convnextv2_huge": 660_289_640,
 }
 # keras.applications' published totals (all weights, batch-norm statistics included).
 KERAS_APPLICATIONS = {
@@ -34,8 +37,9 @@ KERAS_APPLICATIONS = {
 }
 SMALL_IMAGE = {"resnet18_small", "resnet10_small", "simple_cnn"}  # for 16-32 px inputs: no ImageNet reference
 # Not built for their count here: test_convnext.py checks every ConvNeXt's count from its depths and widths, and
-# builds one of each table (convnext_atto, convnext_tiny).
-COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small", "base", "large")}
+# builds one of each table (convnext_atto, convnext_tiny, convnextv2_atto, convnextv2_tiny).
+COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small", "base", "large")} | {
+    f"convnextv2_{s}" for s in ("femto", "pico", "nano", "small", "base", "large", "huge")}
 # timm's counts checked in tests/models/test_vit.py from the variables' shapes, without allocating ViT-L's 300M
 # (and vit_mini_patch4_small, for 16-32 px inputs)
 VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (16, 32)), "vit_tiny_patch16_224",
@@ -100,6 +104,8 @@ ONE_PER_BUILDER = {
     "squeezenet1_1": "squeezenet1_1", "simple_cnn": "simple_cnn",
     **{f"convnext_{s}": "convnext_atto"
        for s in ("atto", "femto", "pico", "nano", "tiny", "small", "base", "large")},
+    **{f"convnextv2_{s}": "convnextv2_atto"
+       for s in ("atto", "femto", "pico", "nano", "tiny", "small", "base", "large", "huge")},
     **dict.fromkeys(VIT, "vit_mini_patch4_small"),
     **dict.fromkeys(SWIN, "swin_tiny_patch4_window7_224"),
     **dict.fromkeys(EVA, "vit_small_plus_patch16_dinov3_qkvb"),

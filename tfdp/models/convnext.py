@@ -65,10 +65,12 @@ LAYER_SCALE_INIT = 1e-6
 
 @dataclasses.dataclass(frozen=True)
 class ConvNeXtSpec:
-    """One ConvNeXt: its name (which prefixes every layer's, as in Keras), blocks per stage, channels per stage."""
+    """One ConvNeXt: its name (which prefixes every layer's, as in Keras), blocks per stage, channels per stage;
+    `grn` for ConvNeXt V2 (a Global Response Normalization after each block's GELU, no layer scale)."""
     name: str
     depths: tuple[int, ...]
     dims: tuple[int, ...]
+    grn: bool = False
 
 
 def _keras_spec(variant: str) -> ConvNeXtSpec:
@@ -83,6 +85,14 @@ SPECS = {spec.name: spec for spec in (
     ConvNeXtSpec("convnext_pico", (2, 2, 6, 2), (64, 128, 256, 512)),
     ConvNeXtSpec("convnext_nano", (2, 2, 8, 2), (80, 160, 320, 640)),
     *(_keras_spec(variant) for variant in ("tiny", "small", "base", "large")),
+    # ConvNeXt V2 (Woo et al. 2023, "ConvNeXt V2: Co-designing and Scaling ConvNets with Masked Autoencoders"):
+    # timm's table (timm/models/convnext.py, convnextv2_*), V1's depths and widths with huge added
+    *(ConvNeXtSpec(f"convnextv2_{size}", depths, dims, grn=True) for size, depths, dims in (
+        ("atto", (2, 2, 6, 2), (40, 80, 160, 320)), ("femto", (2, 2, 6, 2), (48, 96, 192, 384)),
+        ("pico", (2, 2, 6, 2), (64, 128, 256, 512)), ("nano", (2, 2, 8, 2), (80, 160, 320, 640)),
+        ("tiny", (3, 3, 9, 3), (96, 192, 384, 768)), ("small", (3, 3, 27, 3), (96, 192, 384, 768)),
+        ("base", (3, 3, 27, 3), (128, 256, 512, 1024)), ("large", (3, 3, 27, 3), (192, 384, 768, 1536)),
+        ("huge", (3, 3, 27, 3), (352, 704, 1408, 2816)))),
 )}
 
 
@@ -107,15 +117,51 @@ class LayerScale(layers.Layer):
         return {**super().get_config(), "init_value": self.init_value, "dim": self.dim}
 
 
+@keras.saving.register_keras_serializable(package="tfdp")
+class GELUResponseNorm(layers.Layer):
+    """ConvNeXt V2's GELU and, after it, its Global Response Normalization, as timm's `GlobalResponseNorm`:
+    x + beta + gamma * x * N(x), where N divides each channel's L2 norm over the positions by the mean of those
+    norms over the channels (plus 1e-6). One layer for the two: Keras' ConvNeXt block has no place between its
+    GELU and its second pointwise convolution, so this replaces the GELU (`{block}_grn`, where V1 has
+    `{block}_gelu`). gamma and beta start at zero (GRN the identity), as in timm, and are named so
+    `optimizer.decay_norm_and_bias: false` leaves them undecayed, as timm's no-decay rule does every 1-D
+    parameter. The norms are taken in float32 under mixed precision (a sum of squares over a feature map)."""
+
+    def __init__(self, dim: int, epsilon: float = 1e-6, **kwargs):
+        super().__init__(**kwargs)
+        self.dim, self.epsilon = int(dim), float(epsilon)
+
+    def build(self, input_shape):
+        self.gamma = self.add_weight(name="gamma", shape=(self.dim,), initializer="zeros")
+        self.beta = self.add_weight(name="beta", shape=(self.dim,), initializer="zeros")
+
+    def call(self, x):
+        x = keras.activations.gelu(x, approximate=False)
+        x32 = keras.ops.cast(x, "float32")
+        norm = keras.ops.sqrt(keras.ops.sum(keras.ops.square(x32), axis=(1, 2), keepdims=True))
+        scale = norm / (keras.ops.mean(norm, axis=-1, keepdims=True) + self.epsilon)
+        out = x32 + keras.ops.cast(self.beta, "float32") + keras.ops.cast(self.gamma, "float32") * (x32 * scale)
+        return keras.ops.cast(out, x.dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "dim": self.dim, "epsilon": self.epsilon}
+
+
 def _is_depthwise(layer: keras.layers.Layer) -> bool:
     """A Conv2D with one input and one output channel per group: a depthwise convolution."""
     return isinstance(layer, layers.Conv2D) and layer.groups > 1 and layer.groups == layer.filters \
         and layer.kernel.shape[-2] == 1
 
 
-def _tfdp_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
+_GELU = re.compile(r".*_stage_(\d+)_block_\d+_gelu")
+
+
+def _tfdp_layer(layer: keras.layers.Layer, spec: ConvNeXtSpec) -> keras.layers.Layer:
     """Keras' depthwise Conv2D, stochastic depth and layer scale → the layers the module's docstring
-    describes, same name and settings; every other layer as it is."""
+    describes, same name and settings; a V2's GELUs → `GELUResponseNorm`; every other layer as it is."""
+    gelu = _GELU.fullmatch(layer.name) if spec.grn else None
+    if gelu:
+        return GELUResponseNorm(4 * spec.dims[int(gelu[1])], name=layer.name[:-len("gelu")] + "grn")
     if _is_depthwise(layer):
         return layers.DepthwiseConv2D(layer.kernel_size, strides=layer.strides, padding=layer.padding,
                                       use_bias=layer.use_bias, name=layer.name)
@@ -140,10 +186,11 @@ def convnext(input_shape, num_classes: int, dropout: float, spec: ConvNeXtSpec, 
     """Keras' ConvNeXt for `spec`, its head's dropout added and three of its layers swapped (see the module)."""
     model = keras_convnext.ConvNeXt(
         depths=list(spec.depths), projection_dims=list(spec.dims), drop_path_rate=drop_path,
-        layer_scale_init_value=LAYER_SCALE_INIT, name=spec.name, include_preprocessing=False, include_top=True,
-        weights=None, input_shape=tuple(input_shape), classes=num_classes, classifier_activation=None)
+        layer_scale_init_value=None if spec.grn else LAYER_SCALE_INIT, name=spec.name, include_preprocessing=False,
+        include_top=True, weights=None, input_shape=tuple(input_shape), classes=num_classes,
+        classifier_activation=None)
     model = _with_head_dropout(model, dropout)
-    return keras.models.clone_model(model, clone_function=_tfdp_layer)
+    return keras.models.clone_model(model, clone_function=lambda layer: _tfdp_layer(layer, spec))
 
 
 def layer_groups(spec: ConvNeXtSpec) -> dict[str, str]:
@@ -209,6 +256,7 @@ TIMM_TO_KERAS: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {
     _BLOCK + r"mlp\.fc1": ("stage_{s}_block_{b}_pointwise_conv_1", dense_kernel),
     _BLOCK + r"mlp\.fc2": ("stage_{s}_block_{b}_pointwise_conv_2", dense_kernel),
     _BLOCK + r"gamma": ("stage_{s}_block_{b}_layer_scale", vector),
+    _BLOCK + r"mlp\.grn": ("stage_{s}_block_{b}_grn", vector),
     r"head\.norm": ("head_layernorm", vector),
     r"head\.fc": ("head_dense", dense_kernel),
 }
