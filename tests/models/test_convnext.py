@@ -298,3 +298,22 @@ def test_v2_full_size_state_dict_maps_and_v1_weights_do_not_fit(v2_fixture, fixt
                                         r"layer_scale/gamma \(96,\) \(another architecture\?\)$"):
         load_into(build_model(v1_cfg.model, v1_cfg.data),
                   torch_weights(tensors, v1_cfg.model, "convnextv2_tiny.safetensors"), v1_cfg.model)
+
+
+def test_v2_grn_of_a_channel_zero_everywhere_has_a_finite_gradient():
+    """A channel that is zero at every position (on a 1x1 map, one value), where the square root of its sum of
+    squares has an infinite derivative: gradients stay finite (0 for that norm, as PyTorch's), in float32 and in
+    bfloat16. A V2 trained with that NaN in bfloat16 under XLA went to a NaN validation loss at its second step."""
+    import tensorflow as tf
+    for dtype in ("float32", "bfloat16"):
+        layer = GELUResponseNorm(4, dtype=keras.DTypePolicy(f"mixed_{dtype}" if dtype == "bfloat16" else dtype))
+        layer.build((None, 1, 1, 4))
+        layer.gamma.assign(np.ones(4, np.float32))
+        x = tf.constant(np.array([[[[0.0, 1.5, -0.5, 2.0]]], [[[0.0, 0.0, 0.0, 0.0]]]], np.float32))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = tf.cast(layer(x), tf.float32)
+            loss = tf.reduce_sum(out * out)
+        grads = tape.gradient(loss, [x, layer.gamma, layer.beta])
+        assert all(np.isfinite(g.numpy()).all() for g in grads), dtype
+        assert np.isfinite(out.numpy()).all() and np.all(out.numpy()[1] == 0), dtype

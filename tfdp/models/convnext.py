@@ -138,7 +138,11 @@ class GELUResponseNorm(layers.Layer):
     def call(self, x):
         x = keras.activations.gelu(x, approximate=False)
         x32 = keras.ops.cast(x, "float32")
-        norm = keras.ops.sqrt(keras.ops.sum(keras.ops.square(x32), axis=(1, 2), keepdims=True))
+        squares = keras.ops.sum(keras.ops.square(x32), axis=(1, 2), keepdims=True)
+        # A channel that is zero everywhere (common on a 1x1 map, and in bfloat16) has norm 0, where the square
+        # root's gradient is infinite: its gradient is 0 here, as PyTorch's norm gives it (the value is unchanged).
+        alive = squares > 0
+        norm = keras.ops.where(alive, keras.ops.sqrt(keras.ops.where(alive, squares, 1.0)), 0.0)
         scale = norm / (keras.ops.mean(norm, axis=-1, keepdims=True) + self.epsilon)
         out = x32 + keras.ops.cast(self.beta, "float32") + keras.ops.cast(self.gamma, "float32") * (x32 * scale)
         return keras.ops.cast(out, x.dtype)
