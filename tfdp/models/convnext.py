@@ -11,6 +11,9 @@ for atto, femto, pico and nano (timm builds those with `conv_mlp=True`, 1x1
 convolutions and a channels LayerNorm, the same function as Keras' Dense
 layers and LayerNorm: the weight reader only reshapes their kernels).
 Parameter counts equal timm's at 1,000 classes (tests/models/test_models.py).
+ConvNeXt V2 (`convnextv2_*`, timm's table) is the same builder without layer
+scale, each block's GELU swapped for `GELUResponseNorm` (the GELU, then V2's
+Global Response Normalization), and timm's V2 weights map onto it.
 
 Three of Keras' layers are swapped after the build (same names, same
 function, same rates and initial values), for what training and export
@@ -187,7 +190,8 @@ def _with_head_dropout(model: keras.Model, rate: float) -> keras.Model:
 
 def convnext(input_shape, num_classes: int, dropout: float, spec: ConvNeXtSpec, drop_path: float = 0.0
              ) -> keras.Model:
-    """Keras' ConvNeXt for `spec`, its head's dropout added and three of its layers swapped (see the module)."""
+    """Keras' ConvNeXt for `spec`, its head's dropout added and three of its layers swapped (see the module), and
+    for a V2 its GELUs."""
     model = keras_convnext.ConvNeXt(
         depths=list(spec.depths), projection_dims=list(spec.dims), drop_path_rate=drop_path,
         layer_scale_init_value=None if spec.grn else LAYER_SCALE_INIT, name=spec.name, include_preprocessing=False,
