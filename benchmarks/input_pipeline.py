@@ -12,6 +12,8 @@ variant alike):
                       ceiling of TensorFlow's own kernels for this work
   tfdp train (files)  tfdp's training pipeline on the JPEG files
   tfdp train (shards) tfdp's training pipeline on the TFRecord shards
+  tfdp train (WebDataset shards)   the same on the same JPEGs in WebDataset tar
+                      shards (`data.format: wds`, written by webdataset's TarWriter)
   tfdp train (shards, repeated aug x3)   the same with data.repeated_augmentation: 3
   tfdp train (shards, max side N)   the same on the downscaled shards
   tfdp train (gs:// shards, warm)    the full-size shards read from a bucket (a real
@@ -91,6 +93,27 @@ def make_data(workdir: str, images: int, max_side: int, sets: tuple[str, ...] = 
         with open(made[name] + ".made", "w", encoding="utf-8") as f:
             f.write(f"{images}\n")
     return made
+
+
+def write_wds(tree: str, out: str, shards: int = 16) -> str:
+    """The tree's JPEGs, byte for byte, in WebDataset shards (an image and its `.cls` per sample), the
+    training images dealt round robin to `shards` shards as the converter deals them; written once."""
+    import webdataset
+
+    from tfdp.config import DataConfig
+    from tfdp.data import build_source
+    if os.path.exists(out + ".made"):
+        return out
+    source = build_source(DataConfig(format="imagenet", dir=tree))
+    os.makedirs(out, exist_ok=True)
+    for name, split, n in (("train", source.split("train"), shards), ("validation", source.split("val"), 1)):
+        for s in range(n):
+            with webdataset.TarWriter(os.path.join(out, f"imagenet-{name}-{s:04d}.tar")) as writer:
+                for number, (path, label) in enumerate(zip(split.files[s::n], split.labels[s::n])):
+                    with open(path, "rb") as f:
+                        writer.write({"__key__": f"{s:04d}-{number:06d}", "jpg": f.read(), "cls": str(label).encode()})
+    open(out + ".made", "w", encoding="utf-8").close()
+    return out
 
 
 def write_tree(tree: str, images: int) -> None:
@@ -439,12 +462,14 @@ def main() -> None:
         cold_seconds = time.perf_counter() - start
         shard_mb = sum(os.path.getsize(os.path.join(paths["shards"], n)) for n in os.listdir(paths["shards"])) / 2**20
         files = list(build_source(DataConfig(format="imagenet", dir=paths["tree"])).split("train").files)
+        wds = write_wds(paths["tree"], os.path.join(workdir, "wds"))
         mean_kb = sum(os.path.getsize(f) for f in files) / len(files) / 1024
         variants = {
             "full decode": lambda: full_decode(files, args.batch),
             "crop + resize alone": lambda: crop_and_resize_alone(files, args.size, args.batch),
             "tfdp train (files)": lambda: tfdp_train("imagenet", paths["tree"], args.size, args.batch),
             "tfdp train (shards)": lambda: tfdp_train("tfrecord", paths["shards"], args.size, args.batch),
+            "tfdp train (WebDataset shards)": lambda: tfdp_train("wds", wds, args.size, args.batch),
             "tfdp train (shards, repeated aug x3)":
                 lambda: tfdp_train("tfrecord", paths["shards"], args.size, args.batch, repeated_augmentation=3),
             f"tfdp train (shards, max side {args.max_side})":

@@ -43,7 +43,8 @@ def _record(image: bytes, label: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def datasets(gcs_bucket):
-    """{kind: (Split, bytes)}: image files and TFRecord shards of the same images in the emulator's bucket."""
+    """{kind: (Split, bytes)}: image files, TFRecord shards and WebDataset shards of the same images in the
+    emulator's bucket."""
     import fsspec
     images = _jpegs(IMAGES, 0)
     shards = []
@@ -57,17 +58,33 @@ def datasets(gcs_bucket):
                              for label in labels)
             other += 1
         shards.append(shard)
+    tars = [_tar([(images[label % IMAGES], label) for label in range(s * PER_SHARD, (s + 1) * PER_SHARD)])
+            for s in range(SHARDS)]
     fs, _ = fsspec.core.url_to_fs(gcs_bucket)
     image_urls = tuple(f"{gcs_bucket}/streamed/images/{i:04d}.jpg" for i in range(IMAGES))
     shard_urls = tuple(f"{gcs_bucket}/streamed/shards/train-{s:05d}" for s in range(SHARDS))
-    for url, data in zip(image_urls + shard_urls, images + shards):
+    tar_urls = tuple(f"{gcs_bucket}/streamed/wds/train-{s:05d}.tar" for s in range(SHARDS))
+    for url, data in zip(image_urls + shard_urls + tar_urls, images + shards + tars):
         fs.pipe_file(url.removeprefix("gs://"), data)   # one at a time: the emulator is slow with many at once
         assert fs.size(url.removeprefix("gs://")) == len(data)
     return {
         "images": (Split("train", image_urls, labels=tuple(range(IMAGES))), sum(map(len, images))),
         "records": (Split("train", shard_urls, counts=(PER_SHARD,) * SHARDS, records=IMAGENET_RECORDS),
                     sum(map(len, shards))),
+        "tar": (Split("train", tar_urls, counts=(PER_SHARD,) * SHARDS, tar=True), sum(map(len, tars))),
     }
+
+
+def _tar(samples: list[tuple[bytes, int]]) -> bytes:
+    """A WebDataset shard of (image, label) samples, as webdataset's TarWriter writes it."""
+    import tempfile
+
+    import webdataset
+    with tempfile.NamedTemporaryFile(suffix=".tar") as f:
+        with webdataset.TarWriter(f.name) as writer:
+            for number, (image, label) in enumerate(samples):
+                writer.write({"__key__": f"{number:04d}", "jpg": image, "cls": str(label).encode()})
+        return open(f.name, "rb").read()
 
 
 def _framed(record: bytes) -> bytes:
@@ -87,7 +104,7 @@ def closed_streams():
 
 
 def _file_of(kind: str, label: int) -> int:
-    return label if kind == "images" else label // PER_SHARD
+    return label if kind == "images" else label // PER_SHARD   # records and tar: PER_SHARD a shard
 
 
 def _config(cache_dir, limit) -> DataConfig:
@@ -132,7 +149,7 @@ def _stream(cfg: DataConfig) -> streaming.Stream:
     return next(s for (where, _), s in streaming.OPEN_STREAMS.items() if where == cfg.cache_dir)
 
 
-@pytest.mark.parametrize("kind", ["images", "records"])
+@pytest.mark.parametrize("kind", ["images", "records", "tar"])
 def test_a_stream_four_times_the_limit_stays_within_it_and_reads_what_a_full_copy_reads(datasets, kind, tmp_path):
     split, total = datasets[kind]
     limit = total // 4

@@ -46,7 +46,7 @@ class DataConfig:
     """Where the images are and how they are fed (see tfdp/data)."""
     __pydantic_config__ = _FORBID
     # digits | image_folder | csv (DIR/<split>.csv: image paths and labels) | imagenet (raw ILSVRC2012 or Kaggle
-    # tree) | tfrecord | tfds | synthetic
+    # tree) | tfrecord | wds (WebDataset tar shards: an image and its .cls per sample) | tfds | synthetic
     format: Str = "digits"
     dir: Str = "~/.cache/tfdp/digits"   # a local path or a bucket: gs://bucket/prefix, s3://bucket/prefix
     train_split: Str = "train"   # name of the training split (folder, shard prefix or TFDS split)
@@ -589,6 +589,9 @@ def _check_service(cfg: Config) -> None:
     if cfg.train.deterministic:
         raise UserError("train.deterministic cannot train through the tf.data service (data.service_address): "
                         "the service decides which worker reads what, so the input cannot be replayed")
+    if cfg.data.format == "wds":
+        raise UserError("data.format wds cannot be read through the tf.data service (data.service_address): its "
+                        "workers would read tar shards the trainer indexes; read it without the service")
     if cfg.data.repeated_augmentation > 1:
         raise UserError("data.repeated_augmentation needs the local input pipeline: through the tf.data service "
                         "(data.service_address) the copies of an image could not be dealt to different replicas")

@@ -40,6 +40,12 @@ def _tfrecord(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     return tfrecord_source(cfg.dir, splits, cfg.cache_dir)
 
 
+def _wds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
+    """WebDataset tar shards (timm's `wds/` datasets): an image and its `.cls` per sample."""
+    from tfdp.data.layouts.webdataset import wds_source
+    return wds_source(cfg.dir, splits, cfg.cache_dir)
+
+
 def _tfds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     from tfdp.data.layouts.tfds import tfds_source
     return tfds_source(cfg.dir, cfg.tfds_name, splits, cfg.cache_dir, cfg.tfds_manual_dir)
@@ -65,6 +71,7 @@ SOURCES: dict[str, Callable[[DataConfig, tuple[str, ...]], Source]] = {
     "csv": _csv,
     "imagenet": _imagenet,
     "tfrecord": _tfrecord,
+    "wds": _wds,
     "tfds": _tfds,
     "synthetic": _synthetic,
 }

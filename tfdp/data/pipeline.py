@@ -1,7 +1,7 @@
 """tf.data pipelines: files → decoded, cropped uint8 batches, counted and resumable.
 
 The pipeline is assembled from small parts: a reader per kind of split
-(`tfdp.data.readers`: records, image files, synthetic) yields payloads and
+(`tfdp.data.readers`: records, tar samples, image files, synthetic) yields payloads and
 turns each into an example with the preprocessing function it is handed
 (`tfdp.data.preprocess`: random-resized crop for training, central crop for
 evaluation). This module only shards, orders, batches and counts. Images

@@ -1,8 +1,9 @@
 """Readers: one per kind of split, each turning its files into examples (Model Garden's Decoder).
 
 A reader has two halves. `payloads` lists this input pipeline's share as a
-dataset of small elements (a record's shard and byte offset, an image file's
-path and label, a synthetic example's number), in the order a data epoch's seed
+dataset of small elements (a record's shard and byte offset, a tar sample's
+shard and table row, an image file's path and label, a synthetic example's
+number), in the order a data epoch's seed
 draws. `example` turns one element into (image, label), calling the
 preprocessing function it is given (`tfdp.data.preprocess`) on the encoded
 bytes. `tfdp.data.pipeline` only picks the reader by `Split.kind` and never
@@ -23,6 +24,7 @@ from tfdp.data import streaming
 from tfdp.data.layouts import Split
 from tfdp.data.storage import localize
 from tfdp.data.layouts.tfrecord import INTERLEAVE_CYCLE, parse_record, read_record
+from tfdp.data.layouts.webdataset import LABEL as SAMPLE_LABEL, read_range
 
 AUTOTUNE = tf.data.AUTOTUNE
 SYNTHETIC_BANK = 16   # distinct synthetic images, cycled: generating pixels per example would cost host CPU
@@ -39,6 +41,8 @@ class Reader:
     of_files: Callable[..., tf.data.Dataset] | None = None
     # whether `data.cache` can keep the payloads in memory (a synthetic stream has nothing to read)
     cacheable: bool = True
+    # payload dataset → the same with each payload's bytes read in, what `data.cache` keeps (None: as it is)
+    fetched: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None
 
 
 def payloads(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool,
@@ -75,13 +79,10 @@ def slot_payloads(split: Split, cfg: DataConfig, seed: int, first_slot: int, end
 def cached(ds: tf.data.Dataset, share: Split) -> tf.data.Dataset:
     """`data.cache`: payloads kept in memory after the first pass (image files and records read here, so
     the cache holds their bytes). The cached order is the unshuffled one; training shuffles it per epoch."""
-    if not READERS[share.kind].cacheable:
+    reader = READERS[share.kind]
+    if not reader.cacheable:
         return ds
-    if share.kind == "images":
-        ds = ds.map(lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE)
-    elif share.kind == "records" and isinstance(ds.element_spec, tuple):  # locations: cache the records
-        ds = ds.map(read_record, num_parallel_calls=AUTOTUNE)
-    return ds.cache()
+    return (reader.fetched(ds) if reader.fetched else ds).cache()
 
 
 # --- TFRecord shards --------------------------------------------------------
@@ -105,9 +106,15 @@ def _record_payloads(share, cfg, ctx, data_shard, order_seed):
     workers' copies of the shards, which it need not hold, so it cannot read
     their framing.
     """
+    return _interleaved(share, cfg, ctx, data_shard, order_seed, _shard_records)
+
+
+def _interleaved(share, cfg, ctx, data_shard, order_seed, locations: Callable[..., Callable]) -> tf.data.Dataset:
+    """The shards in the permutation `order_seed` draws, INTERLEAVE_CYCLE at a time, each giving its
+    `locations` front to back; split by example for sharding by example."""
     files = streaming.local_files(share.files, cfg)
     ds = tf.data.Dataset.from_tensor_slices(_permuted(tf.range(len(files), dtype=tf.int64), order_seed)).interleave(
-        _shard_records(files, share.counts, cfg), cycle_length=min(len(files), INTERLEAVE_CYCLE))
+        locations(files, share.counts, cfg), cycle_length=min(len(files), INTERLEAVE_CYCLE))
     return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) if data_shard else ds
 
 
@@ -126,14 +133,20 @@ def _shard_records(files: list[str], counts: tuple[int, ...], cfg: DataConfig) -
     holding a constant of a million offsets that tf.data would copy into
     every function library it rewrites.
     """
+    if cfg.service_address:
+        with tf.init_scope():
+            paths = tf.constant(files)
+        return lambda number: tf.data.TFRecordDataset(paths[number])
+    return _table_locations(files, [streaming.record_places(f, count) for f, count in zip(files, counts)])
+
+
+def _table_locations(files: list[str], tables: list[np.ndarray]) -> Callable[..., tf.data.Dataset]:
+    """shard number → (its path, each row of its table): a record's offset, a tar sample's row. The tables
+    are made eagerly (see `_shard_records`)."""
     with tf.init_scope():
         paths = tf.constant(files)
-    if cfg.service_address:
-        return lambda number: tf.data.TFRecordDataset(paths[number])
-    offsets = [streaming.record_places(f, count) for f, count in zip(files, counts)]
-    with tf.init_scope():
-        flat = tf.constant(np.concatenate([np.zeros([0], np.int64), *offsets]))
-        bounds = tf.constant(np.cumsum([0] + [len(o) for o in offsets]), tf.int64)
+        flat = tf.constant(np.concatenate(tables) if tables else np.zeros([0], np.int64))
+        bounds = tf.constant(np.cumsum([0] + [len(t) for t in tables]), tf.int64)
 
     def locations(number):
         first, end = bounds[number], bounds[number + 1]
@@ -148,6 +161,41 @@ def _record_example(share, cfg, num_classes):
         encoded, label = parse_record(serialized, share.records)
         return transform(encoded, index), label
     return example
+
+
+def _fetched_records(ds: tf.data.Dataset) -> tf.data.Dataset:
+    if not isinstance(ds.element_spec, tuple):   # the records themselves already (through the service)
+        return ds
+    return ds.map(read_record, num_parallel_calls=AUTOTUNE)
+
+
+# --- WebDataset tar shards --------------------------------------------------
+
+def _tar_payloads(share, cfg, ctx, data_shard, order_seed):
+    """(shard path, sample table row), the shards drawn and interleaved as TFRecord shards are
+    (`_record_payloads`): a row locates the image's bytes and holds its label (`layouts.webdataset`), so the
+    image is read where it is decoded and a resumed stream skips samples without reading them."""
+    return _interleaved(share, cfg, ctx, data_shard, order_seed, _shard_samples)
+
+
+def _shard_samples(files: list[str], counts: tuple[int, ...], cfg: DataConfig) -> Callable[..., tf.data.Dataset]:
+    """shard number → its first `counts[i]` samples' rows (sample numbers in a streamed shard)."""
+    return _table_locations(files, [streaming.sample_places(f, count) for f, count in zip(files, counts)])
+
+
+def _tar_example(share, cfg, num_classes):
+    def example(element, index, transform):
+        where = element[1]
+        if where.shape.rank == 1:   # a table row (`_tar_payloads`)
+            encoded, label = _read_sample(*element)
+        else:   # the image's bytes and its label: streamed (`streaming`) or cached (`cached`)
+            encoded, label = element
+        return transform(encoded, index), label
+    return example
+
+
+def _read_sample(path: tf.Tensor, row: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    return read_range(path, row), tf.cast(row[SAMPLE_LABEL], tf.int32)
 
 
 # --- one image per file -----------------------------------------------------
@@ -215,7 +263,9 @@ def _permuted(values: tf.Tensor, seed: tf.Tensor | None) -> tf.Tensor:
 
 
 READERS: dict[str, Reader] = {
-    "records": Reader(_record_payloads, _record_example, _record_files),
-    "images": Reader(_image_payloads, _image_example, _image_files),
+    "records": Reader(_record_payloads, _record_example, _record_files, fetched=_fetched_records),
+    "tar": Reader(_tar_payloads, _tar_example, fetched=lambda ds: ds.map(_read_sample, num_parallel_calls=AUTOTUNE)),
+    "images": Reader(_image_payloads, _image_example, _image_files, fetched=lambda ds: ds.map(
+        lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE)),
     "synthetic": Reader(_synthetic_payloads, _synthetic_example, _synthetic_files, cacheable=False),
 }

@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -64,6 +65,7 @@ from tfdp.config import DataConfig, byte_size
 from tfdp.data import storage
 from tfdp.data.layouts import Split
 from tfdp.data.layouts.tfrecord import HEADER_BYTES, INTERLEAVE_CYCLE, LENGTH, record_offsets
+from tfdp.data.layouts.webdataset import sample_table
 from tfdp.errors import UserError, first_line
 
 AUTO_FRACTION = 0.5        # data.cache_limit auto: this share of the free space of data.cache_dir at start
@@ -100,6 +102,20 @@ def _read_record(path: str, number: int, offsets: np.ndarray) -> bytes:
         return f.read(LENGTH.unpack(header[:LENGTH.size])[0])
 
 
+def _read_sample(path: str, number: int, table: np.ndarray) -> bytes:
+    """A tar sample's label (4 bytes, little-endian) and then its image bytes: the gate's one string carries
+    both (`_labelled` parts them)."""
+    offset, length, label = (int(v) for v in table[number])
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return LABEL_BYTES.pack(label) + f.read(length)
+
+
+def _labelled(data: tf.Tensor, number: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    return (tf.strings.substr(data, LABEL_BYTES.size, -1),
+            tf.io.decode_raw(tf.strings.substr(data, 0, LABEL_BYTES.size), tf.int32)[0])
+
+
 def _read_file(path: str, label: int, index: Any) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -113,8 +129,10 @@ def _records_at_once(sizes: list[int]) -> int:
 KINDS: dict[str, Kind] = {
     "records": Kind(lambda path: record_offsets(path)[0], _read_record, lambda data, number: data,
                     _records_at_once),
+    "tar": Kind(lambda path: sample_table(path)[0], _read_sample, _labelled, _records_at_once),
     "images": Kind(lambda path: None, _read_file, lambda data, label: (data, label), lambda sizes: sizes[0]),
 }
+LABEL_BYTES = struct.Struct("<i")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +183,14 @@ def record_places(path: str, count: int) -> np.ndarray:
     if _building and path in _building[-1].size:
         return np.arange(count, dtype=np.int64)
     return record_offsets(path)[0][:count]
+
+
+def sample_places(path: str, count: int) -> np.ndarray:
+    """Where a tar shard's first `count` samples are for the reader: their table rows in a local shard; sample
+    numbers in a streamed one (the gate reads its table once it is there)."""
+    if _building and path in _building[-1].size:
+        return np.arange(count, dtype=np.int64)
+    return sample_table(path)[0][:count]
 
 
 def limit_bytes(cfg: DataConfig, reclaimable: int = 0) -> int:

@@ -73,7 +73,8 @@ class Split:
 
     Either each file is one encoded image (`labels` gives its 0-based label),
     or each file holds serialized examples (`records` says how to read them,
-    `counts` how many each file has; counts size the epochs and let every
+    `counts` how many each file has), or samples of a tar shard (`tar`,
+    `counts` likewise; counts size the epochs and let every
     evaluation pipeline run the same number of steps). `counts` are the
     records each file really holds; `lost` the ones it was expected to hold
     (counts.json) but cuts short, as a half-finished copy leaves a shard.
@@ -85,6 +86,7 @@ class Split:
     records: RecordFormat | None = None
     synthetic: bool = False   # examples made in the pipeline: `files` only name its parts, `counts` size them
     lost: tuple[int, ...] = ()  # per file: records counts.json lists beyond the readable ones
+    tar: bool = False   # each file a WebDataset tar shard, `counts` its samples (`layouts.webdataset`)
 
     @property
     def num_examples(self) -> int:
@@ -100,12 +102,12 @@ class Split:
                          for f, c, n in zip(self.files, self.counts, self.lost) if n)
 
     def file_counts(self) -> tuple[int, ...]:
-        return self.counts if self.records or self.synthetic else (1,) * len(self.files)
+        return self.counts if self.records or self.synthetic or self.tar else (1,) * len(self.files)
 
     @property
     def kind(self) -> str:
         """Which reader turns the files into examples (see `tfdp.data.readers`)."""
-        return "synthetic" if self.synthetic else "records" if self.records else "images"
+        return "synthetic" if self.synthetic else "records" if self.records else "tar" if self.tar else "images"
 
     def subset(self, indices) -> "Split":
         """The same split restricted to the files at `indices` (one input pipeline's share)."""

@@ -1,0 +1,263 @@
+"""WebDataset tar shards, read in place: `data.format: wds`.
+
+The layout timm trains from (`timm/imagenet-1k-wds`, `--dataset wds/...`) and `webdataset`'s `TarWriter`
+writes: each shard a plain tar whose consecutive members sharing a key (the path up to its name's first dot)
+make one sample, here an image (`.jpg`, `.jpeg`, `.png`, `.webp`, ... : the first member TensorFlow decodes)
+and its class number (`.cls`, the integer as text); other members (`.json`, `.txt`) are left alone.
+
+A split's shards are those timm's `_info.json` (or `_info.yaml`) lists for it, with their sample counts
+(`splits: {train: {filenames: [...], shard_lengths: [...]}}`), else the `.tar` files of `DIR/<split>/`, else
+those of `DIR` whose name has the split as a dash-separated part (`imagenet1k-train-0007.tar`; `val` also
+finds `validation`). Class names come from a synset file (`synsets.txt`, as the `tfrecord` layout reads it)
+where there is one; otherwise the classes are only numbers and `model.num_classes` says how many.
+
+A shard is read as TFRecord shards are (`tfdp.data.readers`): its sample table (`sample_table`: where each
+image's bytes are, and its label) is made from the tar headers and the `.cls` members once the shard is local,
+and the training stream shuffles table rows, reading each image where it is decoded. Shards in a bucket are
+copied, or streamed through the bounded cache, as TFRecord shards are. A sample without an image, or whose
+label is not an integer, stays in the table with no bytes to read, so the decoder counts it as a corrupt
+image; a shard cut short keeps its whole samples and counts the rest as lost (`Split.lost`), as a cut
+TFRecord shard does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import posixpath
+import re
+import tarfile
+
+import numpy as np
+import yaml
+
+from tfdp.data.layouts import IMAGE_EXTENSIONS, Source, Split, read_text
+from tfdp.data.layouts.records import SPLIT_PREFIXES, read_synsets
+from tfdp.data.storage import filesystem, is_remote, localize, url
+from tfdp.errors import UserError, first_line
+
+INFO_FILES = ("_info.json", "_info.yaml", "info.json")   # timm's reader tries the first and the last
+IMAGE_TYPES = tuple(ext.lstrip(".") for ext in IMAGE_EXTENSIONS)
+LABEL_TYPE = "cls"
+# A sample table row: where the image's bytes are (offset, length), then the 0-based label.
+OFFSET, LENGTH, LABEL = range(3)
+ROW = 3
+END_BLOCKS = 1024   # the two zero blocks that end a tar: a shard without them was cut short
+_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")   # webdataset's base_plus_ext: (key, extension)
+
+
+def wds_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> Source:
+    fs, path = filesystem(root)
+    if not fs.isdir(path):
+        raise UserError(f"data directory not found: {url(fs, path)}")
+    info = read_info(fs, path)
+    synsets, text = read_synsets(fs, path)
+    splits = {}
+    for name in split_names:
+        shards, listed = info_shards(fs, path, info, name) if info else (find_shards(fs, path, name), {})
+        counts = _counts(shards, listed, cache_dir)
+        readable = counts if is_remote(fs) else tuple(min(len(sample_table(s)[0]), n) for s, n in zip(shards, counts))
+        split = Split(name=name, files=shards, counts=readable, tar=True,
+                      lost=tuple(c - r for c, r in zip(counts, readable)) if readable != counts else ())
+        check_first_sample(split, len(synsets))
+        if synsets and not is_remote(fs):
+            check_labels(split, len(synsets))
+        splits[name] = split
+    return Source(class_names=synsets, splits=splits, class_text=text)
+
+
+def read_info(fs, root: str) -> dict:
+    """timm's dataset description (`_info.json` / `_info.yaml`), {} where there is none; one that is damaged
+    is one line naming it."""
+    for name in INFO_FILES:
+        path = posixpath.join(root, name)
+        if not fs.exists(path):
+            continue
+        try:
+            info = (json.loads if name.endswith(".json") else yaml.safe_load)(read_text(fs, path))
+        except (ValueError, yaml.YAMLError) as e:
+            raise UserError(f"{url(fs, path)} is not {name.rpartition('.')[2].upper()}: {first_line(e, 80)}") from None
+        if not isinstance(info, dict) or not isinstance(info.get("splits"), dict):
+            raise UserError(f"{url(fs, path)} has no \"splits\" (timm's layout: splits: {{train: {{filenames: "
+                            f"[...], shard_lengths: [...]}}}})")
+        return {**info, "path": url(fs, path)}
+    return {}
+
+
+def info_shards(fs, root: str, info: dict, name: str) -> tuple[tuple[str, ...], dict[str, int]]:
+    """(the split's shards, their sample counts) as `_info` lists them."""
+    known = info["splits"]
+    found = next((known[n] for n in SPLIT_PREFIXES.get(name, (name,)) if n in known), None)
+    if found is None:
+        raise UserError(f"{info['path']} lists no split '{name}' (it lists: {', '.join(sorted(map(str, known)))})")
+    files, lengths = found.get("filenames"), found.get("shard_lengths")
+    if (not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files)
+            or not isinstance(lengths, list) or len(lengths) != len(files)
+            or not all(type(n) is int and n >= 0 for n in lengths)):
+        raise UserError(f"{info['path']}: split '{name}' needs \"filenames\" and as many \"shard_lengths\" "
+                        f"(sample counts)")
+    shards = tuple(url(fs, posixpath.join(root, f)) for f in files)
+    missing = [s for s in shards if not fs.exists(s)]
+    if missing:
+        raise UserError(f"{info['path']} lists {len(missing)} shard(s) that are not there, the first {missing[0]}")
+    return shards, dict(zip(shards, lengths))
+
+
+def find_shards(fs, root: str, name: str) -> tuple[str, ...]:
+    """The split's `.tar` files: `root/<split>/*.tar`, else those of root with the split as a dash-separated
+    part of their name."""
+    for prefix in SPLIT_PREFIXES.get(name, (name,)):
+        folder = posixpath.join(root, prefix)
+        if fs.isdir(folder):
+            shards = sorted(p for p in fs.ls(folder, detail=False) if p.endswith(".tar"))
+            if shards:
+                return tuple(url(fs, s) for s in shards)
+        shards = sorted(p for p in fs.ls(root, detail=False) if p.endswith(".tar")
+                        and prefix in posixpath.basename(p)[:-len(".tar")].split("-"))
+        if shards:
+            return tuple(url(fs, s) for s in shards)
+    raise UserError(f"no WebDataset shards for split '{name}' in {url(fs, root)} (expected {name}/*.tar, "
+                    f"*-{name}-*.tar or an _info.json listing them)")
+
+
+def _counts(shards: tuple[str, ...], listed: dict[str, int], cache_dir: str) -> tuple[int, ...]:
+    """Samples per shard: as `_info` lists them, else counted from a local copy (all such shards fetched at once)."""
+    uncounted = [s for s in shards if s not in listed]
+    counted = {s: len(sample_table(local)[0]) for s, local in zip(uncounted, localize(uncounted, cache_dir))}
+    return tuple(listed[s] if s in listed else counted[s] for s in shards)
+
+
+def check_first_sample(split: Split, num_classes: int) -> None:
+    """Fails early on tars that are not labelled images (no `.cls`, no image) or whose labels exceed the
+    class list, naming what the first sample holds. Only its members are read, in a bucket too."""
+    path = next((f for f, n in zip(split.files, split.counts) if n), None)
+    if path is None:
+        return
+    fs, where = filesystem(path)
+    with fs.open(where, "rb") as f:
+        types, label = _first_sample(f, path)
+    if not any(t in IMAGE_TYPES for t in types) or LABEL_TYPE not in types:
+        raise UserError(f"{path}: the first sample has no {'image' if LABEL_TYPE in types else '.cls label'} "
+                        f"(its members: {', '.join('.' + t for t in types) or 'none'}; data.format wds reads an "
+                        f"image and its .cls)")
+    if label is None or (num_classes and label >= num_classes):
+        shown = "not a class number" if label is None else f"outside 0..{num_classes - 1} (synsets.txt's classes)"
+        raise UserError(f"{path}: the first sample's label is {shown}")
+
+
+def check_labels(split: Split, num_classes: int) -> None:
+    """Every label of local shards (their tables are made anyway) within the class list, or one line naming the
+    first that is not."""
+    for path, count in zip(split.files, split.counts):
+        labels = sample_table(path)[0][:count, LABEL]
+        outside = np.flatnonzero(labels >= num_classes)
+        if outside.size:
+            raise UserError(f"{path}: sample {outside[0]}'s label {labels[outside[0]]} is outside 0..{num_classes - 1} "
+                            f"(synsets.txt's classes); {outside.size} sample(s) of this shard are")
+
+
+def _first_sample(f, path: str) -> tuple[list[str], int | None]:
+    """(the member types of the first sample of the tar open as `f`, its label or None)."""
+    types, label, key = [], None, None
+    try:
+        with tarfile.open(fileobj=f, mode="r:") as tar:
+            for member in tar:
+                found = _KEY.match(member.name) if member.isfile() else None
+                if not found:
+                    continue
+                if key is not None and found[1] != key:
+                    break
+                key = found[1]
+                types.append(found[2].lower())
+                if types[-1] == LABEL_TYPE:
+                    label = _label(tar.extractfile(member).read())
+    except tarfile.TarError as e:
+        raise UserError(f"{path} is not a tar file ({first_line(e, 80)})") from None
+    return types, label
+
+
+def sample_table(path: str) -> tuple[np.ndarray, str | None]:
+    """(a row per whole sample of a local tar shard, in order, `ROW` int64s each: where its image is and its
+    label; how the shard is cut short, or None).
+
+    Only the headers and the `.cls` members are read. A sample lacking an image or an integer label gets a
+    row with no bytes (the decoder then counts it as corrupt). Kept per file version, as TFRecord offsets
+    are: listing and building the pipeline both ask.
+    """
+    stat = os.stat(path)
+    return _walk(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8192)
+def _walk(path: str, size: int, mtime_ns: int) -> tuple[np.ndarray, str | None]:
+    rows: list[list[int]] = []
+    cut = None
+    key, image, label = None, None, None
+
+    def close():
+        if key is not None:
+            rows.append([image[0], image[1], label] if image and label is not None else [0, 0, -1])
+
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                found = _KEY.match(member.name) if member.isfile() else None
+                if not found:
+                    continue
+                if member.offset_data + member.size > size:
+                    cut = f"member {member.name} runs past the end"
+                    break
+                if found[1] != key:
+                    close()
+                    key, image, label = found[1], None, None
+                kind = found[2].lower()
+                if kind in IMAGE_TYPES and image is None:
+                    image = (member.offset_data, member.size)
+                elif kind == LABEL_TYPE:
+                    label = _label(tar.extractfile(member).read())
+            end = tar.offset
+    except tarfile.TarError as e:
+        if not rows and key is None:
+            raise UserError(f"{path} is not a tar file ({first_line(e, 80)})") from None
+        cut = f"a header is damaged ({first_line(e, 80)})"
+    else:
+        if cut is None and size - end < END_BLOCKS:   # tarfile ends quietly at a header cut short
+            cut = "its end-of-archive blocks are missing"
+    if cut is None:
+        close()   # the last sample is whole: nothing of the shard is missing after it
+    table = np.array(rows, np.int64).reshape(-1, ROW)
+    table.flags.writeable = False   # shared by every caller
+    return table, cut
+
+
+def _label(data: bytes) -> int | None:
+    try:
+        label = int(data.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return label if label >= 0 else None
+
+
+def read_range(path, row):
+    """The image bytes a sample table row locates in the local tar `path`, read with one `pread` inside the
+    decoding map (`tf.numpy_function`: TensorFlow has no op that reads a byte range of a plain file without
+    reading, or skipping through, everything before it; its fixed-length record reader did, 2 ms per image in
+    a 40 MB shard). A row with no bytes (a sample without an image or a label) and a shard cut since its table
+    was made are errors of this op, which the decoding map counts as corrupt images."""
+    import tensorflow as tf
+
+    data = tf.numpy_function(_pread, [path, row[OFFSET], row[LENGTH]], tf.string, stateful=False)
+    return tf.reshape(data, [])
+
+
+def _pread(path: bytes, offset: np.int64, length: np.int64) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, int(length), int(offset))
+    finally:
+        os.close(fd)
+    if not length or len(data) != length:
+        raise ValueError(f"{path.decode(errors='replace')}: no image at byte {offset} (the sample has none, or the "
+                         f"shard was cut)")
+    return data
