@@ -112,23 +112,28 @@ def config_and_runtime(args: list[str], training: bool = False):
 def with_local_init_from(cfg: config_lib.Config) -> config_lib.Config:
     """`model.init_from` on the Hugging Face Hub (fetched into its cache, `tfdp.rundir.hub`) or in a bucket (copied
     into data.cache_dir, `tfdp.rundir.init_from`), and the config resolved again from the local copy, so the
-    weights' own preprocessing applies as from a local path. A run that resumes reads neither (its checkpoints
-    hold the weights, its config.yaml the preprocessing), so it fetches nothing: a host without a network resumes."""
+    weights' own preprocessing applies as from a local path; the run's config.yaml records the bucket URL or the
+    handle at its commit, not the copy (`tfdp.rundir.init_from.recorded`). A run that resumes reads neither (its
+    checkpoints hold the weights, its config.yaml the preprocessing), so it fetches nothing: a host without a network
+    resumes."""
     from tfdp.data.storage import is_remote_url
     from tfdp.rundir import hub
-    from tfdp.rundir.init_from import local_copy, resumes
+    from tfdp.rundir.init_from import STANDS_FOR, keep_recorded, local_copy, resumes
     spec = cfg.model.init_from
     if resumes(cfg.model_dir):
+        keep_recorded(cfg.model_dir, spec)
         return cfg
     if hub.is_handle(spec):
         say(f"tfdp: init_from: fetching {spec} from the Hugging Face Hub, or its cache")
         local = hub.local_copy(spec, "model.init_from")
         say(f"tfdp: init_from: {spec} is {local}")
+        STANDS_FOR[local] = hub.pinned(spec, local)
     elif hub.is_refused_handle(spec):
         raise UserError(hub.refusal(spec, "model.init_from"))
     elif is_remote_url(spec):
         local = local_copy(spec, cfg.data.cache_dir, "model.init_from")
         say(f"tfdp: init_from: {spec} copied to {local}")
+        STANDS_FOR[local] = spec
     else:
         return cfg
     return config_lib.load_config(FLAGS.config, {**overrides_from_flags(), "model.init_from": local})

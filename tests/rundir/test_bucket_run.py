@@ -319,6 +319,8 @@ def test_a_fresh_run_starts_from_a_run_in_the_bucket(s3, fs, small_dir, tmp_path
     assert cached_files(local) == sorted(RUN_FILES)
     assert (local / "checkpoints" / "best.weights.h5").read_bytes() == fs.cat_file(
         f"{base}/checkpoints/best.weights.h5")
+    saved = (tmp_path / "fine" / "config.yaml").read_text()
+    assert f"init_from: {base}\n" in saved   # the bucket's run, not this host's copy: the config runs elsewhere too
 
     # `--checkpoint` in the bucket: `tfdp evaluate` copies it too, and finds what the run logged for that epoch.
     weights = f"{base}/checkpoints/epoch-0002/model.weights.h5"

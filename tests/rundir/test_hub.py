@@ -76,12 +76,15 @@ def test_a_run_starts_from_a_timm_repository_and_its_pretrained_cfg(hub, tiny_di
     assert [path for method, path in hub.requests if method == "GET" and "/resolve/" in path] == [
         f"/{TIMM_REPO}/resolve/main/config.json", f"/{TIMM_REPO}/resolve/{commit}/model.safetensors"]
     saved = open(os.path.join(tmp_path, "run", "config.yaml"), encoding="utf-8").read()
-    assert f"init_from: {local}" in saved   # the run records the files it started from, at their commit
+    # the run records the repository at the commit its files came from, not this host's cache: its config runs
+    # again on another host, with the same weights
+    assert f"init_from: hf-hub:{TIMM_REPO}@{commit}\n" in saved and "snapshots" not in saved
 
     # A run that resumes reads no init_from, so it fetches nothing: a host with neither the Hub nor its cache goes on
     again = run_tfdp(*train, env_extra={**hub.env, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "no_cache")})
     assert again.returncode == 0, again.stderr[-3000:]
     assert "fetching" not in again.stdout and "tfdp: all 1 epochs already trained in" in again.stdout, again.stdout
+    assert open(os.path.join(tmp_path, "run", "config.yaml"), encoding="utf-8").read() == saved   # the commit kept
 
     hub.requests.clear()
     hub.repos.clear()   # the Hub answers nothing now; then no Hub at all (port 9: refused), offline or not

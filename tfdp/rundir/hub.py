@@ -54,6 +54,13 @@ def refusal(spec: str, what: str) -> str:
             f"folder")
 
 
+def pinned(handle: str, local: str) -> str:
+    """`handle` at the commit of its local copy (`…/snapshots/COMMIT`, or a file in it): what the run records."""
+    prefix = next(p for p in HANDLES if handle.startswith(p))
+    repo, _ = parse(handle, "model.init_from")
+    return f"{prefix}{repo}@{os.path.basename(local if os.path.isdir(local) else os.path.dirname(local))}"
+
+
 def parse(handle: str, what: str) -> tuple[str, str]:
     """(repository id, revision) of `hf-hub:ORG/NAME[@REV]` or `hf://ORG/NAME[@REV]`; the revision defaults to main."""
     rest = handle[len(next(p for p in HANDLES if handle.startswith(p))):].strip("/")

@@ -37,6 +37,33 @@ BEST = "checkpoints/best.weights.h5"
 RUN_FILES = (BEST, "checkpoints/best.json", "config.yaml")
 # How far above the weights a run's config.yaml is looked for (as tfdp.config.pretrained.run_dir_of looks).
 RUN_LEVELS = 4
+# What each local copy tfdp made of `model.init_from` stands for (the bucket URL, the Hub handle at its commit): the
+# run's config.yaml records that, not a path into this host's cache, so the config runs again on another host.
+STANDS_FOR: dict[str, str] = {}
+
+
+def recorded(spec: str) -> str:
+    """What a run's config.yaml records for `model.init_from` = `spec`."""
+    return STANDS_FOR.get(spec, spec)
+
+
+def keep_recorded(model_dir: str, spec: str) -> None:
+    """A resumed run (which fetches nothing) keeps what its config.yaml recorded for a Hub handle `spec`: the
+    repository at the commit its weights came from, which the handle as given again (a branch) may no longer be."""
+    import yaml
+
+    from tfdp.rundir import hub
+    if not hub.is_handle(spec):
+        return
+    try:
+        with open(os.path.join(os.path.expanduser(model_dir), "config.yaml"), encoding="utf-8") as f:
+            saved = (yaml.safe_load(f) or {}).get("model", {}).get("init_from")
+        same = (isinstance(saved, str) and hub.is_handle(saved) and saved.split(":")[0] == spec.split(":")[0]
+                and hub.parse(saved, "")[0] == hub.parse(spec, "")[0])
+    except (OSError, yaml.YAMLError, AttributeError, UserError):
+        return
+    if same:
+        STANDS_FOR[spec] = saved
 
 
 def local_copy(url: str, cache_dir: str, what: str = "model.init_from") -> str:

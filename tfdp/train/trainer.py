@@ -37,6 +37,7 @@ from tfdp.data.pipeline import CorruptCounter, data_errors
 from tfdp.rundir.bucket import Place, place_for
 from tfdp.data.layouts import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line
+from tfdp.rundir.init_from import recorded
 from tfdp.rundir.lease import writer_lease
 from tfdp.rundir.metrics_file import METRICS_FILE, read_metrics
 from tfdp.rundir.writable import writable_tree
@@ -331,9 +332,11 @@ def weights_fingerprint(model: keras.Model) -> str:
 
 def save_config(cfg: Config, model_dir: str, shown: str | None = None) -> None:
     """Saves the resolved config; warns when a resumed run's config changed. `shown`: where the user
-    will find it, when that is not here (a bucket run's upload)."""
+    will find it, when that is not here (a bucket run's upload). `model.init_from` is what the user named (a bucket
+    URL, a Hub handle at its commit), not tfdp's local copy of it."""
     path = os.path.join(model_dir, "config.yaml")
-    text = config_lib.dump_yaml(cfg)
+    text = config_lib.dump_yaml(dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, init_from=recorded(cfg.model.init_from))))
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             if f.read() != text:
