@@ -96,7 +96,23 @@ def load_weights(model: keras.Model, path: str, what: str) -> None:
     except (ValueError, KeyError) as e:
         if str(e).startswith("File format not supported"):   # Keras' words for a name it does not know
             raise UnreadableWeights(path, "not a Keras weights file: Keras reads .weights.h5, .keras and .h5") from None
-        raise UserError(f"checkpoint {path} does not fit {what}: {str(e).strip().splitlines()[0][:200]}") from None
+        raise UserError(f"checkpoint {path} does not fit {what}: {mismatch(e)}") from None
+
+
+def mismatch(error: Exception) -> str:
+    """Keras' words for weights that do not fit, in one line: its message opens with a count and a colon and
+    puts the example's reason (and then a dump of the variable's values) on the lines after."""
+    text = str(error).strip()
+    found = KERAS_MISMATCH.match(text)
+    if not found:
+        return text.splitlines()[0][:200] if text else type(error).__name__
+    count, kind, name, reason = found.groups()
+    reason = next((line for line in reason.splitlines() if line.strip()), "").split(" Target variable:")[0]
+    return f"{count} layer(s) do not fit, the first {kind} '{name}': {reason.strip()[:200]}"
+
+
+KERAS_MISMATCH = re.compile(r"A total of (\d+) objects could not be loaded\. Example error message for object "
+                            r"<(\w+) name=([^,>]+)[^>]*>:(.*)", re.S)
 
 
 class UnreadableWeights(UserError):
