@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import os
 import shutil
 
@@ -79,6 +80,17 @@ def test_labels_files_list_the_images_as_their_class_folders_do(tiny_dir, tmp_pa
     for split in ("train", "val"):
         assert by_content(imagefolder, split) == by_content(folders, split)
         assert all(f.startswith(f"{hub_layout}/{split}/images/") for f in imagefolder.split(split).files)
+    # … or its metadata.jsonl, one object per image (here with the class as a JSON number, and more fields)
+    for split in ("train", "val"):
+        rows = list(csv.reader(open(hub_layout / split / "metadata.csv", encoding="utf-8")))[1:]
+        os.remove(hub_layout / split / "metadata.csv")
+        (hub_layout / split / "metadata.jsonl").write_text("".join(
+            json.dumps({"file_name": image, "Label": int(label.removeprefix("digit_")), "caption": "a digit"}) + "\n"
+            for image, label in rows))
+    jsonl = build_source(DataConfig(format="csv", dir=str(hub_layout)))
+    assert jsonl.class_names == folders.class_names
+    for split in ("train", "val"):
+        assert by_content(jsonl, split) == by_content(folders, split)
 
     # integer labels that are no name in classes.txt index it; a semicolon-separated file (a comma-decimal locale's)
     indexed = csv_dataset(tiny_dir, tmp_path / "indexed", label=lambda cls: cls)
@@ -138,10 +150,10 @@ def test_every_bad_labels_file_is_one_line(tiny_dir, tmp_path):
     train = list(csv.reader(open(data / "train.csv", encoding="utf-8-sig")))
     header, rows = train[0], train[1:]
 
-    def refused(*fragments, header=header, rows=rows, raw=None, splits=None):
+    def refused(*fragments, header=header, rows=rows, raw=None, splits=None, write=True):
         if raw is not None:
             (data / "train.csv").write_bytes(raw)
-        else:
+        elif write:
             write_csv(data / "train.csv", header, rows)
         with pytest.raises(UserError) as error:
             build_source(DataConfig(format="csv", dir=str(data)), splits=splits)
@@ -178,10 +190,26 @@ def test_every_bad_labels_file_is_one_line(tiny_dir, tmp_path):
     refused(f"{data}/classes.txt names digit_0 more than once")
     os.remove(data / "classes.txt")
     os.remove(data / "val.csv")
-    refused(f"data.format csv: no val.csv (nor val/metadata.csv) in {data}")
+    refused(f"data.format csv: no val.csv (nor val.jsonl, val/metadata.csv or .jsonl) in {data}")
     assert build_source(DataConfig(format="csv", dir=str(data)), splits=("train",)).split("train").num_examples == 64
 
     # through the command line: the same line, exit 2, before TensorFlow loads
     result = run_tfdp("train", "--config=configs/digits.yaml", "--data_format=csv", f"--data_dir={data}",
                       f"--model_dir={tmp_path / 'run'}")
-    assert_one_line_error(result, 2, f"data.format csv: no val.csv (nor val/metadata.csv) in {data}")
+    assert_one_line_error(result, 2, f"data.format csv: no val.csv (nor val.jsonl, val/metadata.csv or .jsonl) in {data}")
+
+    # a JSON Lines file's own faults
+    os.remove(data / "train.csv")
+    lines = [json.dumps({"file_name": image, "label": label}) for image, label, _ in rows]
+    where = f"{data}/train.jsonl"
+
+    def refused_jsonl(fragment, lines):
+        (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+        refused(fragment, raw=None, splits=("train",), write=False)
+    refused_jsonl(f"{where}, line 2: not JSON (", lines[:1] + ["{file_name: x}"] + lines[1:])
+    refused_jsonl(f"{where}, line 1: not a JSON object (each line holds one image's fields)", ["[1, 2]"] + lines)
+    refused_jsonl(f"{where}, line 3: its label must be a class name or number, not 2.5",
+                  lines[:2] + [json.dumps({"file_name": rows[0][0], "label": 2.5})] + lines[2:])
+    refused_jsonl(f"{where}, line 2: no label", lines[:1] + [json.dumps({"file_name": rows[0][0]})] + lines[1:])
+    refused_jsonl(f"{where}: its first object's keys (file_name,class,label) must name one label key (label, class, "
+                  f"category); it has label and class", [json.dumps({"file_name": rows[0][0], "class": 1, "label": 1})] + lines)

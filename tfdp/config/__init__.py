@@ -45,8 +45,8 @@ DEFAULT_CACHE_DIR = "~/.cache/tfdp/remote"
 class DataConfig:
     """Where the images are and how they are fed (see tfdp/data)."""
     __pydantic_config__ = _FORBID
-    # digits | image_folder | csv (DIR/<split>.csv: image paths and labels) | imagenet (raw ILSVRC2012 or Kaggle
-    # tree) | tfrecord | wds (WebDataset tar shards: an image and its .cls per sample) | tfds | synthetic
+    # digits | image_folder | csv (DIR/<split>.csv or .jsonl: image paths and labels) | imagenet (raw ILSVRC2012
+    # or Kaggle tree) | tfrecord | wds (WebDataset tar shards: an image and its .cls per sample) | tfds | synthetic
     format: Str = "digits"
     dir: Str = "~/.cache/tfdp/digits"   # a local path or a bucket: gs://bucket/prefix, s3://bucket/prefix
     train_split: Str = "train"   # name of the training split (folder, shard prefix or TFDS split)

@@ -1,10 +1,11 @@
 """Images listed in a labels file: `data.format: csv`.
 
 The layout of most datasets that are not class folders (a Kaggle competition's `train.csv`, Hugging Face's
-`imagefolder` with its `metadata.csv`, a labelling tool's export): `DIR/<split>.csv` for each split (or
-`DIR/<split>/metadata.csv`, Hugging Face's, its paths starting from the split's folder), whose header
+`imagefolder` with its `metadata.csv` or `metadata.jsonl`, a labelling tool's export): `DIR/<split>.csv` for each
+split (or `DIR/<split>/metadata.csv`, Hugging Face's, its paths starting from the split's folder), whose header
 names the image column (`file_name`, `image`, `filename`, `path` or `file`) and the label column (`label`, `class`,
-`category`), separated by commas (or semicolons or tabs); other columns are left alone. Image paths are relative
+`category`), separated by commas (or semicolons or tabs); other columns are left alone. A JSON Lines file
+(`<split>.jsonl`, `<split>/metadata.jsonl`) holds one object per image with the same keys. Image paths are relative
 to `DIR` (`images/0001.jpg`), in a bucket too.
 
 Labels are class names. They index the sorted names (in number order where every name is an integer, so labels
@@ -21,12 +22,13 @@ from __future__ import annotations
 import concurrent.futures
 import csv
 import io
+import json
 import posixpath
 
 from tfdp.data.layouts import (IMAGE_PATTERNS, LISTING_THREADS, Source, Split, folder_entries, is_image_file,
                                read_text)
 from tfdp.data.storage import filesystem, is_remote, url
-from tfdp.errors import UserError
+from tfdp.errors import UserError, first_line
 
 IMAGE_COLUMNS = ("file_name", "image", "filename", "path", "file")
 LABEL_COLUMNS = ("label", "class", "category")
@@ -42,8 +44,8 @@ def csv_source(root: str, split_names: tuple[str, ...], labelled_splits: tuple[s
     found = {name: labels_file(fs, path, name) for name in dict.fromkeys((*split_names, *labelled_splits))}
     for name in split_names:
         if found[name] is None:
-            raise UserError(f"data.format csv: no {name}.csv (nor {name}/metadata.csv) in {url(fs, path)} (a labels "
-                            f"file per split, with a header naming its image and label columns)")
+            raise UserError(f"data.format csv: no {name}.csv (nor {name}.jsonl, {name}/metadata.csv or .jsonl) in "
+                            f"{url(fs, path)} (a labels file per split, naming its image and label columns)")
     rows = {name: read_rows(fs, path, *found[name]) for name in found if found[name] is not None}
     classes, index = class_list(fs, path, rows)
     splits = {}
@@ -56,10 +58,12 @@ def csv_source(root: str, split_names: tuple[str, ...], labelled_splits: tuple[s
 
 
 def labels_file(fs, root: str, split: str) -> tuple[str, str] | None:
-    """(the split's labels file, the folder under root its image paths start from): `<split>.csv` (paths from
-    root), or Hugging Face imagefolder's `<split>/metadata.csv` (paths from the split's folder); None: neither."""
-    for path, base in ((posixpath.join(root, f"{split}.csv"), ""),
-                       (posixpath.join(root, split, "metadata.csv"), split)):
+    """(the split's labels file, the folder under root its image paths start from): `<split>.csv` or `.jsonl`
+    (paths from root), or Hugging Face imagefolder's `<split>/metadata.csv` or `.jsonl` (paths from the split's
+    folder); None: none of them."""
+    places = [(posixpath.join(root, f"{split}{kind}"), "") for kind in LABELS_FILES]
+    places += [(posixpath.join(root, split, f"metadata{kind}"), split) for kind in LABELS_FILES]
+    for path, base in places:
         if fs.isfile(path):
             return path, base
     return None
@@ -70,21 +74,52 @@ def read_rows(fs, root: str, path: str, base: str) -> list[tuple[str, str, int]]
     start from `root/base`."""
     where = url(fs, path)
     text = read_text(fs, path).lstrip("\ufeff")
+    rows = [(posixpath.join(base, _relative(image, where, line)), _label(label, where, line), line)
+            for line, image, label in LABELS_FILES[posixpath.splitext(path)[1]](text, where)]
+    if not rows:
+        raise UserError(f"{where} lists no images")
+    return rows
+
+
+def _csv_rows(text: str, where: str):
+    """(line number, image, label) of each row of a CSV file with a header."""
     reader = csv.reader(io.StringIO(text), delimiter=_delimiter(text.partition("\n")[0]))
     header = [name.strip().lower() for name in next(reader, [])]
     image_col, label_col = (_column(header, names, what, where) for names, what in
                             ((IMAGE_COLUMNS, "image"), (LABEL_COLUMNS, "label")))
-    rows = []
     for line, row in enumerate(reader, start=2):
         if not any(cell.strip() for cell in row):
             continue
         if len(row) <= max(image_col, label_col):
             raise UserError(f"{where}, line {line}: {len(row)} field(s), where the header has {len(header)}")
-        image, label = row[image_col].strip(), row[label_col].strip()
-        rows.append((posixpath.join(base, _relative(image, where, line)), _label(label, where, line), line))
-    if not rows:
-        raise UserError(f"{where} lists no images")
-    return rows
+        yield line, row[image_col].strip(), row[label_col].strip()
+
+
+def _jsonl_rows(text: str, where: str):
+    """(line number, image, label) of each object of a JSON Lines file (Hugging Face's `metadata.jsonl`), its
+    image and label keys found as a CSV header's columns are, in the first object."""
+    keys = None
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError as e:
+            raise UserError(f"{where}, line {line}: not JSON ({first_line(e, 80)})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{where}, line {line}: not a JSON object (each line holds one image's fields)")
+        record = {str(k).strip().lower(): v for k, v in record.items()}
+        if keys is None:
+            names = list(record)
+            keys = tuple(names[_column(names, columns, what, where, jsonl=True)] for columns, what in
+                         ((IMAGE_COLUMNS, "image"), (LABEL_COLUMNS, "label")))
+        image, label = (record.get(key, "") for key in keys)   # a missing one: as an empty CSV cell
+        if not isinstance(image, str):
+            raise UserError(f"{where}, line {line}: its {keys[0]} must be a path, not {json.dumps(image)}")
+        if isinstance(label, bool) or not isinstance(label, (str, int)):
+            raise UserError(f"{where}, line {line}: its {keys[1]} must be a class name or number, not "
+                            f"{json.dumps(label)}")
+        yield line, image.strip(), str(label).strip()
 
 
 def _delimiter(header: str) -> str:
@@ -95,11 +130,12 @@ def _delimiter(header: str) -> str:
     return next((d for d in (";", "\t") if d in header), ",")
 
 
-def _column(header: list[str], names: tuple[str, ...], what: str, where: str) -> int:
+def _column(header: list[str], names: tuple[str, ...], what: str, where: str, jsonl: bool = False) -> int:
     found = [name for name in names if name in header]
     if len(found) != 1:
         how = f"has {' and '.join(found)}" if found else "has none"
-        raise UserError(f"{where}: its header ({','.join(header) or 'empty'}) must name one {what} column "
+        whose, field = ("first object's keys", "key") if jsonl else ("header", "column")
+        raise UserError(f"{where}: its {whose} ({','.join(header) or 'empty'}) must name one {what} {field} "
                         f"({', '.join(names)}); it {how}")
     return header.index(found[0])
 
@@ -172,3 +208,7 @@ def _names(fs, folder: str) -> set[str]:
         return {posixpath.basename(path) for path, is_dir in folder_entries(fs, folder) if not is_dir}
     except (FileNotFoundError, NotADirectoryError):
         return set()
+
+
+# A labels file's reader by its extension, in the order `labels_file` looks for them.
+LABELS_FILES = {".csv": _csv_rows, ".jsonl": _jsonl_rows}
