@@ -87,6 +87,12 @@ def test_shards_give_every_image_its_class_folders_label(tiny_dir, tmp_path):
     cached = DataConfig(format="wds", dir=str(timm), image_size=16, cache=True)   # the bytes kept in memory
     assert decoded(build_source(cached).split("val"), cached) == expected["val"]
     assert build_source(DataConfig(format="wds", dir=str(named))).class_names == tuple(f"digit{c}" for c in range(10))
+    # splits named as timm names them, by patterns: a brace range (every shard in it), shell wildcards
+    patterns = DataConfig(format="wds", dir=str(timm), image_size=16, train_split="tiny-train-{0000..0002}.tar",
+                          val_split="tiny-valid*-*.tar")
+    source = build_source(patterns)
+    assert source.split("tiny-train-{0000..0002}.tar").counts == build_source(cfg).split("train").counts
+    assert decoded(source.split("tiny-valid*-*.tar"), patterns) == expected["val"]
 
 
 def test_shards_in_a_bucket_are_listed_from_info_without_copying_one(tiny_dir, tmp_path, gcs_bucket):
@@ -179,6 +185,9 @@ def test_every_bad_dataset_is_one_line(tiny_dir, tmp_path):
     root = tmp_path / "data"
     counts = write_shards(tiny_dir, root, splits=("train",))
     refused(root, "no WebDataset shards for split 'val' in", "*-val-*.tar", splits=("val",))
+    refused(root, "1 of the 4 shards 'tiny-train-{0000..0003}.tar' names are not in", "the first tiny-train-0003.tar",
+            splits=("tiny-train-{0000..0003}.tar",))
+    refused(root, "no WebDataset shards match 'tiny-val-*.tar' in", splits=("tiny-val-*.tar",))
     (root / "_info.json").write_text("{not json")
     refused(root, "_info.json is not JSON")
     (root / "_info.json").write_text(json.dumps({"name": "x"}))

@@ -8,7 +8,8 @@ and its class number (`.cls`, the integer as text); other members (`.json`, `.tx
 A split's shards are those timm's `_info.json` (or `_info.yaml`) lists for it, with their sample counts
 (`splits: {train: {filenames: [...], shard_lengths: [...]}}`), else the `.tar` files of `DIR/<split>/`, else
 those of `DIR` whose name has the split as a dash-separated part (`imagenet1k-train-0007.tar`; `val` also
-finds `validation`). Class names come from a synset file (`synsets.txt`, as the `tfrecord` layout reads it)
+finds `validation`). A split named by a pattern, as timm's `--train-split` is (`imagenet1k-train-{0000..1023}.tar`,
+`train-*.tar`), is the shards it names. Class names come from a synset file (`synsets.txt`, as the `tfrecord` layout reads it)
 where there is one; otherwise the classes are only numbers and `model.num_classes` says how many.
 
 A shard is read as TFRecord shards are (`tfdp.data.readers`): its sample table (`sample_table`: where each
@@ -44,6 +45,8 @@ LABEL_TYPE = "cls"
 OFFSET, LENGTH, LABEL = range(3)
 ROW = 3
 END_BLOCKS = 1024   # the two zero blocks that end a tar: a shard without them was cut short
+BRACES = re.compile(r"\{([^{}]*)\}")
+PATTERN_SIGNS = "*?[{"   # a split named with any of these is a pattern of shard names (`pattern_shards`)
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")   # webdataset's base_plus_ext: (key, extension)
 
 
@@ -55,7 +58,7 @@ def wds_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> Sourc
     synsets, text = read_synsets(fs, path)
     splits = {}
     for name in split_names:
-        shards, listed = info_shards(fs, path, info, name) if info else (find_shards(fs, path, name), {})
+        shards, listed = split_shards(fs, path, info, name)
         counts = _counts(shards, listed, cache_dir)
         readable = counts if is_remote(fs) else tuple(min(len(sample_table(s)[0]), n) for s, n in zip(shards, counts))
         split = Split(name=name, files=shards, counts=readable, tar=True,
@@ -65,6 +68,20 @@ def wds_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> Sourc
             check_labels(split, len(synsets))
         splits[name] = split
     return Source(class_names=synsets, splits=splits, class_text=text)
+
+
+def split_shards(fs, root: str, info: dict, name: str) -> tuple[tuple[str, ...], dict[str, int]]:
+    """(the split's shards, the sample counts `_info` gives for them): named by a pattern, listed in `_info`, or
+    found by their names."""
+    if any(sign in name for sign in PATTERN_SIGNS):
+        shards = pattern_shards(fs, root, name)
+        listed = {url(fs, posixpath.join(root, f)): n for one in (info.get("splits") or {}).values()
+                  if isinstance(one, dict) for f, n in zip(one.get("filenames") or [], one.get("shard_lengths") or [])
+                  if isinstance(f, str) and type(n) is int}
+        return shards, {s: listed[s] for s in shards if s in listed}
+    if info:
+        return info_shards(fs, root, info, name)
+    return find_shards(fs, root, name), {}
 
 
 def read_info(fs, root: str) -> dict:
@@ -98,10 +115,56 @@ def info_shards(fs, root: str, info: dict, name: str) -> tuple[tuple[str, ...], 
         raise UserError(f"{info['path']}: split '{name}' needs \"filenames\" and as many \"shard_lengths\" "
                         f"(sample counts)")
     shards = tuple(url(fs, posixpath.join(root, f)) for f in files)
-    missing = [s for s in shards if not fs.exists(s)]
+    missing = absent(fs, [posixpath.join(root, f) for f in files])
     if missing:
-        raise UserError(f"{info['path']} lists {len(missing)} shard(s) that are not there, the first {missing[0]}")
+        raise UserError(f"{info['path']} lists {len(missing)} shard(s) that are not there, the first "
+                        f"{url(fs, missing[0])}")
     return shards, dict(zip(shards, lengths))
+
+
+def absent(fs, paths: list[str]) -> list[str]:
+    """Those of `paths` that are not files: one listing per folder, not one request per shard (a thousand in a
+    bucket)."""
+    listed: dict[str, set[str]] = {}
+    for folder in sorted({posixpath.dirname(p) for p in paths}):
+        try:
+            listed[folder] = {e["name"].rstrip("/") for e in fs.ls(folder, detail=True) if e["type"] == "file"}
+        except (FileNotFoundError, NotADirectoryError):
+            listed[folder] = set()
+    return [p for p in paths if p not in listed[posixpath.dirname(p)]]
+
+
+def pattern_shards(fs, root: str, pattern: str) -> tuple[str, ...]:
+    """The shards a split named as a pattern (timm's `--train-split`) names: brace ranges and lists expanded
+    (`imagenet-train-{0000..1023}.tar`, webdataset's notation), then shell wildcards (`train-*.tar`) matched,
+    under `root`. A range names every shard in it: one that is missing is an error, not a smaller split."""
+    named = [posixpath.join(root, p) for p in expand_braces(pattern)]
+    if any(ch in pattern for ch in "*?["):
+        found = sorted({p for one in named for p in fs.glob(one) if p.endswith(".tar")})
+        if not found:
+            raise UserError(f"no WebDataset shards match '{pattern}' in {url(fs, root)}")
+        return tuple(url(fs, p) for p in found)
+    missing = absent(fs, named)
+    if missing:
+        raise UserError(f"{len(missing)} of the {len(named)} shards '{pattern}' names are not in {url(fs, root)}, "
+                        f"the first {posixpath.basename(missing[0])}")
+    return tuple(url(fs, p) for p in named)
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """webdataset's brace notation: `{0000..0003}` (a range, zero-padded to its first bound's width) and `{a,b}`
+    (a list), each expanded in place, left to right."""
+    found = BRACES.search(pattern)
+    if not found:
+        return [pattern]
+    inner = found[1]
+    first, dots, last = inner.partition("..")
+    if dots and first.isdigit() and last.isdigit():
+        items = [str(i).zfill(len(first)) for i in range(int(first), int(last) + 1)]
+    else:
+        items = inner.split(",")
+    head, tail = pattern[:found.start()], pattern[found.end():]
+    return [head + item + rest for item in items for rest in expand_braces(tail)]
 
 
 def find_shards(fs, root: str, name: str) -> tuple[str, ...]:
