@@ -87,8 +87,17 @@ def overrides_from_flags() -> dict:
     return overrides
 
 
-def resolved_config() -> config_lib.Config:
-    return config_lib.load_config(FLAGS.config, overrides_from_flags())
+def resolved_config(of_run: bool = False) -> config_lib.Config:
+    """--config with the flags over it. `of_run` (evaluate, export, predict): without --config, a local run that
+    --model_dir names is read with its own config.yaml, the settings its checkpoints were trained with (the
+    defaults would build another model)."""
+    path = FLAGS.config
+    if of_run and not path and FLAGS.model_dir and "://" not in FLAGS.model_dir:
+        own = os.path.join(os.path.expanduser(FLAGS.model_dir), "config.yaml")
+        if os.path.isfile(own):
+            say(f"tfdp: config: {own}, the run's own (no --config given)")
+            path = own
+    return config_lib.load_config(path, overrides_from_flags())
 
 
 def config_and_runtime(args: list[str], training: bool = False):
@@ -96,7 +105,7 @@ def config_and_runtime(args: list[str], training: bool = False):
     dispatcher), then the strategy: built before Keras is imported, because importing Keras initialises
     TensorFlow's devices and the CPU could no longer be split into replicas."""
     _no_positional(args)
-    cfg = resolved_config()
+    cfg = resolved_config(of_run=not training)
     from tfdp.data import check_reachable
     check_reachable(cfg.data)
     if training:
@@ -272,7 +281,7 @@ def cmd_export(args: list[str]) -> None:
 
 def cmd_predict(args: list[str]) -> None:
     _no_positional(args)
-    cfg = resolved_config()  # the training data need not be here: it only names the classes
+    cfg = resolved_config(of_run=True)  # the training data need not be here: it only names the classes
     from tfdp.commands.predict import predict, request
     job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
     local_checkpoint_flag(cfg)

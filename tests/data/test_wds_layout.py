@@ -122,8 +122,9 @@ def test_a_run_trains_and_evaluates_from_shards(tiny_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tfdp: data: 64 train / 40 val images" in result.stdout, result.stdout
     assert "tfdp: done: 1 epochs, validation top-1" in result.stdout
-    result = run_tfdp("evaluate", f"--config={run / 'config.yaml'}")
+    result = run_tfdp("evaluate", f"--model_dir={run}")   # with the run's own config.yaml
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f"tfdp: config: {run / 'config.yaml'}, the run's own (no --config given)" in result.stdout
     assert "40 images" in result.stdout, result.stdout
 
 
