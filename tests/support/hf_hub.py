@@ -1,10 +1,13 @@
 """A Hugging Face Hub on loopback, for the real `huggingface_hub` client: the file protocol its `hf_hub_download`
-speaks (HEAD, then GET, on `/ORG/NAME/resolve/REVISION/FILE`), over repositories that are folders of real files.
+speaks (HEAD, then GET, on `/ORG/NAME/resolve/REVISION/FILE`, `/datasets/ORG/NAME/resolve/...` for a dataset, with
+byte ranges), and the JSON API its `HfFileSystem` (`hf://` URLs) lists repositories with: a repository's revision
+(`/api/{models,datasets}/ORG/NAME/revision/REV`), a folder's tree (`.../tree/REV/PATH`, paged as the Hub pages, with
+a `Link` header) and paths' info (`POST .../paths-info/REV`), over repositories that are folders of real files.
 
 What the Hub answers is what this server answers: a file's commit in `X-Repo-Commit`, its sha256 as the ETag (the
 name of the cache's blob), and the Hub's error codes in `X-Error-Code` (`RepoNotFound` with 401, `GatedRepo` with
 401 without the repository's token, `RevisionNotFound` and `EntryNotFound` with 404), which huggingface_hub turns
-into its own exceptions. Not served: the JSON API (`/api/...`), Xet transfers, redirects to a CDN. Every request is
+into its own exceptions. Not served: Xet transfers, redirects to a CDN, the rest of the API. Every request is
 recorded, so a test can tell a download from a cache hit.
 """
 
@@ -39,27 +42,110 @@ class Hub:
         files = {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
         return self.publish(repo, {**files, **extra})
 
-    def answer(self, method: str, path: str, authorization: str | None) -> tuple[int, dict[str, str], bytes]:
+    def answer(self, method: str, path: str, authorization: str | None, form: dict | None = None,
+               byte_range: str | None = None) -> tuple[int, dict[str, str], bytes]:
         self.requests.append((method, path))
-        parts = [urllib.parse.unquote(p) for p in path.split("?")[0].strip("/").split("/")]
-        if len(parts) < 5 or parts[2] != "resolve":
+        url = urllib.parse.urlsplit(path)
+        parts = [urllib.parse.unquote(p) for p in url.path.strip("/").split("/")]
+        if parts[0] == "api" and len(parts) in (4, 6) or len(parts) > 6 and parts[1] in ("models", "datasets"):
+            repo = "/".join(parts[2:4]) if parts[1] == "models" else "datasets/" + "/".join(parts[2:4])
+            # /api/TYPE/ORG/NAME is the repository at main, as /api/TYPE/ORG/NAME/revision/main
+            action, revision, rest = (parts[4], parts[5], "/".join(parts[6:])) if len(parts) > 4 else ("revision",
+                                                                                                        "main", "")
+            return self._api(repo, action, revision, rest, authorization, form or {},
+                             urllib.parse.parse_qs(url.query))
+        width = 3 if parts[0] == "datasets" else 2   # a dataset's id: datasets/ORG/NAME
+        if len(parts) < width + 3 or parts[width] != "resolve":
             return 404, {}, b"not a resolve URL"
-        repo, revision, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-        if repo not in self.repos:
-            return 401, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}, b""
-        if repo in self.gated and authorization != f"Bearer {self.gated[repo]}":
-            return 401, {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this model is restricted"}, b""
-        versions = self.repos[repo]
-        found = versions[-1] if revision == "main" else next((v for v in versions if v[0] == revision), None)
-        if found is None:
-            return 404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"}, b""
+        repo, revision, name = "/".join(parts[:width]), parts[width + 1], "/".join(parts[width + 2:])
+        found = self._version(repo, revision, authorization)
+        if isinstance(found[0], int):
+            return found
         commit, files = found
         if name not in files:
             return 404, {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found",
                          "X-Repo-Commit": commit}, b""
         body = files[name]
-        return 200, {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
-                     "Content-Length": str(len(body)), "Content-Type": "application/octet-stream"}, body
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
+                   "Content-Length": str(len(body)), "Content-Type": "application/octet-stream",
+                   "Accept-Ranges": "bytes"}
+        if byte_range and method == "GET":   # bytes=START-END (inclusive), as fsspec's reads ask
+            start, _, end = byte_range.removeprefix("bytes=").partition("-")
+            first, last = int(start), min(int(end) if end else len(body) - 1, len(body) - 1)
+            part = body[first:last + 1]
+            return 206, {**headers, "Content-Length": str(len(part)),
+                         "Content-Range": f"bytes {first}-{last}/{len(body)}"}, part
+        return 200, headers, body
+
+    def _version(self, repo: str, revision: str, authorization: str | None):
+        """(commit, files) of `repo` at `revision`, or the Hub's error answer for it."""
+        if repo not in self.repos:
+            return 401, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}, b""
+        if repo in self.gated and authorization != f"Bearer {self.gated[repo]}":
+            return 401, {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this repository is restricted"}, b""
+        versions = self.repos[repo]
+        found = versions[-1] if revision == "main" else next((v for v in versions if v[0] == revision), None)
+        if found is None:
+            return 404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"}, b""
+        return found
+
+    def _api(self, repo, action, revision, rest, authorization, form, query) -> tuple[int, dict[str, str], bytes]:
+        found = self._version(repo, revision, authorization)
+        if isinstance(found[0], int):
+            return found
+        commit, files = found
+        if action == "revision":
+            return self._json({"id": repo.removeprefix("datasets/"), "sha": commit, "private": False,
+                               "siblings": [{"rfilename": name} for name in sorted(files)]})
+        if action == "paths-info":
+            wanted = form.get("paths", [])
+            return self._json([e for e in self._entries(files, "", recursive=True, commit=commit)
+                               if e["path"] in wanted] + [self._folder(p, commit) for p in wanted
+                                                           if p not in files and self._is_folder(files, p)])
+        if action == "tree":
+            if rest and not self._is_folder(files, rest):
+                return 404, {"X-Error-Code": "EntryNotFound", "X-Error-Message": f"{rest} does not exist"}, b""
+            entries = self._entries(files, rest, recursive=query.get("recursive", ["False"])[0].lower() == "true",
+                                    commit=commit)
+            start = int(query.get("cursor", ["0"])[0])
+            page, headers = entries[start:start + self.page_size], {}
+            if start + self.page_size < len(entries):
+                base = f"{self.endpoint}/api/{'datasets' if repo.startswith('datasets/') else 'models'}/" \
+                       f"{repo.removeprefix('datasets/')}/tree/{revision}/{urllib.parse.quote(rest, safe='')}"
+                params = urllib.parse.urlencode({**{k: v[0] for k, v in query.items()}, "cursor": start + self.page_size})
+                headers["Link"] = f'<{base}?{params}>; rel="next"'
+            return self._json(page, headers)
+        return 404, {}, b"not served here"
+
+    page_size = 1000   # the Hub's page of a tree listing
+
+    @staticmethod
+    def _is_folder(files: dict, path: str) -> bool:
+        return any(name.startswith(path.rstrip("/") + "/") for name in files)
+
+    @staticmethod
+    def _folder(path: str, commit: str) -> dict:
+        return {"type": "directory", "oid": hashlib.sha1((commit + path).encode()).hexdigest(), "path": path}
+
+    def _entries(self, files: dict, folder: str, recursive: bool, commit: str) -> list[dict]:
+        """A folder's tree entries as the Hub lists them: its files and sub-folders (all below it when recursive)."""
+        prefix = folder.rstrip("/") + "/" if folder else ""
+        entries, folders = [], set()
+        for name in sorted(files):
+            if not name.startswith(prefix):
+                continue
+            below = name[len(prefix):].split("/")
+            for depth in range(1, len(below) if recursive else min(len(below), 2)):
+                folders.add(prefix + "/".join(below[:depth]))
+            if recursive or len(below) == 1:
+                entries.append({"type": "file", "oid": hashlib.sha1(files[name]).hexdigest(), "size": len(files[name]),
+                                "path": name})
+        return sorted(entries + [self._folder(f, commit) for f in folders], key=lambda e: e["path"])
+
+    @staticmethod
+    def _json(value, headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
+        import json
+        return 200, {"Content-Type": "application/json", **(headers or {})}, json.dumps(value).encode()
 
     def gets(self, name: str) -> int:
         """How many times a file of this name was downloaded."""
@@ -74,8 +160,9 @@ def hub_server():
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def _reply(self, with_body: bool):
-            status, headers, body = hub.answer(self.command, self.path, self.headers.get("Authorization"))
+        def _reply(self, with_body: bool, form: dict | None = None):
+            status, headers, body = hub.answer(self.command, self.path, self.headers.get("Authorization"), form,
+                                               self.headers.get("Range"))
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, value)
@@ -90,6 +177,11 @@ def hub_server():
 
         def do_GET(self):
             self._reply(with_body=True)
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            form = urllib.parse.parse_qs(self.rfile.read(length).decode())
+            self._reply(with_body=True, form=form)
 
         def log_message(self, *args):
             pass

@@ -48,7 +48,8 @@ class DataConfig:
     # digits | image_folder | csv (DIR/<split>.csv or .jsonl: image paths and labels) | imagenet (raw ILSVRC2012
     # or Kaggle tree) | tfrecord | wds (WebDataset tar shards: an image and its .cls per sample) | tfds | synthetic
     format: Str = "digits"
-    dir: Str = "~/.cache/tfdp/digits"   # a local path or a bucket: gs://bucket/prefix, s3://bucket/prefix
+    # a local path, a bucket (gs://bucket/prefix, s3://bucket/prefix) or a Hub dataset (hf://datasets/ORG/NAME)
+    dir: Str = "~/.cache/tfdp/digits"
     train_split: Str = "train"   # name of the training split (folder, shard prefix or TFDS split)
     val_split: Str = "val"   # name of the validation split
     tfds_name: Str = ""                 # data.format tfds: the dataset's name, e.g. imagenet2012

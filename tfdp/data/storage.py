@@ -43,7 +43,10 @@ LOCAL_PROTOCOLS = ("file", "local")
 # Where a driver says which server it talks to: an attribute path on its filesystem object.
 # gcsfs: STORAGE_EMULATOR_HOST or Google's. s3fs: its botocore client's, resolved from
 # AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / ~/.aws/config, else AWS's for the region.
-ENDPOINT_ATTRIBUTES = {"gs": "_location", "s3": "s3.meta.endpoint_url"}
+ENDPOINT_ATTRIBUTES = {"gs": "_location", "s3": "s3.meta.endpoint_url", "hf": "endpoint"}
+# How many leading parts of a path name what a store answers for as a whole (its bucket): one, but on the Hugging
+# Face Hub a repository, datasets/ORG/NAME (and ORG/NAME for a model's).
+HUB_KINDS = ("datasets", "spaces", "buckets")
 DOWNLOAD_THREADS = 16
 DEFAULT_REMOTE_TIMEOUT = 20.0
 
@@ -129,7 +132,7 @@ def _check_reachable(fs: fsspec.AbstractFileSystem, path: str, url: str) -> None
     """Raises a one-line `UserError` if the bucket's endpoint refuses, stays silent, denies access or has no
     such bucket; probes once per bucket and process (later calls are dictionary lookups)."""
     where = endpoint(fs)
-    bucket = fs._strip_protocol(path).split("/", 1)[0]
+    bucket = bucket_of(fs, path)
     key = (type(fs), where, bucket)
     with _probe_lock:   # held for a lookup only: a silent bucket's probe must not hold up another bucket's
         lock = _probe_locks.setdefault(key, threading.Lock())
@@ -139,6 +142,14 @@ def _check_reachable(fs: fsspec.AbstractFileSystem, path: str, url: str) -> None
         error = _probed[key]
     if error:
         raise UserError(f"{error} (reading {url})")
+
+
+def bucket_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """The part of `path` a store answers for as a whole: a bucket, a Hub repository (`HUB_KINDS`)."""
+    parts = fs._strip_protocol(path).split("/")
+    if "hf" not in _protocols(fs):
+        return parts[0]
+    return "/".join(parts[:3 if parts[0] in HUB_KINDS else 2])
 
 
 def _probe(fs: fsspec.AbstractFileSystem, bucket: str, path: str, where: str, seconds: float) -> str | None:
@@ -181,7 +192,9 @@ def _bucket_problem(fs: fsspec.AbstractFileSystem, bucket: str, path: str, where
     try:
         fs.info(bucket)
         return None
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if "hf" in _protocols(fs):
+            return _hub_problem(e, bucket, where)
         return None if _exists_anyway(fs, bucket) else f"bucket {bucket} does not exist at {where}"
     except PermissionError:
         denied = _denied(fs, path)
@@ -190,6 +203,18 @@ def _bucket_problem(fs: fsspec.AbstractFileSystem, bucket: str, path: str, where
         return None
     except Exception as e:  # noqa: BLE001 - the driver's own error types; their message is the line
         return f"cannot access bucket {bucket} at {where}: {_one_line(e)}"
+
+
+def _hub_problem(error: FileNotFoundError, repo: str, where: str) -> str:
+    """huggingface_hub's reason behind `HfFileSystem`'s FileNotFoundError for a repository, in tfdp's words."""
+    reason = type(error.__cause__).__name__
+    if reason == "GatedRepoError":
+        return (f"the Hugging Face Hub repository {repo} at {where} is gated: accept its conditions on its page, then "
+                f"set HF_TOKEN to a token of that account")
+    if reason == "RevisionNotFoundError":
+        return f"the Hugging Face Hub repository {repo} at {where} has no such revision"
+    return (f"no Hugging Face Hub repository {repo} at {where} (or it is private: set HF_TOKEN; a dataset's URL is "
+            f"hf://datasets/ORG/NAME)")
 
 
 def _exists_anyway(fs: fsspec.AbstractFileSystem, bucket: str) -> bool:

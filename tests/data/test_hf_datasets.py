@@ -1,0 +1,87 @@
+"""`data.dir: hf://datasets/ORG/NAME`: a dataset repository on the Hugging Face Hub, read as a bucket is, through
+huggingface_hub's own `HfFileSystem`, against a Hub on loopback (`tests/support/hf_hub.py`) that serves the real
+client the file protocol and the JSON API it lists repositories with. The run is a real `tfdp` process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import assert_one_line_error, run_tfdp
+from support.hf_hub import hub_server
+from test_wds_layout import info_file, write_shards
+
+REPO = "datasets/tfdp/digits-wds"
+
+
+@pytest.fixture(scope="module")
+def hub():
+    with hub_server() as served:
+        yield served
+
+
+def hub_env(hub, tmp_path) -> dict:
+    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def publish(hub, root, repo: str = REPO) -> str:
+    return hub.publish(repo, {name: (root / name).read_bytes() for name in sorted(os.listdir(root))})
+
+
+def test_a_run_trains_from_a_dataset_repository(hub, tiny_dir, tmp_path):
+    """WebDataset shards with timm's `_info.json` in a dataset repository: listed from `_info.json` and each
+    split's first sample, copied into data.cache_dir byte for byte, trained on, and evaluated again by `tfdp
+    evaluate` of the run."""
+    root = tmp_path / "wds"
+    info_file(root, write_shards(tiny_dir, root))
+    publish(hub, root)
+    hub.page_size = 4   # the repository's 7 files listed in pages, as the Hub pages a large tree (1,000 a page)
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
+                      "--data_format=wds", f"--data_dir=hf://{REPO}", f"--set=data.cache_dir={cache}",
+                      f"--model_dir={run}", "--epochs=1", "--set=schedule.warmup_epochs=0",
+                      env_extra=hub_env(hub, tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tfdp: data: 64 train / 40 val images" in result.stdout, result.stdout
+    assert "tfdp: done: 1 epochs, validation top-1" in result.stdout
+    copied = cache / "hf" / REPO
+    assert sorted(os.listdir(copied)) == sorted(n for n in os.listdir(root) if n.endswith(".tar"))
+    for name in os.listdir(copied):
+        assert (copied / name).read_bytes() == (root / name).read_bytes()
+    assert any("/tree/main" in path and "cursor=" in path for _, path in hub.requests)   # a second page was read
+    downloads = [path for method, path in hub.requests if method == "GET" and "/resolve/main/" in path]
+    assert all(downloads.count(path) <= 2 for path in downloads), downloads   # the first sample, then the copy
+
+    evaluated = run_tfdp("evaluate", f"--model_dir={run}", env_extra=hub_env(hub, tmp_path))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "40 images" in evaluated.stdout, evaluated.stdout
+
+
+def test_a_repository_that_cannot_be_read_is_one_line(hub, tiny_dir, tmp_path):
+    """A missing repository, a gated one without a token, a revision it lacks, a Hub that does not answer: one line
+    each, before TensorFlow loads, naming the repository and the endpoint; with the token the gated one trains."""
+    root = tmp_path / "wds"
+    write_shards(tiny_dir, root)
+    publish(hub, root, "datasets/tfdp/gated")
+    hub.gated["datasets/tfdp/gated"] = "secret"
+    env = hub_env(hub, tmp_path)
+    common = ["train", "--config=configs/digits.yaml", "--data_format=wds", f"--model_dir={tmp_path / 'run'}"]
+    missing = run_tfdp(*common, "--data_dir=hf://datasets/tfdp/nothing", env_extra=env)
+    assert_one_line_error(missing, 2, f"no Hugging Face Hub repository datasets/tfdp/nothing at {hub.endpoint} (or it "
+                                      f"is private: set HF_TOKEN;")
+    gated = run_tfdp(*common, "--data_dir=hf://datasets/tfdp/gated", env_extra=env)
+    assert_one_line_error(gated, 2, "the Hugging Face Hub repository datasets/tfdp/gated", "is gated",
+                          "set HF_TOKEN")
+    with_token = run_tfdp(*common, "--data_dir=hf://datasets/tfdp/gated", "--epochs=1", "--model=simple_cnn",
+                          "--set=data.image_size=8", "--set=schedule.warmup_epochs=0",
+                          f"--set=data.cache_dir={tmp_path / 'cache'}",
+                          env_extra={**env, "HF_TOKEN": "secret"})
+    assert "is gated" not in with_token.stdout + with_token.stderr, with_token.stderr[-2000:]
+    assert "tfdp: data: 64 train / 40 val images" in with_token.stdout, with_token.stdout + with_token.stderr[-2000:]
+    no_revision = run_tfdp(*common, "--data_dir=hf://datasets/tfdp/gated@v9", env_extra={**env, "HF_TOKEN": "secret"})
+    assert_one_line_error(no_revision, 2, "the Hugging Face Hub repository datasets/tfdp/gated@v9 at",
+                          "has no such revision")
+    gone = run_tfdp(*common, "--data_dir=hf://datasets/tfdp/nothing",
+                    env_extra={**env, "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert_one_line_error(gone, 2, "cannot reach storage endpoint http://127.0.0.1:9")
