@@ -157,6 +157,39 @@ def test_damaged_samples_are_counted_and_a_cut_shard_counts_what_it_lost(tiny_di
     assert "tiny-train-0001.tar is cut short (3 of its" in train.damage()
 
 
+def test_sample_tables_are_kept_between_runs_and_made_by_a_process_pool(tiny_dir, tmp_path, monkeypatch):
+    """Each shard's table is walked once and kept in data.cache_dir/wds-index (whole, for the host's other
+    processes); a later listing reads it, and a changed shard is walked again. Shards above POOL_BYTES are walked
+    by spawned processes, to the same tables; a shard that is no tar is the same one line from there."""
+    from tfdp.data.layouts import webdataset as wds_layout
+    root = tmp_path / "data"
+    write_shards(tiny_dir, root)
+    cfg = DataConfig(format="wds", dir=str(root), cache_dir=str(tmp_path / "cache"))
+    monkeypatch.setattr(wds_layout, "POOL_BYTES", 0)
+    walk = wds_layout._walk
+
+    def not_here(*args):
+        raise AssertionError("walked in the listing process, not by the pool")
+    monkeypatch.setattr(wds_layout, "_walk", not_here)   # the spawned processes import their own
+    source = build_source(cfg)
+    monkeypatch.setattr(wds_layout, "_walk", walk)
+    index = tmp_path / "cache" / "wds-index"
+    kept = sorted(os.listdir(index))
+    assert len(kept) == 2 * SHARDS and all(name.endswith(".npz") for name in kept)
+    monkeypatch.setattr(wds_layout, "POOL_BYTES", 10**12)
+    walked = {f: wds_layout._walk(f, os.path.getsize(f))[0] for f in source.split("train").files}
+    wds_layout._table.cache_clear()
+    for f, table in walked.items():   # read back from the kept file, as a later run reads it
+        np.testing.assert_array_equal(sample_table(f)[0], table)
+    shard = root / "tiny-train-0000.tar"
+    shard.write_bytes(shard.read_bytes()[:int(walked[str(shard)][-1, 0]) + 10])   # cut: walked again, kept anew
+    build_source(cfg)
+    assert len(os.listdir(index)) == 2 * SHARDS + 1 and sample_table(str(shard))[1] is not None
+    monkeypatch.setattr(wds_layout, "POOL_BYTES", 0)
+    (root / "tiny-train-0001.tar").write_bytes(b"not a tar at all" * 100)
+    refused(root, "tiny-train-0001.tar is not a tar file", cache_dir=str(tmp_path / "cache"))
+
+
 def test_a_resumed_stream_continues_the_uninterrupted_one(tiny_dir, tmp_path):
     """The training stream is a function of (seed, position) as for TFRecord shards: started at a checkpoint's
     position, mid-epoch, it gives the uninterrupted stream's very batches (pixels and labels)."""
@@ -175,9 +208,9 @@ def test_a_resumed_stream_continues_the_uninterrupted_one(tiny_dir, tmp_path):
         np.testing.assert_array_equal(label, label_again)
 
 
-def refused(root, *fragments, splits=("train",)) -> None:
+def refused(root, *fragments, splits=("train",), **data) -> None:
     with pytest.raises(UserError) as error:
-        build_source(DataConfig(format="wds", dir=str(root)), splits)
+        build_source(DataConfig(format="wds", dir=str(root), **data), splits)
     text = str(error.value)
     assert "\n" not in text and all(f in text for f in fragments), text
 
