@@ -239,8 +239,8 @@ def test_every_bad_dataset_is_one_line(tiny_dir, tmp_path):
     (root / "synsets.txt").write_text("".join(f"d{c}\n" for c in range(3)))   # fewer classes than the labels
     labels = sample_table(str(root / "tiny-train-0000.tar"))[0][:, LABEL]
     outside = np.flatnonzero(labels >= 3)
-    refused(root, f"tiny-train-0000.tar: sample {outside[0]}'s label {labels[outside[0]]} is outside 0..2 (synsets.txt's "
-                  f"classes); {len(outside)} sample(s) of this shard are")
+    refused(root, f"tiny-train-0000.tar: sample {outside[0]}'s label {labels[outside[0]]} is outside 0..2 "
+                  f"(synsets.txt's classes); {len(outside)} sample(s) of this shard are")
     (root / "synsets.txt").write_text("".join(f"d{c}\n" for c in range(10)))
     first = root / "tiny-train-0000.tar"
     data = first.read_bytes()

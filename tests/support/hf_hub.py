@@ -112,7 +112,8 @@ class Hub:
             if start + self.page_size < len(entries):
                 base = f"{self.endpoint}/api/{'datasets' if repo.startswith('datasets/') else 'models'}/" \
                        f"{repo.removeprefix('datasets/')}/tree/{revision}/{urllib.parse.quote(rest, safe='')}"
-                params = urllib.parse.urlencode({**{k: v[0] for k, v in query.items()}, "cursor": start + self.page_size})
+                params = urllib.parse.urlencode({**{k: v[0] for k, v in query.items()},
+                                                 "cursor": start + self.page_size})
                 headers["Link"] = f'<{base}?{params}>; rel="next"'
             return self._json(page, headers)
         return 404, {}, b"not served here"

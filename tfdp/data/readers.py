@@ -24,7 +24,7 @@ from tfdp.data import streaming
 from tfdp.data.layouts import Split
 from tfdp.data.storage import localize
 from tfdp.data.layouts.tfrecord import INTERLEAVE_CYCLE, parse_record, read_record
-from tfdp.data.layouts.webdataset import LABEL as SAMPLE_LABEL, read_range
+from tfdp.data.layouts.webdataset import LABEL as SAMPLE_LABEL, make_tables, read_range
 
 AUTOTUNE = tf.data.AUTOTUNE
 SYNTHETIC_BANK = 16   # distinct synthetic images, cycled: generating pixels per example would cost host CPU
@@ -179,7 +179,9 @@ def _tar_payloads(share, cfg, ctx, data_shard, order_seed):
 
 
 def _shard_samples(files: list[str], counts: tuple[int, ...], cfg: DataConfig) -> Callable[..., tf.data.Dataset]:
-    """shard number → its first `counts[i]` samples' rows (sample numbers in a streamed shard)."""
+    """shard number → its first `counts[i]` samples' rows (sample numbers in a streamed shard). Tables not yet
+    made (shards copied from a bucket now) are made together first (`webdataset.make_tables`)."""
+    make_tables(files)
     return _table_locations(files, [streaming.sample_places(f, count) for f, count in zip(files, counts)])
 
 

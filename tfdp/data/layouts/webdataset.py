@@ -8,9 +8,10 @@ and its class number (`.cls`, the integer as text); other members (`.json`, `.tx
 A split's shards are those timm's `_info.json` (or `_info.yaml`) lists for it, with their sample counts
 (`splits: {train: {filenames: [...], shard_lengths: [...]}}`), else the `.tar` files of `DIR/<split>/`, else
 those of `DIR` whose name has the split as a dash-separated part (`imagenet1k-train-0007.tar`; `val` also
-finds `validation`). A split named by a pattern, as timm's `--train-split` is (`imagenet1k-train-{0000..1023}.tar`,
-`train-*.tar`), is the shards it names. Class names come from a synset file (`synsets.txt`, as the `tfrecord` layout reads it)
-where there is one; otherwise the classes are only numbers and `model.num_classes` says how many.
+finds `validation`). A split named by a pattern, as timm's `--train-split` is
+(`imagenet1k-train-{0000..1023}.tar`, `train-*.tar`), is the shards it names. Class names come from a synset file
+(`synsets.txt`, as the `tfrecord` layout reads it) where there is one; otherwise the classes are only numbers and
+`model.num_classes` says how many.
 
 A shard is read as TFRecord shards are (`tfdp.data.readers`): its sample table (`sample_table`: where each
 image's bytes are, and its label) is made from the tar headers and the `.cls` members once the shard is local,
@@ -273,8 +274,9 @@ def sample_table(path: str) -> tuple[np.ndarray, str | None]:
 def make_tables(paths: list[str]) -> None:
     """The sample tables of local shards not yet on disk, made by one process per core (spawned: the walk is
     Python, held by the GIL) and kept (`keep_tables_in`), where they are more than POOL_BYTES of shards; others
-    are made as they are asked."""
-    missing = [p for p in paths if _index_dir and not os.path.exists(_index_path(p, *_version(p)))]
+    are made as they are asked. A streamed shard not fetched yet has none to make."""
+    missing = [p for p in paths
+               if _index_dir and os.path.exists(p) and not os.path.exists(_index_path(p, *_version(p)))]
     if len(missing) < 2 or sum(map(os.path.getsize, missing)) < POOL_BYTES:
         return
     import concurrent.futures
