@@ -58,6 +58,38 @@ def test_a_run_trains_from_a_dataset_repository(hub, tiny_dir, tmp_path):
     assert "40 images" in evaluated.stdout, evaluated.stdout
 
 
+def test_parquet_files_in_a_dataset_repository_read_as_local_ones(hub, tiny_dir, tmp_path):
+    """A repository as `datasets`' push_to_hub leaves it (data/<split>-*.parquet): listed from the files' footers
+    (byte ranges), copied, unpacked, and decoded to the very images and labels of the same files on disk."""
+    import json
+    import subprocess
+    import sys
+
+    from test_parquet_layout import write_parquet
+    from test_wds_layout import decoded
+    from tfdp.config import DataConfig
+    from tfdp.data import build_source
+    root = tmp_path / "pushed"
+    write_parquet(tiny_dir, root)
+    hub.publish("datasets/tfdp/digits-parquet", {os.path.relpath(os.path.join(base, f), root): open(
+        os.path.join(base, f), "rb").read() for base, _, files in os.walk(root) for f in files})
+    local = DataConfig(format="parquet", dir=str(root), image_size=16, cache_dir=str(tmp_path / "local_cache"))
+    expected = decoded(build_source(local).split("val"), local)
+    code = ("import json, sys; sys.path[:0] = ['tests', 'tests/data']\n"
+            "from test_wds_layout import decoded\nfrom tfdp.config import DataConfig\n"
+            "from tfdp.data import build_source\n"
+            f"cfg = DataConfig(format='parquet', dir='hf://datasets/tfdp/digits-parquet', image_size=16, "
+            f"cache_dir='{tmp_path / 'cache'}')\n"
+            "source = build_source(cfg)\n"
+            "print(json.dumps([source.class_names, decoded(source.split('val'), cfg)]))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **hub_env(hub, tmp_path)}, cwd=os.path.dirname(os.path.dirname(
+                                os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0, result.stderr[-3000:]
+    names, found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert names == [f"digit {c}" for c in range(10)] and found == expected
+
+
 def test_a_repository_that_cannot_be_read_is_one_line(hub, tiny_dir, tmp_path):
     """A missing repository, a gated one without a token, a revision it lacks, a Hub that does not answer: one line
     each, before TensorFlow loads, naming the repository and the endpoint; with the token the gated one trains."""

@@ -46,7 +46,8 @@ class DataConfig:
     """Where the images are and how they are fed (see tfdp/data)."""
     __pydantic_config__ = _FORBID
     # digits | image_folder | csv (DIR/<split>.csv or .jsonl: image paths and labels) | imagenet (raw ILSVRC2012
-    # or Kaggle tree) | tfrecord | wds (WebDataset tar shards: an image and its .cls per sample) | tfds | synthetic
+    # or Kaggle tree) | tfrecord | wds (WebDataset tar shards: an image and its .cls per sample) | parquet (the
+    # Hugging Face Hub's datasets: an image and a label column) | tfds | synthetic
     format: Str = "digits"
     # a local path, a bucket (gs://bucket/prefix, s3://bucket/prefix) or a Hub dataset (hf://datasets/ORG/NAME)
     dir: Str = "~/.cache/tfdp/digits"
@@ -590,9 +591,10 @@ def _check_service(cfg: Config) -> None:
     if cfg.train.deterministic:
         raise UserError("train.deterministic cannot train through the tf.data service (data.service_address): "
                         "the service decides which worker reads what, so the input cannot be replayed")
-    if cfg.data.format == "wds":
-        raise UserError("data.format wds cannot be read through the tf.data service (data.service_address): its "
-                        "workers would read tar shards the trainer indexes; read it without the service")
+    if cfg.data.format in ("wds", "parquet"):
+        raise UserError(f"data.format {cfg.data.format} cannot be read through the tf.data service "
+                        f"(data.service_address): its workers would read tar shards the trainer indexes; read it "
+                        f"without the service")
     if cfg.data.repeated_augmentation > 1:
         raise UserError("data.repeated_augmentation needs the local input pipeline: through the tf.data service "
                         "(data.service_address) the copies of an image could not be dealt to different replicas")

@@ -46,6 +46,12 @@ def _wds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     return wds_source(cfg.dir, splits, cfg.cache_dir)
 
 
+def _parquet(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
+    """Parquet files of images and labels (the Hugging Face Hub's datasets), unpacked into tar shards to read."""
+    from tfdp.data.layouts.parquet import parquet_source
+    return parquet_source(cfg.dir, splits, cfg.cache_dir)
+
+
 def _tfds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     from tfdp.data.layouts.tfds import tfds_source
     return tfds_source(cfg.dir, cfg.tfds_name, splits, cfg.cache_dir, cfg.tfds_manual_dir)
@@ -72,6 +78,7 @@ SOURCES: dict[str, Callable[[DataConfig, tuple[str, ...]], Source]] = {
     "imagenet": _imagenet,
     "tfrecord": _tfrecord,
     "wds": _wds,
+    "parquet": _parquet,
     "tfds": _tfds,
     "synthetic": _synthetic,
 }

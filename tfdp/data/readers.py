@@ -24,6 +24,7 @@ from tfdp.data import streaming
 from tfdp.data.layouts import Split
 from tfdp.data.storage import localize
 from tfdp.data.layouts.tfrecord import INTERLEAVE_CYCLE, parse_record, read_record
+from tfdp.data.layouts.parquet import unpacked
 from tfdp.data.layouts.webdataset import LABEL as SAMPLE_LABEL, make_tables, read_range
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -196,6 +197,14 @@ def _tar_example(share, cfg, num_classes):
     return example
 
 
+def _parquet_payloads(share, cfg, ctx, data_shard, order_seed):
+    """A Parquet split's files, once local, unpacked into tar shards (`layouts.parquet.unpack`), then read as tar
+    shards are (`_tar_payloads`)."""
+    def locations(files, counts, cfg):
+        return _shard_samples(unpacked(files, share.parquet, cfg.cache_dir), counts, cfg)
+    return _interleaved(share, cfg, ctx, data_shard, order_seed, locations)
+
+
 def _read_sample(path: tf.Tensor, row: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return read_range(path, row), tf.cast(row[SAMPLE_LABEL], tf.int32)
 
@@ -267,6 +276,8 @@ def _permuted(values: tf.Tensor, seed: tf.Tensor | None) -> tf.Tensor:
 READERS: dict[str, Reader] = {
     "records": Reader(_record_payloads, _record_example, _record_files, fetched=_fetched_records),
     "tar": Reader(_tar_payloads, _tar_example, fetched=lambda ds: ds.map(_read_sample, num_parallel_calls=AUTOTUNE)),
+    "parquet": Reader(_parquet_payloads, _tar_example,
+                      fetched=lambda ds: ds.map(_read_sample, num_parallel_calls=AUTOTUNE)),
     "images": Reader(_image_payloads, _image_example, _image_files, fetched=lambda ds: ds.map(
         lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE)),
     "synthetic": Reader(_synthetic_payloads, _synthetic_example, _synthetic_files, cacheable=False),

@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import os
 import posixpath
+from typing import Any
 
 import fsspec
 
@@ -87,6 +88,7 @@ class Split:
     synthetic: bool = False   # examples made in the pipeline: `files` only name its parts, `counts` size them
     lost: tuple[int, ...] = ()  # per file: records counts.json lists beyond the readable ones
     tar: bool = False   # each file a WebDataset tar shard, `counts` its samples (`layouts.webdataset`)
+    parquet: Any = None   # each file a Parquet file, `counts` its rows; its columns (`layouts.parquet.Columns`)
 
     @property
     def num_examples(self) -> int:
@@ -102,12 +104,14 @@ class Split:
                          for f, c, n in zip(self.files, self.counts, self.lost) if n)
 
     def file_counts(self) -> tuple[int, ...]:
-        return self.counts if self.records or self.synthetic or self.tar else (1,) * len(self.files)
+        return self.counts if self.records or self.synthetic or self.tar or self.parquet else (1,) * len(self.files)
 
     @property
     def kind(self) -> str:
         """Which reader turns the files into examples (see `tfdp.data.readers`)."""
-        return "synthetic" if self.synthetic else "records" if self.records else "tar" if self.tar else "images"
+        if self.synthetic or self.records:
+            return "synthetic" if self.synthetic else "records"
+        return "tar" if self.tar else "parquet" if self.parquet else "images"
 
     def subset(self, indices) -> "Split":
         """The same split restricted to the files at `indices` (one input pipeline's share)."""

@@ -1,0 +1,172 @@
+"""Parquet files of images and labels, as the Hugging Face Hub keeps most datasets: `data.format: parquet`.
+
+`datasets`' `push_to_hub` writes `DIR/data/<split>-00000-of-00004.parquet`, the Hub's own conversion
+`DIR/<config>/<split>/0000.parquet`; `DIR/<split>/*.parquet` and `DIR/<split>-*.parquet` are found too (`val`
+also finds `validation`). The image column is the one `datasets`' features (the schema's `huggingface`
+metadata) call an `Image`, a struct of the encoded `bytes` and the file's `path`, else a struct or binary column
+named `image` or `img`; the label column is the `ClassLabel`, whose names are the classes, else an integer
+column named `label`, `labels`, `class` or `category` (the classes then only numbers). Listing reads each file's
+footer (its row count and schema), not its rows, in a bucket too.
+
+A row of a Parquet file cannot be read alone: its image is in a compressed page among a row group's. So each
+input pipeline's files, once local (copied from a bucket as shards are), are unpacked once into WebDataset tar
+shards in `data.cache_dir/parquet-tars` (an image and its `.cls` per row, written whole under a temporary name),
+and read as `data.format: wds` reads its shards: the same sample tables, stream positions, shuffling, corrupt
+counting and DALI path. A row without an image or a label stays a sample with nothing to decode, so it is
+counted as a corrupt image. The price is disk: a second copy of the pipeline's share.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import posixpath
+import tarfile
+
+from tfdp.data.layouts import LISTING_THREADS, Source, Split
+from tfdp.data.layouts.records import SPLIT_PREFIXES
+from tfdp.data.layouts.webdataset import keep_tables_in
+from tfdp.data.storage import filesystem, is_remote, url
+from tfdp.errors import UserError, first_line
+
+IMAGE_COLUMNS = ("image", "img")
+LABEL_COLUMNS = ("label", "labels", "class", "category")
+UNPACKED = "parquet-tars"   # under data.cache_dir
+# Encoded images' first bytes → the extension their tar member gets (TensorFlow decodes by content anyway).
+MAGIC = ((b"\xff\xd8", "jpg"), (b"\x89PNG", "png"), (b"GIF8", "gif"), (b"BM", "bmp"), (b"RIFF", "webp"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """Where a file's image bytes and label are."""
+    image: str
+    image_in_struct: bool   # `datasets`' Image: a struct whose `bytes` field holds the encoded image
+    label: str
+
+
+def parquet_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> Source:
+    fs, path = filesystem(root)
+    if not fs.isdir(path):
+        raise UserError(f"data directory not found: {url(fs, path)}")
+    keep_tables_in(cache_dir)   # the unpacked shards' sample tables
+    splits, class_names = {}, None
+    for name in split_names:
+        files = find_files(fs, path, name)
+        with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS if is_remote(fs) else 1) as pool:
+            footers = list(pool.map(lambda f: footer(fs, f), files))
+        columns, names = footers[0][1], footers[0][2]
+        for f, (_, other, _) in zip(files, footers):
+            if other != columns:
+                raise UserError(f"{url(fs, f)} keeps its images or labels in other columns than {url(fs, files[0])}")
+        if class_names is not None and names != class_names:
+            raise UserError(f"split '{name}' names other classes than '{split_names[0]}' in {url(fs, path)}")
+        class_names = names
+        splits[name] = Split(name=name, files=tuple(url(fs, f) for f in files),
+                             counts=tuple(rows for rows, _, _ in footers), parquet=columns)
+    return Source(class_names=class_names or (), splits=splits)
+
+
+def find_files(fs, root: str, name: str) -> list[str]:
+    """The split's Parquet files under `root`, as `datasets` and the Hub lay them out."""
+    for prefix in SPLIT_PREFIXES.get(name, (name,)):
+        for pattern in (f"data/{prefix}-*.parquet", f"{prefix}/*.parquet", f"{prefix}-*.parquet",
+                        f"*/{prefix}/*.parquet"):
+            found = sorted(fs.glob(posixpath.join(root, pattern)))
+            if found:
+                return found
+    raise UserError(f"no Parquet files for split '{name}' in {url(fs, root)} (expected data/{name}-*.parquet, "
+                    f"{name}/*.parquet or {name}-*.parquet)")
+
+
+def footer(fs, path: str) -> tuple[int, Columns, tuple[str, ...]]:
+    """(rows, the image and label columns, the class names `datasets` gives them) from a Parquet file's footer."""
+    import pyarrow.parquet as pq
+    try:
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            schema = meta.schema.to_arrow_schema()
+    except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid and its kin: the file is no Parquet
+        raise UserError(f"{url(fs, path)} is not a Parquet file ({first_line(e, 80)})") from None
+    features = _features(schema)
+    where = url(fs, path)
+    image = next((n for n, f in features.items() if isinstance(f, dict) and f.get("_type") == "Image"), None)
+    image = image or next((n for n in IMAGE_COLUMNS if n in schema.names), None)
+    if image is None:
+        raise UserError(f"{where} has no image column (a datasets Image, or one named {', '.join(IMAGE_COLUMNS)}; "
+                        f"it has {', '.join(schema.names)})")
+    in_struct = _is_struct(schema.field(image).type)
+    if not in_struct and not _is_binary(schema.field(image).type):
+        raise UserError(f"{where}: column {image} holds {schema.field(image).type}, not encoded images")
+    label = next((n for n, f in features.items() if isinstance(f, dict) and f.get("_type") == "ClassLabel"), None)
+    label = label or next((n for n in LABEL_COLUMNS if n in schema.names), None)
+    if label is None or not _is_integer(schema.field(label).type):
+        raise UserError(f"{where} has no integer label column (a datasets ClassLabel, or one named "
+                        f"{', '.join(LABEL_COLUMNS)}; it has {', '.join(schema.names)})")
+    names = tuple(str(n) for n in (features.get(label) or {}).get("names") or ())
+    return meta.num_rows, Columns(image, in_struct, label), names
+
+
+def _features(schema) -> dict:
+    """`datasets`' feature descriptions kept in the schema's metadata ({} where there are none)."""
+    try:
+        return json.loads((schema.metadata or {}).get(b"huggingface", b"{}"))["info"]["features"] or {}
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
+def _is_struct(kind) -> bool:
+    import pyarrow as pa
+    return pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
+
+
+def _is_binary(kind) -> bool:
+    import pyarrow as pa
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+
+
+def _is_integer(kind) -> bool:
+    import pyarrow as pa
+    return pa.types.is_integer(kind)
+
+
+def unpacked(paths: list[str], columns: Columns, cache_dir: str) -> list[str]:
+    """The WebDataset shard each local Parquet file is unpacked into (`unpack`), made where not there yet."""
+    return [unpack(p, columns, cache_dir) for p in paths]
+
+
+def unpack(path: str, columns: Columns, cache_dir: str) -> str:
+    """`path`'s rows as a tar shard in `cache_dir/parquet-tars`, one per file version: each row's image (as
+    `NNNNNNNNN.jpg`, `.png`, ... by its first bytes) and label (`.cls`); a row lacking either keeps what it has,
+    or an empty `.none` member, so that row numbers and samples stay one to one."""
+    import pyarrow.parquet as pq
+    stat = os.stat(path)
+    name = hashlib.sha1(f"{os.path.realpath(path)}|{columns}".encode()).hexdigest()[:20]
+    out = os.path.join(os.path.expanduser(cache_dir), UNPACKED, f"{name}-{stat.st_size}-{stat.st_mtime_ns}.tar")
+    if os.path.exists(out):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    temporary = f"{out}.tmp-{os.getpid()}"
+    row = 0
+    with tarfile.open(temporary, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256, columns=[columns.image, columns.label]):
+            images = batch.column(columns.image)
+            if columns.image_in_struct:
+                images = images.field("bytes")
+            for image, label in zip(images.to_pylist(), batch.column(columns.label).to_pylist()):
+                members = ([(_extension(image), image)] if image else []) + (
+                    [("cls", str(label).encode())] if label is not None and label >= 0 else [])
+                for kind, data in members or [("none", b"")]:
+                    info = tarfile.TarInfo(f"{row:09d}.{kind}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                row += 1
+    os.replace(temporary, out)
+    return out
+
+
+def _extension(image: bytes) -> str:
+    return next((ext for magic, ext in MAGIC if image.startswith(magic)), "jpg")
