@@ -152,6 +152,14 @@ def run_tfdp(*args: str, timeout: float = 300, cwd: str = REPO, env_extra: dict 
                           timeout=timeout, cwd=cwd, env=env)
 
 
+def train_one_epoch(data_format: str, data_dir, model_dir, *extra: str,
+                    env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """The run a layout's tests make of its dataset: `tfdp train`, the small CNN at 8 px, one epoch on 2 replicas."""
+    return run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
+                    f"--data_format={data_format}", f"--data_dir={data_dir}", f"--model_dir={model_dir}", "--epochs=1",
+                    "--set=schedule.warmup_epochs=0", *extra, env_extra=env_extra)
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""

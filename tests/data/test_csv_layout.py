@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from conftest import assert_one_line_error, run_tfdp
+from conftest import assert_one_line_error, run_tfdp, train_one_epoch
 from tfdp.config import DataConfig
 from tfdp.data import build_source
 from tfdp.errors import UserError
@@ -136,9 +136,7 @@ def test_the_converter_turns_labels_files_into_shards_with_the_same_labels(tiny_
 def test_a_run_trains_and_evaluates_from_labels_files(tiny_dir, tmp_path):
     """Through the command line: the images listed, trained on 2 replicas, evaluated."""
     data = csv_dataset(tiny_dir, tmp_path / "data")
-    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
-                      "--data_format=csv", f"--data_dir={data}", f"--model_dir={tmp_path / 'run'}", "--epochs=1",
-                      "--set=schedule.warmup_epochs=0")
+    result = train_one_epoch("csv", data, tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tfdp: data: 64 train / 40 val images, 10 classes" in result.stdout, result.stdout
     assert "tfdp: done: 1 epochs, validation top-1" in result.stdout

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import assert_one_line_error, run_tfdp
+from conftest import assert_one_line_error, run_tfdp, train_one_epoch
 from support.hf_hub import hub_server
 from test_wds_layout import info_file, write_shards
 
@@ -38,10 +38,8 @@ def test_a_run_trains_from_a_dataset_repository(hub, tiny_dir, tmp_path):
     publish(hub, root)
     hub.page_size = 4   # the repository's 7 files listed in pages, as the Hub pages a large tree (1,000 a page)
     cache, run = tmp_path / "cache", tmp_path / "run"
-    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
-                      "--data_format=wds", f"--data_dir=hf://{REPO}", f"--set=data.cache_dir={cache}",
-                      f"--model_dir={run}", "--epochs=1", "--set=schedule.warmup_epochs=0",
-                      env_extra=hub_env(hub, tmp_path))
+    result = train_one_epoch("wds", f"hf://{REPO}", run, f"--set=data.cache_dir={cache}",
+                             env_extra=hub_env(hub, tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tfdp: data: 64 train / 40 val images" in result.stdout, result.stdout
     assert "tfdp: done: 1 epochs, validation top-1" in result.stdout
@@ -105,10 +103,8 @@ def test_a_repository_that_cannot_be_read_is_one_line(hub, tiny_dir, tmp_path):
     gated = run_tfdp(*common, "--data_dir=hf://datasets/tfdp/gated", env_extra=env)
     assert_one_line_error(gated, 2, "the Hugging Face Hub repository datasets/tfdp/gated", "is gated",
                           "set HF_TOKEN")
-    with_token = run_tfdp(*common, "--data_dir=hf://datasets/tfdp/gated", "--epochs=1", "--model=simple_cnn",
-                          "--set=data.image_size=8", "--set=schedule.warmup_epochs=0",
-                          f"--set=data.cache_dir={tmp_path / 'cache'}",
-                          env_extra={**env, "HF_TOKEN": "secret"})
+    with_token = train_one_epoch("wds", "hf://datasets/tfdp/gated", tmp_path / "run",
+                                 f"--set=data.cache_dir={tmp_path / 'cache'}", env_extra={**env, "HF_TOKEN": "secret"})
     assert "is gated" not in with_token.stdout + with_token.stderr, with_token.stderr[-2000:]
     assert "tfdp: data: 64 train / 40 val images" in with_token.stdout, with_token.stdout + with_token.stderr[-2000:]
     no_revision = run_tfdp(*common, "--data_dir=hf://datasets/tfdp/gated@v9", env_extra={**env, "HF_TOKEN": "secret"})

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_tfdp
+from conftest import train_one_epoch
 from test_wds_layout import decoded
 from tfdp.config import DataConfig
 from tfdp.data import build_source
@@ -72,10 +72,8 @@ def test_a_run_trains_from_parquet_and_a_row_without_an_image_is_corrupt(tiny_di
     weights = [w for _, _, batch in eval_dataset(build_source(cfg, ("val",)).split("val"), cfg, 8,
                                                  corrupt=counter).as_numpy_iterator() for w in batch]
     assert counter.value() == FILES and sum(weights) == 40 - FILES
-    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
-                      "--data_format=parquet", f"--data_dir={tmp_path / 'data'}", f"--model_dir={tmp_path / 'run'}",
-                      "--epochs=1", "--set=schedule.warmup_epochs=0", "--set=data.max_bad_fraction=0.1",
-                      f"--set=data.cache_dir={tmp_path / 'cache'}")
+    result = train_one_epoch("parquet", tmp_path / "data", tmp_path / "run", "--set=data.max_bad_fraction=0.1",
+                             f"--set=data.cache_dir={tmp_path / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tfdp: data: 64 train / 40 val images, 10 classes" in result.stdout, result.stdout
     assert "tfdp: done: 1 epochs, validation top-1" in result.stdout

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import webdataset
 
-from conftest import assert_one_line_error, run_tfdp
+from conftest import assert_one_line_error, run_tfdp, train_one_epoch
 from tfdp.config import DataConfig
 from tfdp.data import build_source
 from tfdp.data.layouts.webdataset import LABEL, sample_table
@@ -116,9 +116,7 @@ def test_a_run_trains_and_evaluates_from_shards(tiny_dir, tmp_path):
     """Through the command line, on 2 replicas: trained, then evaluated by `tfdp evaluate`."""
     write_shards(tiny_dir, tmp_path / "data")
     run = tmp_path / "run"
-    result = run_tfdp("train", "--config=configs/digits.yaml", "--model=simple_cnn", "--set=data.image_size=8",
-                      "--data_format=wds", f"--data_dir={tmp_path / 'data'}", f"--model_dir={run}", "--epochs=1",
-                      "--set=schedule.warmup_epochs=0")
+    result = train_one_epoch("wds", tmp_path / "data", run)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tfdp: data: 64 train / 40 val images" in result.stdout, result.stdout
     assert "tfdp: done: 1 epochs, validation top-1" in result.stdout
