@@ -50,10 +50,10 @@ END_BLOCKS = 1024   # the two zero blocks that end a tar: a shard without them w
 INDEX_FOLDER = "wds-index"   # under data.cache_dir: the shards' sample tables (`keep_tables_in`)
 WALKERS = 16   # processes that make missing sample tables at once
 POOL_BYTES = 2 * 10**9   # shards whose tables are made by `WALKERS` processes, not in turn: about 2.5 s of walking
-_index_dir: str | None = None
 BRACES = re.compile(r"\{([^{}]*)\}")
 PATTERN_SIGNS = "*?[{"   # a split named with any of these is a pattern of shard names (`pattern_shards`)
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")   # webdataset's base_plus_ext: (key, extension)
+_index_dir: str | None = None   # where sample tables are kept (`keep_tables_in`)
 
 
 def wds_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> Source:
