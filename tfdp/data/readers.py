@@ -2,8 +2,9 @@
 
 A reader has two halves. `payloads` lists this input pipeline's share as a
 dataset of small elements (a record's shard and byte offset, a tar sample's
-shard and table row, an image file's path and label, a synthetic example's
-number), in the order a data epoch's seed
+shard and table row (Parquet rows too, once unpacked into tar shards), an
+image file's path and label, a synthetic example's number), in the order a
+data epoch's seed
 draws. `example` turns one element into (image, label), calling the
 preprocessing function it is given (`tfdp.data.preprocess`) on the encoded
 bytes. `tfdp.data.pipeline` only picks the reader by `Split.kind` and never
@@ -209,6 +210,10 @@ def _read_sample(path: tf.Tensor, row: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]
     return read_range(path, row), tf.cast(row[SAMPLE_LABEL], tf.int32)
 
 
+def _fetched_samples(ds: tf.data.Dataset) -> tf.data.Dataset:
+    return ds.map(_read_sample, num_parallel_calls=AUTOTUNE)
+
+
 # --- one image per file -----------------------------------------------------
 
 def _image_payloads(share, cfg, ctx, data_shard, order_seed):
@@ -275,9 +280,8 @@ def _permuted(values: tf.Tensor, seed: tf.Tensor | None) -> tf.Tensor:
 
 READERS: dict[str, Reader] = {
     "records": Reader(_record_payloads, _record_example, _record_files, fetched=_fetched_records),
-    "tar": Reader(_tar_payloads, _tar_example, fetched=lambda ds: ds.map(_read_sample, num_parallel_calls=AUTOTUNE)),
-    "parquet": Reader(_parquet_payloads, _tar_example,
-                      fetched=lambda ds: ds.map(_read_sample, num_parallel_calls=AUTOTUNE)),
+    "tar": Reader(_tar_payloads, _tar_example, fetched=_fetched_samples),
+    "parquet": Reader(_parquet_payloads, _tar_example, fetched=_fetched_samples),
     "images": Reader(_image_payloads, _image_example, _image_files, fetched=lambda ds: ds.map(
         lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE)),
     "synthetic": Reader(_synthetic_payloads, _synthetic_example, _synthetic_files, cacheable=False),
