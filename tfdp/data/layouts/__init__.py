@@ -251,3 +251,12 @@ def folder_entries(fs: fsspec.AbstractFileSystem, folder: str) -> list[tuple[str
         entries = sorted((entry.name, entry.is_dir(follow_symlinks=False)) for entry in scan)
     prefix = folder if folder.endswith("/") else folder + "/"
     return [(prefix + entry, is_dir) for entry, is_dir in entries]
+
+
+def file_names(fs: fsspec.AbstractFileSystem, folder: str) -> set[str]:
+    """The names of the files in `folder` (none where it is not a folder): one listing, where a look per file
+    would be a request per file in a bucket."""
+    try:
+        return {posixpath.basename(path) for path, is_dir in folder_entries(fs, folder) if not is_dir}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()

@@ -25,7 +25,7 @@ import io
 import json
 import posixpath
 
-from tfdp.data.layouts import (IMAGE_PATTERNS, LISTING_THREADS, Source, Split, folder_entries, is_image_file,
+from tfdp.data.layouts import (IMAGE_PATTERNS, LISTING_THREADS, Source, Split, file_names, is_image_file,
                                read_text)
 from tfdp.data.storage import filesystem, is_remote, url
 from tfdp.errors import UserError, first_line
@@ -188,7 +188,7 @@ def check_present(fs, root: str, where: str, files: list[str], lines: list[int])
     """Every listed image is in its folder: one listing per folder (concurrent in a bucket), not one look per
     image."""
     folders = sorted({posixpath.dirname(f) for f in files})
-    lister = lambda folder: (folder, _names(fs, folder))  # noqa: E731
+    lister = lambda folder: (folder, file_names(fs, folder))  # noqa: E731
     if is_remote(fs):
         with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS) as pool:
             present = dict(pool.map(lister, folders))
@@ -200,14 +200,6 @@ def check_present(fs, root: str, where: str, files: list[str], lines: list[int])
         first, line = missing[0]
         raise UserError(f"{where}: {len(missing)} of its {len(files)} images are not in {url(fs, root)} "
                         f"(first: {posixpath.relpath(first, root)}, line {line})")
-
-
-def _names(fs, folder: str) -> set[str]:
-    """The names of the files in `folder` (none where it is not a folder)."""
-    try:
-        return {posixpath.basename(path) for path, is_dir in folder_entries(fs, folder) if not is_dir}
-    except (FileNotFoundError, NotADirectoryError):
-        return set()
 
 
 # A labels file's reader by its extension, in the order `labels_file` looks for them.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import io
 import json
 import os
@@ -29,7 +28,7 @@ import tarfile
 
 from tfdp.data.layouts import LISTING_THREADS, Source, Split
 from tfdp.data.layouts.records import SPLIT_PREFIXES
-from tfdp.data.layouts.webdataset import keep_tables_in
+from tfdp.data.layouts.webdataset import keep_tables_in, version_name
 from tfdp.data.storage import filesystem, is_remote, url
 from tfdp.errors import UserError, first_line
 
@@ -144,8 +143,8 @@ def unpack(path: str, columns: Columns, cache_dir: str) -> str:
     or an empty `.none` member, so that row numbers and samples stay one to one."""
     import pyarrow.parquet as pq
     stat = os.stat(path)
-    name = hashlib.sha1(f"{os.path.realpath(path)}|{columns}".encode()).hexdigest()[:20]
-    out = os.path.join(os.path.expanduser(cache_dir), UNPACKED, f"{name}-{stat.st_size}-{stat.st_mtime_ns}.tar")
+    name = version_name(path, stat.st_size, stat.st_mtime_ns, salt=f"|{columns}")
+    out = os.path.join(os.path.expanduser(cache_dir), UNPACKED, f"{name}.tar")
     if os.path.exists(out):
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -35,7 +35,7 @@ import tarfile
 import numpy as np
 import yaml
 
-from tfdp.data.layouts import IMAGE_EXTENSIONS, Source, Split, read_text
+from tfdp.data.layouts import IMAGE_EXTENSIONS, Source, Split, file_names, read_text
 from tfdp.data.layouts.records import SPLIT_PREFIXES, read_synsets
 from tfdp.data.storage import filesystem, is_remote, localize, url
 from tfdp.errors import UserError, first_line
@@ -134,13 +134,8 @@ def info_shards(fs, root: str, info: dict, name: str) -> tuple[tuple[str, ...], 
 def absent(fs, paths: list[str]) -> list[str]:
     """Those of `paths` that are not files: one listing per folder, not one request per shard (a thousand in a
     bucket)."""
-    listed: dict[str, set[str]] = {}
-    for folder in sorted({posixpath.dirname(p) for p in paths}):
-        try:
-            listed[folder] = {e["name"].rstrip("/") for e in fs.ls(folder, detail=True) if e["type"] == "file"}
-        except (FileNotFoundError, NotADirectoryError):
-            listed[folder] = set()
-    return [p for p in paths if p not in listed[posixpath.dirname(p)]]
+    listed = {folder: file_names(fs, folder) for folder in sorted({posixpath.dirname(p) for p in paths})}
+    return [p for p in paths if posixpath.basename(p) not in listed[posixpath.dirname(p)]]
 
 
 def pattern_shards(fs, root: str, pattern: str) -> tuple[str, ...]:
@@ -296,9 +291,15 @@ def _version(path: str) -> tuple[int, int]:
     return stat.st_size, stat.st_mtime_ns
 
 
+def version_name(path: str, size: int, mtime_ns: int, salt: str = "") -> str:
+    """A local file's version as a file name (its real path, with `salt`, hashed; its size; its modification
+    time): what a file made from it once is kept under."""
+    digest = hashlib.sha1(f"{os.path.realpath(path)}{salt}".encode()).hexdigest()[:20]
+    return f"{digest}-{size}-{mtime_ns}"
+
+
 def _index_path(path: str, size: int, mtime_ns: int) -> str:
-    name = hashlib.sha1(os.path.realpath(path).encode()).hexdigest()[:20]
-    return os.path.join(_index_dir, f"{name}-{size}-{mtime_ns}.npz")
+    return os.path.join(_index_dir, f"{version_name(path, size, mtime_ns)}.npz")
 
 
 @functools.lru_cache(maxsize=8192)   # ImageNet's 1,024 training shards: 30 KB each
