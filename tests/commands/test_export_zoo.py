@@ -60,6 +60,7 @@ ZOO = [  # (registry name, image size): one per family
         reason="its block is convnext_atto's with the GRN's elementwise ops and reductions, which every other "
                "family's LayerNorm and pooling convert")]),
     pytest.param("efficientnetv2_b0", 32, marks=[pytest.mark.slow, FULL_ZOO]),   # squeeze-excite, swish
+    pytest.param("efficientnet_b0", 32, marks=[pytest.mark.slow, FULL_ZOO]),     # the same, its graph cut at the stem
     pytest.param("inception_v3", 75, marks=[pytest.mark.slow, FULL_ZOO]),        # concatenated branches
 ]
 

@@ -20,7 +20,7 @@ from tfdp.errors import UserError
 from tfdp.models import build_model
 from tfdp.models.build import Standardize
 from tfdp.models.keras_apps import APPS
-from tfdp.models.weights import MIRROR_ENV, init_from
+from tfdp.models.weights import MIRROR_ENV, init_from, layers_with_weights
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
@@ -54,8 +54,20 @@ def _in_model_preprocessing(constructor):
     return apply
 
 
+def efficientnet_v1_preprocessing(x):
+    """EfficientNet (V1)'s built-in preprocessing with its ImageNet file: Rescaling(1/255), the file's Normalization
+    (ImageNet's mean, and its std stored as the variance: tensorflow/tensorflow#49930), then keras.applications'
+    mend, Rescaling(1/sqrt(std)) (keras/src/applications/efficientnet.py, `weights == "imagenet"`)."""
+    from keras.src.applications.efficientnet import IMAGENET_STDDEV_RGB
+    variance = np.float32(IMAGENET_STDDEV_RGB)
+    normalised = keras.layers.Normalization(mean=np.float32(IMAGENET_MEAN) / 255, variance=variance)(x / 255)
+    return keras.ops.convert_to_numpy(keras.layers.Rescaling(1 / np.sqrt(variance))(normalised))
+
+
 def keras_reference(name):
     """How keras.applications itself prepares 0..255 RGB pixels for `name`'s ImageNet weights."""
+    if name.startswith("efficientnet_b"):
+        return efficientnet_v1_preprocessing
     constructor = APPS[name][0]
     by_module = {"resnet": keras.applications.resnet, "inception_v3": keras.applications.inception_v3,
                  "mobilenet_v2": keras.applications.mobilenet_v2}
@@ -78,6 +90,45 @@ def test_the_resolved_preprocessing_is_keras_own(name):
     ours = keras.ops.convert_to_numpy(Standardize(cfg.data.mean, cfg.data.std, cfg.data.channel_order)(x))
     theirs = keras_reference(name)(x.astype(np.float32))
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-4)
+
+
+def test_keras_efficientnet_b0_weights_give_keras_own_logits(tmp_path, monkeypatch, capsys):
+    """`--init_from=imagenet` for efficientnet_b0 (keras.applications' EfficientNetB0 from its stem on, tfdp
+    normalising instead of its built-in layers): on real photos, tfdp's logits are those of the model
+    keras.applications itself builds for its ImageNet file, Rescaling, Normalization and Keras' mend included,
+    that file loaded by Keras (its download replaced by the file written here)."""
+    from keras.src.applications import efficientnet
+    from keras.src.legacy.saving.legacy_h5_format import save_weights_to_hdf5_group
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    monkeypatch.setenv(MIRROR_ENV, "http://127.0.0.1:9/")  # never the network, should the file be missing
+    keras.utils.set_random_seed(5)
+    source = keras.applications.EfficientNetB0(weights=None, classifier_activation=None)
+    normalization = next(layer for layer in source.layers if isinstance(layer, keras.layers.Normalization))
+    normalization.set_weights(   # as in Keras' file: ImageNet's mean, its std as the variance
+        [np.float32(IMAGENET_MEAN) / 255, np.float32(efficientnet.IMAGENET_STDDEV_RGB), np.int64(0)])
+    file = tmp_path / "models" / "efficientnetb0.h5"
+    os.makedirs(file.parent)
+    with h5py.File(file, "w") as f:
+        save_weights_to_hdf5_group(f, source)
+    monkeypatch.setattr(efficientnet.file_utils, "get_file", lambda name, *args, **kwargs: str(tmp_path / "models" / name))
+    reference = keras.applications.EfficientNetB0(weights="imagenet", classifier_activation=None)
+
+    cfg = imagenet_cfg("efficientnet_b0", image_size=224)
+    model = build_model(cfg.model, cfg.data)
+    capsys.readouterr()
+    init_from(model, cfg.model, cfg.data, resumed=False)
+    n = len(layers_with_weights(model))   # every layer, the classifier's 1,000 classes too; the file's Normalization unused
+    assert f"tfdp: init_from: loaded {n} of {n} layers from imagenet weights" in capsys.readouterr().out
+
+    x = photos(224)
+    ours = model.predict(x, verbose=0)
+    theirs = reference.predict(x.astype(np.float32), verbose=0)
+    scale = np.abs(theirs).max()
+    assert scale > 0 and np.ptp(theirs, axis=0).max() > 1e-3 * scale  # the photos give different logits
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * scale)
+    # the file's "variance" taken as a variance (no mend) is far off: the test tells the two apart
+    unmended = source.predict(x.astype(np.float32), verbose=0)
+    assert np.abs(unmended - theirs).max() > 100 * 1e-4 * scale
 
 
 def test_keras_resnet50_weights_see_bgr_as_in_keras(tmp_path, monkeypatch, capsys):

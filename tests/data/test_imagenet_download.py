@@ -155,3 +155,16 @@ def test_the_mirror_must_be_http(monkeypatch, tmp_path):
     cfg = cfg_for("resnet50")
     with pytest.raises(UserError, match=f"^{MIRROR_ENV}=ftp://mirror/keras: a mirror .* must be an http"):
         read_source("imagenet", cfg.model, cfg.data)
+
+
+def test_the_mirror_holds_both_of_keras_buckets_files_at_their_paths(monkeypatch):
+    """keras.applications downloads EfficientNet (V1)'s files from another bucket than the rest, at its top: the
+    mirror keeps each file at its path under its bucket."""
+    files = weights_lib._imagenet_files()
+    urls = {name: files[name](224)[1] for name in ("resnet50", "efficientnet_b3", "mobilenet_v3_small")}
+    assert urls["efficientnet_b3"] == "https://storage.googleapis.com/keras-applications/efficientnetb3.h5"
+    monkeypatch.setenv(MIRROR_ENV, "http://127.0.0.1:8/keras/")
+    assert {name: weights_lib.weights_url(url) for name, url in urls.items()} == {
+        "resnet50": f"http://127.0.0.1:8/keras/{RESNET50}",
+        "efficientnet_b3": "http://127.0.0.1:8/keras/efficientnetb3.h5",
+        "mobilenet_v3_small": "http://127.0.0.1:8/keras/mobilenet_v3/weights_mobilenet_v3_small_224_1.0_float.h5"}

@@ -30,11 +30,17 @@ TIMM = {
 # keras.applications' published totals (all weights, batch-norm statistics included).
 KERAS_APPLICATIONS = {
     "resnet50": 25_636_712, "resnet101": 44_707_176, "resnet152": 60_419_944, "inception_v3": 23_851_784,
-    "mobilenet_v2": 3_538_984, "mobilenet_v3_large": 5_507_432,
+    "mobilenet_v2": 3_538_984, "mobilenet_v3_large": 5_507_432, "mobilenet_v3_small": 2_554_968,
     "efficientnetv2_b0": 7_200_312, "efficientnetv2_b1": 8_212_124, "efficientnetv2_b2": 10_178_374,
     "efficientnetv2_b3": 14_467_622, "efficientnetv2_s": 21_612_360, "efficientnetv2_m": 54_431_388,
     "efficientnetv2_l": 119_027_848,
+    "efficientnet_b0": 5_330_571, "efficientnet_b1": 7_856_239, "efficientnet_b2": 9_177_569,
+    "efficientnet_b3": 12_320_535, "efficientnet_b4": 19_466_823, "efficientnet_b5": 30_562_527,
+    "efficientnet_b6": 43_265_143, "efficientnet_b7": 66_658_687,
 }
+# Weights of keras.applications' built-in preprocessing that tfdp leaves out (it normalises on the device): EfficientNet
+# (V1)'s Normalization layer, its mean and variance per channel and its count.
+LEFT_OUT = {f"efficientnet_b{v}": 3 + 3 + 1 for v in range(8)}
 SMALL_IMAGE = {"resnet18_small", "resnet10_small", "simple_cnn"}  # for 16-32 px inputs: no ImageNet reference
 # Not built for their count here: test_convnext.py checks every ConvNeXt's count from its depths and widths, and
 # builds one of each table (convnext_atto, convnext_tiny, convnextv2_atto, convnextv2_tiny).
@@ -79,7 +85,7 @@ def test_parameter_count_at_1000_classes_and_224_px(name):
         if name in TORCHVISION or name in TIMM:
             assert trainable == {**TORCHVISION, **TIMM}[name]
         else:
-            assert model.count_params() == KERAS_APPLICATIONS[name]
+            assert model.count_params() == KERAS_APPLICATIONS[name] - LEFT_OUT.get(name, 0)
         assert model.output_shape == (None, 1000)
     keras.backend.clear_session()
 
@@ -98,8 +104,9 @@ ONE_PER_BUILDER = {
     "resnet18": "resnet18", "resnet34": "resnet18", "resnet50_v1_5": "resnet50_v1_5",
     "resnext50_32x4d": "resnext50_32x4d", "resnet18_small": "resnet18_small", "resnet10_small": "resnet18_small",
     "resnet50": "resnet50", "resnet101": "resnet50", "resnet152": "resnet50", "inception_v3": "inception_v3",
-    "mobilenet_v2": "mobilenet_v2", "mobilenet_v3_large": "mobilenet_v3_large",
+    "mobilenet_v2": "mobilenet_v2", "mobilenet_v3_large": "mobilenet_v3_large", "mobilenet_v3_small": "mobilenet_v3_large",
     **{f"efficientnetv2_{s}": "efficientnetv2_b0" for s in ("b0", "b1", "b2", "b3", "s", "m", "l")},
+    **{f"efficientnet_b{v}": "efficientnet_b0" for v in range(8)},
     **{f"vgg{d}": "vgg11" for d in (11, 13, 16, 19)}, **{f"vgg{d}_bn": "vgg11_bn" for d in (11, 13, 16, 19)},
     "squeezenet1_1": "squeezenet1_1", "simple_cnn": "simple_cnn",
     **{f"convnext_{s}": "convnext_atto"
@@ -219,6 +226,7 @@ def test_vgg_and_squeezenet_dropout_defaults_to_half_and_a_configured_zero_remov
 
 @pytest.mark.parametrize("name, layer, default", [("mobilenet_v2", "top_dropout", None),  # none upstream: inserted
                                                   ("efficientnetv2_b0", "top_dropout", 0.2),  # rate set afterwards
+                                                  ("efficientnet_b5", "top_dropout", 0.4),  # V1: by size
                                                   ("mobilenet_v3_large", "dropout", 0.2)])  # `dropout_rate`
 def test_keras_applications_models_honour_the_configured_dropout(name, layer, default):
     """Built for their layers only (`shapes_only`: the rates and the output shape need no weight values)."""

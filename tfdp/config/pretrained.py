@@ -82,13 +82,16 @@ KERAS_MODES: dict[str, dict] = {
     "x/128-1": {"mean": (128.0,) * 3, "std": (128.0,) * 3, "channel_order": "rgb"},
 }
 # zoo model → the mode its Keras ImageNet weights were trained with. ResNets and Inception/MobileNetV2 through
-# their module's preprocess_input; MobileNetV3 and EfficientNetV2 build theirs into the model (tfdp builds them
-# with include_preprocessing=False and normalises on the device instead): MobileNetV3 Rescaling(1/127.5, -1),
-# EfficientNetV2-B* Rescaling(1/255) + Normalization(ImageNet), -S/M/L Rescaling(1/128, -1).
+# their module's preprocess_input; MobileNetV3 and the EfficientNets build theirs into the model (tfdp builds them
+# without it and normalises on the device instead): MobileNetV3 Rescaling(1/127.5, -1), EfficientNetV2-B*
+# Rescaling(1/255) + Normalization(ImageNet), -S/M/L Rescaling(1/128, -1), EfficientNet (V1) Rescaling(1/255) +
+# Normalization with its file's mean and "variance" (ImageNet's std: tensorflow/tensorflow#49930) + Rescaling by
+# 1/sqrt(std), Keras' mend of that: (x/255 - mean) / std.
 KERAS_IMAGENET: dict[str, str] = {
     "resnet50": "caffe", "resnet101": "caffe", "resnet152": "caffe",
-    "inception_v3": "tf", "mobilenet_v2": "tf", "mobilenet_v3_large": "tf",
+    "inception_v3": "tf", "mobilenet_v2": "tf", "mobilenet_v3_large": "tf", "mobilenet_v3_small": "tf",
     **{f"efficientnetv2_{v}": "torch" for v in ("b0", "b1", "b2", "b3")},
+    **{f"efficientnet_b{v}": "torch" for v in range(8)},
     **{f"efficientnetv2_{v}": "x/128-1" for v in ("s", "m", "l")},
 }
 # torchvision's ImageNet weights (its transforms' Normalize); timm's default where a file says nothing

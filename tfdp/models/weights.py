@@ -154,7 +154,7 @@ def read_run_dir(path: str) -> Weights:
 
 def _imagenet_files() -> dict[str, Callable[[int], tuple[str, str, str]]]:
     """zoo name → (image size → (file name, download URL, md5)), from keras.applications' own constants."""
-    from keras.src.applications import efficientnet_v2, inception_v3, mobilenet_v2, mobilenet_v3, resnet
+    from keras.src.applications import efficientnet, efficientnet_v2, inception_v3, mobilenet_v2, mobilenet_v3, resnet
 
     def resnet_file(name):
         file = f"{name}_weights_tf_dim_ordering_tf_kernels.h5"
@@ -165,21 +165,29 @@ def _imagenet_files() -> dict[str, Callable[[int], tuple[str, str, str]]]:
         file = f"mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_{rows}.h5"
         return file, mobilenet_v2.BASE_WEIGHT_PATH + file, ""
 
-    def mobilenet_v3_file(size):
-        file = "weights_mobilenet_v3_large_224_1.0_float.h5"
-        return file, mobilenet_v3.BASE_WEIGHT_PATH + file, mobilenet_v3.WEIGHTS_HASHES["large_224_1.0_float"][0]
+    def mobilenet_v3_file(kind):
+        file = f"weights_mobilenet_v3_{kind}_224_1.0_float.h5"
+        return lambda size: (file, mobilenet_v3.BASE_WEIGHT_PATH + file,
+                             mobilenet_v3.WEIGHTS_HASHES[f"{kind}_224_1.0_float"][0])
 
     def efficientnet_file(variant):
         file = f"efficientnetv2-{variant.lstrip('-')}.h5"
         return lambda size: (file, efficientnet_v2.BASE_WEIGHTS_PATH + file, efficientnet_v2.WEIGHTS_HASHES[variant][0])
 
+    def efficientnet_v1_file(variant):
+        file = f"efficientnet{variant}.h5"
+        return lambda size: (file, efficientnet.BASE_WEIGHTS_PATH + file, efficientnet.WEIGHTS_HASHES[variant][0])
+
     files = {name: resnet_file(name) for name in ("resnet50", "resnet101", "resnet152")}
     files["inception_v3"] = lambda size: ("inception_v3_weights_tf_dim_ordering_tf_kernels.h5",
                                           inception_v3.WEIGHTS_PATH, "9a0d58056eeedaa3f26cb7ebd46da564")
     files["mobilenet_v2"] = mobilenet_v2_file
-    files["mobilenet_v3_large"] = mobilenet_v3_file
+    for kind in ("large", "small"):
+        files[f"mobilenet_v3_{kind}"] = mobilenet_v3_file(kind)
     for variant in ("b0", "b1", "b2", "b3", "-s", "-m", "-l"):
         files[f"efficientnetv2_{variant.lstrip('-')}"] = efficientnet_file(variant)
+    for variant in ("b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7"):
+        files[f"efficientnet_{variant}"] = efficientnet_v1_file(variant)
     return files
 
 
@@ -188,9 +196,11 @@ def keras_cache_dir() -> str:
     return os.path.join(os.path.expanduser(os.environ.get("KERAS_HOME") or os.path.join("~", ".keras")), "models")
 
 
-# Where keras.applications downloads every zoo model's file from; TFDP_KERAS_WEIGHTS_URL replaces it with a
-# mirror of the same layout (an internal server; the tests' loopback one): MIRROR_ENV/resnet/<file>, ...
-KERAS_WEIGHTS_BASE = "https://storage.googleapis.com/tensorflow/keras-applications/"
+# Where keras.applications downloads every zoo model's file from (EfficientNet V1's from the second);
+# TFDP_KERAS_WEIGHTS_URL replaces both with a mirror of the same layout (an internal server; the tests' loopback
+# one): MIRROR_ENV/resnet/<file>, ..., MIRROR_ENV/efficientnetb0.h5
+KERAS_WEIGHTS_BASES = ("https://storage.googleapis.com/tensorflow/keras-applications/",
+                       "https://storage.googleapis.com/keras-applications/")
 MIRROR_ENV = "TFDP_KERAS_WEIGHTS_URL"
 # Seconds to reach the server (or proxy) before the run stops with the offline line: a machine without network
 # must not wait for TCP's own minutes-long timeout.
@@ -207,7 +217,8 @@ def weights_url(url: str) -> str:
         return url
     if urllib.parse.urlsplit(mirror).scheme not in ("http", "https"):
         raise UserError(f"{MIRROR_ENV}={mirror}: a mirror of keras.applications' weights must be an http(s) URL")
-    return mirror.rstrip("/") + "/" + url.removeprefix(KERAS_WEIGHTS_BASE)
+    base = next(b for b in KERAS_WEIGHTS_BASES if url.startswith(b))
+    return mirror.rstrip("/") + "/" + url.removeprefix(base)
 
 
 def reachable(url: str, timeout: float) -> bool:
