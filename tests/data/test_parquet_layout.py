@@ -16,6 +16,7 @@ from conftest import train_one_epoch
 from test_wds_layout import decoded
 from tfdp.config import DataConfig
 from tfdp.data import build_source
+from tfdp.data.layouts.parquet import unpack
 from tfdp.data.pipeline import CorruptCounter, eval_dataset
 from tfdp.errors import UserError
 
@@ -59,7 +60,14 @@ def test_parquet_files_give_every_image_its_class_folders_label(tiny_dir, tmp_pa
         for split in ("train", "val"):
             assert source.split(split).kind == "parquet" and source.split(split).num_examples in (64, 40)
             assert decoded(source.split(split), cfg) == decoded(build_source(folders).split(split), folders)
-    assert len(os.listdir(tmp_path / "cache" / "parquet-tars")) == 2 * 2 * FILES   # one shard per file, kept
+    unpacked = tmp_path / "cache" / "parquet-tars"
+    kept = set(os.listdir(unpacked))
+    assert len(kept) == 2 * 2 * FILES   # one shard per file, kept
+    changed = converted / "default" / "train" / "0000.parquet"   # written again: unpacked anew, its old shard gone
+    os.utime(changed, ns=(changed.stat().st_atime_ns, changed.stat().st_mtime_ns + 10**9))
+    unpack(str(changed), source.split("train").parquet, str(tmp_path / "cache"))
+    now = set(os.listdir(unpacked))
+    assert len(now) == len(kept) and len(now - kept) == 1
 
 
 def test_a_run_trains_from_parquet_and_a_row_without_an_image_is_corrupt(tiny_dir, tmp_path):

@@ -28,7 +28,7 @@ import tarfile
 
 from tfdp.data.layouts import LISTING_THREADS, Source, Split
 from tfdp.data.layouts.records import SPLIT_PREFIXES
-from tfdp.data.layouts.webdataset import keep_tables_in, version_name
+from tfdp.data.layouts.webdataset import drop_other_versions, keep_tables_in, version_name
 from tfdp.data.storage import filesystem, is_remote, url
 from tfdp.errors import UserError, first_line
 
@@ -164,6 +164,7 @@ def unpack(path: str, columns: Columns, cache_dir: str) -> str:
                     tar.addfile(info, io.BytesIO(data))
                 row += 1
     os.replace(temporary, out)
+    drop_other_versions(out)
     return out
 
 

@@ -298,6 +298,20 @@ def version_name(path: str, size: int, mtime_ns: int, salt: str = "") -> str:
     return f"{digest}-{size}-{mtime_ns}"
 
 
+def drop_other_versions(kept: str) -> None:
+    """Removes what was kept beside `kept` (`version_name`) for other versions of the same file: a shard or Parquet
+    file that changed leaves no stale table or copy in data.cache_dir. A process still reading an older version
+    holds its table in memory; another process may have removed a file first."""
+    folder, name = os.path.split(kept)
+    digest = name.split("-", 1)[0]
+    for other in os.listdir(folder):
+        if other.startswith(f"{digest}-") and other != name and ".tmp-" not in other:
+            try:
+                os.remove(os.path.join(folder, other))
+            except OSError:
+                pass
+
+
 def _index_path(path: str, size: int, mtime_ns: int) -> str:
     return os.path.join(_index_dir, f"{version_name(path, size, mtime_ns)}.npz")
 
@@ -320,6 +334,7 @@ def _table(path: str, size: int, mtime_ns: int) -> tuple[np.ndarray, str | None]
         temporary = f"{index}.tmp-{os.getpid()}.npz"
         np.savez(temporary, table=table, cut=np.str_(cut or ""))
         os.replace(temporary, index)   # whole or not at all: the host's other workers read it
+        drop_other_versions(index)
     return table, cut
 
 
