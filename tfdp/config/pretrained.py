@@ -167,6 +167,19 @@ def _timm_cfg(path: str) -> dict | None:
     return cfg if isinstance(cfg, dict) else None
 
 
+def timm_architecture(path: str) -> str | None:
+    """The timm model a .safetensors file's weights are from, where its pretrained cfg or the `config.json` beside
+    it names one (`tf_efficientnet_b0`), else None."""
+    named = (_timm_cfg(path) or {}).get("architecture")
+    if not named:
+        try:
+            with open(os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"), encoding="utf-8") as f:
+                named = json.load(f).get("architecture")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return named if isinstance(named, str) else None
+
+
 def torch_file(spec: str, model_cfg: ModelConfig) -> Preprocessing:
     cfg = _timm_cfg(spec)
     if cfg is None:

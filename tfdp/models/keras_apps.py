@@ -16,9 +16,15 @@ model's upstream one.
 
 from __future__ import annotations
 
-import keras
+import re
 
+import keras
+import numpy as np
+
+from tfdp.config import ModelConfig, pretrained
+from tfdp.errors import UserError
 from tfdp.models.registry import register
+from tfdp.models.weights import Weights, register_torch_layout, torch_module_values
 
 
 def _app(constructor, dropout_arg: str | None = None, **extra):
@@ -86,3 +92,63 @@ LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet15
 for _name, (_constructor, _dropout_arg, _extra, _dropout) in APPS.items():
     register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout, head=HEAD,
              layer_groups=LAYER_GROUPS.get(_name))(_app(_constructor, _dropout_arg, **_extra))
+
+
+# ---------------------------------------------------------------- timm's EfficientNets, TensorFlow-padded
+
+# timm's module → keras.applications' EfficientNet layer. Block `blocks.S.B` is Keras' `block{S+1}{a+B}_`; the first
+# stage's blocks are depthwise-separable (no expansion), the others inverted residuals.
+EFFICIENTNET_TOP = {"conv_stem": "stem_conv", "bn1": "stem_bn", "conv_head": "top_conv", "bn2": "top_bn",
+                    "classifier": "predictions"}
+EFFICIENTNET_BLOCK = {
+    "separable": {"conv_dw": "dwconv", "bn1": "bn", "se.conv_reduce": "se_reduce", "se.conv_expand": "se_expand",
+                  "conv_pw": "project_conv", "bn2": "project_bn"},
+    "inverted": {"conv_pw": "expand_conv", "bn1": "expand_bn", "conv_dw": "dwconv", "bn2": "bn",
+                 "se.conv_reduce": "se_reduce", "se.conv_expand": "se_expand", "conv_pwl": "project_conv",
+                 "bn3": "project_bn"},
+}
+_BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.(.+)")
+
+
+def efficientnet_layer(module: str) -> str | None:
+    """The Keras layer a timm EfficientNet module's tensors go to, or None."""
+    found = _BLOCK.fullmatch(module)
+    if not found:
+        return EFFICIENTNET_TOP.get(module)
+    stage, block, part = int(found[1]), int(found[2]), found[3]
+    name = EFFICIENTNET_BLOCK["separable" if stage == 0 else "inverted"].get(part)
+    return f"block{stage + 1}{chr(ord('a') + block)}_{name}" if name and block < 26 else None
+
+
+@register_torch_layout(*(f"efficientnet_{v}" for v in EFFICIENTNET_DROPOUT))
+def read_timm_efficientnet(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
+    """timm's `tf_efficientnet_b0` ... `b7` state dicts (the ports of the TensorFlow checkpoints: padding "same",
+    batch-norm epsilon 1e-3, as keras.applications builds them), depthwise kernels (C, 1, H, W) → (H, W, C, 1).
+
+    timm's own `efficientnet_b*` pad as PyTorch does and normalise with epsilon 1e-5: their names and shapes are the
+    same, but in Keras' graph they would give other outputs than in timm's, so a file whose config names one is one
+    line, not a quietly worse start."""
+    architecture = pretrained.timm_architecture(what) or ""
+    if re.fullmatch(r"efficientnet_b\d", architecture):
+        raise UserError(f"model.init_from: {what} holds timm's {architecture}, which pads its convolutions as PyTorch "
+                        f"does; tfdp's {model_cfg.name} is keras.applications' EfficientNet, padded as TensorFlow pads "
+                        f"(timm's tf_{architecture}): use tf_{architecture} weights")
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        module, _, param = key.rpartition(".")
+        if param != "num_batches_tracked":  # PyTorch's batch-norm step counter: nothing in Keras holds it
+            modules.setdefault(module, {})[param] = value
+    values, names = {}, {}
+    for module, params in modules.items():
+        layer = efficientnet_layer(module)
+        if layer is None:
+            first = sorted(params)[0]
+            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor "
+                            f"{module}.{first} {tuple(params[first].shape)} has no place in it (another architecture?)")
+        if layer.endswith("_dwconv"):
+            arrays, order = [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
+        else:
+            arrays, order = torch_module_values(params, layer)
+        values[layer], names[layer] = arrays, [f"{module}.{p}" for p in order]
+    return Weights(what, values, names)
+
