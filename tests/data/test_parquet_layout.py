@@ -24,14 +24,16 @@ FILES = 2
 
 
 def write_parquet(tiny_dir: str, root, names=lambda split, i, n: f"data/{split}-{i:05d}-of-{n:05d}.parquet",
-                  features: bool = True, row=None) -> None:
+                  features: bool = True, row=None, text_labels: bool = False) -> None:
     """tiny_dir's images in Parquet files, FILES per split, in row groups of 8 (datasets' own are of 100);
-    `row(split, number, image, label)` may change a row."""
+    `row(split, number, image, label)` may change a row; `text_labels`: each label its class's name (a string
+    column, as `datasets` writes one not cast to a ClassLabel)."""
     classes = sorted(os.listdir(os.path.join(tiny_dir, "train")))
-    meta = {b"huggingface": json.dumps({"info": {"features": {
-        "image": {"_type": "Image"}, "label": {"names": [f"digit {c}" for c in classes], "_type": "ClassLabel"}}}})}
+    label = ({"dtype": "string", "_type": "Value"} if text_labels else
+             {"names": [f"digit {c}" for c in classes], "_type": "ClassLabel"})
+    meta = {b"huggingface": json.dumps({"info": {"features": {"image": {"_type": "Image"}, "label": label}}})}
     schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
-                        ("label", pa.int64())], metadata=meta if features else None)
+                        ("label", pa.string() if text_labels else pa.int64())], metadata=meta if features else None)
     for split in ("train", "validation"):
         folder = os.path.join(tiny_dir, "val" if split == "validation" else split)
         rows = [(open(os.path.join(folder, c, f), "rb").read(), f, label) for label, c in enumerate(classes)
@@ -40,7 +42,8 @@ def write_parquet(tiny_dir: str, root, names=lambda split, i, n: f"data/{split}-
             mine = [row(split, n, *r) if row else r for n, r in enumerate(rows[i::FILES])]
             table = pa.table({"image": [None if image is None else {"bytes": image, "path": path}
                                         for image, path, _ in mine],
-                              "label": [label for _, _, label in mine]}, schema=schema)
+                              "label": [f"digit {classes[label]}" if text_labels and label is not None else label
+                                        for _, _, label in mine]}, schema=schema)
             path = root / names(split, i, FILES)
             path.parent.mkdir(parents=True, exist_ok=True)
             pq.write_table(table, path, row_group_size=8)
@@ -68,6 +71,25 @@ def test_parquet_files_give_every_image_its_class_folders_label(tiny_dir, tmp_pa
     unpack(str(changed), source.split("train").parquet, str(tmp_path / "cache"))
     now = set(os.listdir(unpacked))
     assert len(now) == len(kept) and len(now - kept) == 1
+
+
+def test_string_labels_index_the_sorted_names_of_both_splits(tiny_dir, tmp_path):
+    """A string label column (no ClassLabel): the classes are the sorted names of the training and validation
+    files, whichever split is listed, and every image gets its class folder's label; a name only validation has
+    is a class of both listings."""
+    folders = DataConfig(format="image_folder", dir=tiny_dir, image_size=16)
+    write_parquet(tiny_dir, tmp_path / "data", text_labels=True)
+    cfg = DataConfig(format="parquet", dir=str(tmp_path / "data"), image_size=16, cache_dir=str(tmp_path / "cache"))
+    source = build_source(cfg)
+    assert source.class_names == tuple(f"digit {c}" for c in range(10))
+    for split in ("train", "val"):
+        assert decoded(source.split(split), cfg) == decoded(build_source(folders).split(split), folders)
+    validation = tmp_path / "data" / "data" / "validation-00000-of-00002.parquet"
+    table = pq.read_table(validation)
+    labels = table.column("label").to_pylist()
+    pq.write_table(table.set_column(1, "label", pa.array(["a new class"] + labels[1:], pa.string())), validation)
+    for listed in (("train",), ("val",)):
+        assert build_source(cfg, listed).class_names == ("a new class", *(f"digit {c}" for c in range(10)))
 
 
 def test_a_run_trains_from_parquet_and_a_row_without_an_image_is_corrupt(tiny_dir, tmp_path):
@@ -101,7 +123,9 @@ def test_every_bad_parquet_dataset_is_one_line(tiny_dir, tmp_path):
     refused(root, "train-00000-of-00002.parquet has no image column (a datasets Image, or one named image, img; "
                   "it has picture, label)")
     pq.write_table(pa.table({"image": [b"x"], "target": [1]}), first)
-    refused(root, "has no integer label column", "it has image, target")
+    refused(root, "has no integer or string label column", "it has image (binary), target (int64)")
+    pq.write_table(pa.table({"image": [b"x"], "label": [0.5]}), first)
+    refused(root, "has no integer or string label column", "label (double)")
     pq.write_table(pa.table({"image": [1.5], "label": [1]}), first)
     refused(root, "column image holds double, not encoded images")
     first.write_bytes(b"PAR1 but not really")

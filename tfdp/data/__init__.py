@@ -49,7 +49,7 @@ def _wds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
 def _parquet(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     """Parquet files of images and labels (the Hugging Face Hub's datasets), unpacked into tar shards to read."""
     from tfdp.data.layouts.parquet import parquet_source
-    return parquet_source(cfg.dir, splits, cfg.cache_dir)
+    return parquet_source(cfg.dir, splits, cfg.cache_dir, (cfg.train_split, cfg.val_split))
 
 
 def _tfds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:

@@ -5,8 +5,11 @@
 also finds `validation`). The image column is the one `datasets`' features (the schema's `huggingface`
 metadata) call an `Image`, a struct of the encoded `bytes` and the file's `path`, else a struct or binary column
 named `image` or `img`; the label column is the `ClassLabel`, whose names are the classes, else an integer
-column named `label`, `labels`, `class` or `category` (the classes then only numbers). Listing reads each file's
-footer (its row count and schema), not its rows, in a bucket too.
+column named `label`, `labels`, `class` or `category` (the classes then only numbers), or a string column so
+named (a dataset made from a table of names, not cast to a `ClassLabel`): its classes are the sorted names of
+the training and validation files, both read whichever split a command lists (as `data.format: csv` sorts its
+labels), so a run and its evaluation give each index one meaning. Listing reads each file's footer (its row
+count and schema) and, for string labels, that column alone, not the images, in a bucket too.
 
 A row of a Parquet file cannot be read alone: its image is in a compressed page among a row group's. So each
 input pipeline's files, once local (copied from a bucket as shards are), are unpacked once into WebDataset tar
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -45,14 +49,20 @@ class Columns:
     image: str
     image_in_struct: bool   # `datasets`' Image: a struct whose `bytes` field holds the encoded image
     label: str
+    label_is_text: bool = False   # class names, indexed by `classes`
+    classes: tuple[str, ...] = ()   # the sorted names of a text label column (`text_classes`)
 
 
-def parquet_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> Source:
+def parquet_source(root: str, split_names: tuple[str, ...], cache_dir: str,
+                   labelled_splits: tuple[str, ...] = ()) -> Source:
+    """Each of `split_names`' files and their columns; text labels are indexed into the sorted names of
+    `labelled_splits` (training's and validation's) wherever their files exist."""
     fs, path = filesystem(root)
     if not fs.isdir(path):
         raise UserError(f"data directory not found: {url(fs, path)}")
     keep_tables_in(cache_dir)   # the unpacked shards' sample tables
     splits, class_names = {}, None
+    names_in = functools.cache(lambda column: text_classes(fs, path, column, (*split_names, *labelled_splits)))
     for name in split_names:
         files = find_files(fs, path, name)
         with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS if is_remote(fs) else 1) as pool:
@@ -61,12 +71,39 @@ def parquet_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> S
         for f, (_, other, _) in zip(files, footers):
             if other != columns:
                 raise UserError(f"{url(fs, f)} keeps its images or labels in other columns than {url(fs, files[0])}")
+        if columns.label_is_text:
+            names = names_in(columns.label)
+            columns = dataclasses.replace(columns, classes=names)
         if class_names is not None and names != class_names:
             raise UserError(f"split '{name}' names other classes than '{split_names[0]}' in {url(fs, path)}")
         class_names = names
         splits[name] = Split(name=name, files=tuple(url(fs, f) for f in files),
                              counts=tuple(rows for rows, _, _ in footers), parquet=columns)
     return Source(class_names=class_names or (), splits=splits)
+
+
+def text_classes(fs, root: str, column: str, splits: tuple[str, ...]) -> tuple[str, ...]:
+    """The sorted names (as numbers where all are integers) in the text label column of every file of `splits`
+    that has files; only that column is read."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    files = [f for split in dict.fromkeys(splits) for f in _files_or_none(fs, root, split)]
+
+    def names(path: str) -> set[str]:
+        with fs.open(path, "rb") as f:
+            labels = pq.read_table(f, columns=[column]).column(column)
+        return set(pc.unique(labels).drop_null().to_pylist())
+    with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS if is_remote(fs) else 1) as pool:
+        found = set().union(*pool.map(names, files))
+    numbers = all(n.strip().lstrip("-").isdigit() for n in found)
+    return tuple(sorted(found, key=(lambda n: int(n)) if numbers else None))
+
+
+def _files_or_none(fs, root: str, split: str) -> list[str]:
+    try:
+        return find_files(fs, root, split)
+    except UserError:
+        return []
 
 
 def find_files(fs, root: str, name: str) -> list[str]:
@@ -102,11 +139,12 @@ def footer(fs, path: str) -> tuple[int, Columns, tuple[str, ...]]:
         raise UserError(f"{where}: column {image} holds {schema.field(image).type}, not encoded images")
     label = next((n for n, f in features.items() if isinstance(f, dict) and f.get("_type") == "ClassLabel"), None)
     label = label or next((n for n in LABEL_COLUMNS if n in schema.names), None)
-    if label is None or not _is_integer(schema.field(label).type):
-        raise UserError(f"{where} has no integer label column (a datasets ClassLabel, or one named "
-                        f"{', '.join(LABEL_COLUMNS)}; it has {', '.join(schema.names)})")
+    text = label is not None and _is_text(schema.field(label).type)
+    if label is None or not (text or _is_integer(schema.field(label).type)):
+        raise UserError(f"{where} has no integer or string label column (a datasets ClassLabel, or one named "
+                        f"{', '.join(LABEL_COLUMNS)}; it has {', '.join(f'{n} ({schema.field(n).type})' for n in schema.names)})")
     names = tuple(str(n) for n in (features.get(label) or {}).get("names") or ())
-    return meta.num_rows, Columns(image, in_struct, label), names
+    return meta.num_rows, Columns(image, in_struct, label, label_is_text=text), names
 
 
 def _features(schema) -> dict:
@@ -132,6 +170,11 @@ def _is_integer(kind) -> bool:
     return pa.types.is_integer(kind)
 
 
+def _is_text(kind) -> bool:
+    import pyarrow as pa
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
 def unpacked(paths: list[str], columns: Columns, cache_dir: str) -> list[str]:
     """The WebDataset shard each local Parquet file is unpacked into (`unpack`), made where not there yet."""
     return [unpack(p, columns, cache_dir) for p in paths]
@@ -150,12 +193,16 @@ def unpack(path: str, columns: Columns, cache_dir: str) -> str:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     temporary = f"{out}.tmp-{os.getpid()}"
     row = 0
+    index = {name: i for i, name in enumerate(columns.classes)} if columns.label_is_text else None
     with tarfile.open(temporary, "w", format=tarfile.USTAR_FORMAT) as tar:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=256, columns=[columns.image, columns.label]):
             images = batch.column(columns.image)
             if columns.image_in_struct:
                 images = images.field("bytes")
-            for image, label in zip(images.to_pylist(), batch.column(columns.label).to_pylist()):
+            labels = batch.column(columns.label).to_pylist()
+            if index is not None:   # every name is in `classes`, which were read from these files
+                labels = [None if label is None else index[label] for label in labels]
+            for image, label in zip(images.to_pylist(), labels):
                 members = ([(_extension(image), image)] if image else []) + (
                     [("cls", str(label).encode())] if label is not None and label >= 0 else [])
                 for kind, data in members or [("none", b"")]:
