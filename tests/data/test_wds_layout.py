@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 import webdataset
 
 from conftest import assert_one_line_error, run_tfdp, train_one_epoch
-from tfdp.config import DataConfig
+from tfdp.config import DataConfig, validate
 from tfdp.data import build_source
 from tfdp.data.layouts.webdataset import LABEL, sample_table
 from tfdp.data.pipeline import Bookkeeping, CorruptCounter, eval_dataset, train_dataset
@@ -93,6 +94,40 @@ def test_shards_give_every_image_its_class_folders_label(tiny_dir, tmp_path):
     source = build_source(patterns)
     assert source.split("tiny-train-{0000..0002}.tar").counts == build_source(cfg).split("train").counts
     assert decoded(source.split("tiny-valid*-*.tar"), patterns) == expected["val"]
+
+
+def test_labels_from_a_json_field_and_negative_ones_left_out(tiny_dir, tmp_path):
+    """`data.label_key` (timm's --target-key): each label from its sample's `.json` (a '/' path into it), no
+    `.cls` needed; a sample whose number there is -1 (timm's "skip") is not in the split, its count from the walk
+    though `_info.json` counts it; the tables of the two keys are kept apart; every other image keeps its class
+    folder's label."""
+    folders = DataConfig(format="image_folder", dir=tiny_dir, image_size=16)
+    expected = decoded(build_source(folders).split("val"), folders)
+
+    def in_json(split, number, record):   # every third sample of each shard skipped
+        label = int(record.pop("cls"))
+        skipped = number % 3 == 0
+        return {**record, "json": json.dumps({"file": "x", "labels": {"in1k": -1 if skipped else label}}).encode()}
+    root = tmp_path / "data"
+    counts = write_shards(tiny_dir, root, sample=in_json)
+    info_file(root, counts)
+    cfg = DataConfig(format="wds", dir=str(root), image_size=16, label_key="labels/in1k",
+                     cache_dir=str(tmp_path / "cache"))
+    split = build_source(cfg).split("val")
+    assert split.counts == tuple(n - (n + 2) // 3 for n in counts["validation"]) and split.lost == ()
+    found = decoded(split, cfg)
+    assert len(found) == sum(split.counts) and all(expected[image] == label for image, label in found.items())
+    with_cls = tmp_path / "with_cls"
+    write_shards(tiny_dir, with_cls)
+    keyed = DataConfig(format="wds", dir=str(with_cls), cache_dir=str(tmp_path / "cache"), label_key="file")
+    refused_by = "the first sample's label (its .json's file) is not a class number"
+    with pytest.raises(UserError, match=re.escape(refused_by)):
+        build_source(keyed, ("val",))
+    plain = DataConfig(format="wds", dir=str(with_cls), image_size=16, cache_dir=str(tmp_path / "cache"))
+    assert decoded(build_source(plain).split("val"), plain) == expected   # its .cls tables beside the keyed ones
+    with pytest.raises(UserError, match=r"^data.label_key names a field of WebDataset samples' .json \(data.format "
+                                        r"wds\), not of data.format csv's labels$"):
+        validate({"data": {"format": "csv", "label_key": "label"}})
 
 
 def test_shards_in_a_bucket_are_listed_from_info_without_copying_one(tiny_dir, tmp_path, gcs_bucket):
@@ -259,6 +294,12 @@ def test_every_bad_dataset_is_one_line(tiny_dir, tmp_path):
     write_shards(tiny_dir, unlabelled, splits=("train",), sample=lambda s, n, r: {k: v for k, v in r.items()
                                                                                  if k != "cls"})
     refused(unlabelled, "the first sample has no .cls label (its members: .jpg, .json; data.format wds reads")
+    refused(unlabelled, "the first sample's label (its .json's label) is not a class number", label_key="label")
+    no_json = tmp_path / "no_json"
+    write_shards(tiny_dir, no_json, splits=("train",), sample=lambda s, n, r: {k: v for k, v in r.items()
+                                                                             if k != "json"})
+    refused(no_json, "the first sample has no .json label (its members: .cls, .jpg; data.format wds reads an image "
+                     "and its .json's label)", label_key="label")
 
 
 def test_the_data_service_refuses_shards_in_one_line(tiny_dir, tmp_path):

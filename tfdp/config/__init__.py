@@ -53,6 +53,10 @@ class DataConfig:
     dir: Str = "~/.cache/tfdp/digits"
     train_split: Str = "train"   # name of the training split (folder, shard prefix or TFDS split)
     val_split: Str = "val"   # name of the validation split
+    # data.format wds: the field of each sample's .json member that holds its class number, a '/' separating
+    # nested keys (timm's --target-key); a sample whose number is negative is left out, as timm skips it. "": the
+    # sample's .cls member.
+    label_key: Str = ""
     tfds_name: Str = ""                 # data.format tfds: the dataset's name, e.g. imagenet2012
     tfds_manual_dir: Str = ""           # ... and where its manually downloaded files are, to prepare it
     cache_dir: Str = DEFAULT_CACHE_DIR        # local copies of files read from a bucket
@@ -507,6 +511,9 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.model.init_exclude and not cfg.model.init_from:
         raise UserError("model.init_exclude needs model.init_from (the weights it leaves out)")
     _check_augment(cfg.augment)
+    if d.label_key and d.format != "wds":
+        raise UserError(f"data.label_key names a field of WebDataset samples' .json (data.format wds), not of "
+                        f"data.format {d.format}'s labels")
     if d.service_address:
         _check_service(cfg)
     if d.decoder == "dali":

@@ -41,9 +41,9 @@ def _tfrecord(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
 
 
 def _wds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
-    """WebDataset tar shards (timm's `wds/` datasets): an image and its `.cls` per sample."""
+    """WebDataset tar shards (timm's `wds/` datasets): an image and its `.cls` (or `.json` field) per sample."""
     from tfdp.data.layouts.webdataset import wds_source
-    return wds_source(cfg.dir, splits, cfg.cache_dir)
+    return wds_source(cfg.dir, splits, cfg.cache_dir, cfg.label_key)
 
 
 def _parquet(cfg: DataConfig, splits: tuple[str, ...]) -> Source:

@@ -3,7 +3,9 @@
 The layout timm trains from (`timm/imagenet-1k-wds`, `--dataset wds/...`) and `webdataset`'s `TarWriter`
 writes: each shard a plain tar whose consecutive members sharing a key (the path up to its name's first dot)
 make one sample, here an image (`.jpg`, `.jpeg`, `.png`, `.webp`, ... : the first member TensorFlow decodes)
-and its class number (`.cls`, the integer as text); other members (`.json`, `.txt`) are left alone.
+and its class number (`.cls`, the integer as text; or, with `data.label_key`, a field of its `.json`, as timm's
+`--target-key` reads it: a sample whose number there is negative is left out, as timm skips it); other members
+are left alone.
 
 A split's shards are those timm's `_info.json` (or `_info.yaml`) lists for it, with their sample counts
 (`splits: {train: {filenames: [...], shard_lengths: [...]}}`), else the `.tar` files of `DIR/<split>/`, else
@@ -54,18 +56,24 @@ BRACES = re.compile(r"\{([^{}]*)\}")
 PATTERN_SIGNS = "*?[{"   # a split named with any of these is a pattern of shard names (`pattern_shards`)
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")   # webdataset's base_plus_ext: (key, extension)
 _index_dir: str | None = None   # where sample tables are kept (`keep_tables_in`)
+_label_key = ""   # data.label_key: the .json field samples' labels are read from ("": their .cls)
+SKIPPED = -2   # `_sample_label` of a sample whose .json number is negative: not a row of its table
 
 
-def wds_source(root: str, split_names: tuple[str, ...], cache_dir: str) -> Source:
+def wds_source(root: str, split_names: tuple[str, ...], cache_dir: str, label_key: str = "") -> Source:
+    """The splits' shards and their sample counts (from `_info`, else walked; with `label_key`, whose left-out
+    samples `_info` does not count, always walked: in a bucket, each shard copied first)."""
     fs, path = filesystem(root)
     if not fs.isdir(path):
         raise UserError(f"data directory not found: {url(fs, path)}")
-    keep_tables_in(cache_dir)
+    keep_tables_in(cache_dir, label_key)
     info = read_info(fs, path)
     synsets, text = read_synsets(fs, path)
     splits = {}
     for name in split_names:
         shards, listed = split_shards(fs, path, info, name)
+        if label_key:
+            listed = {}
         if not is_remote(fs):
             make_tables(list(shards))
         counts = _counts(shards, listed, cache_dir)
@@ -206,13 +214,16 @@ def check_first_sample(split: Split, num_classes: int) -> None:
     fs, where = filesystem(path)
     with fs.open(where, "rb") as f:
         types, label = _first_sample(f, path)
-    if not any(t in IMAGE_TYPES for t in types) or LABEL_TYPE not in types:
-        raise UserError(f"{path}: the first sample has no {'image' if LABEL_TYPE in types else '.cls label'} "
+    member = label_member()
+    if not any(t in IMAGE_TYPES for t in types) or member not in types:
+        reads = f".json's {_label_key}" if _label_key else ".cls"
+        raise UserError(f"{path}: the first sample has no {'image' if member in types else f'.{member} label'} "
                         f"(its members: {', '.join('.' + t for t in types) or 'none'}; data.format wds reads an "
-                        f"image and its .cls)")
+                        f"image and its {reads})")
     if label is None or (num_classes and label >= num_classes):
         shown = "not a class number" if label is None else f"outside 0..{num_classes - 1} (synsets.txt's classes)"
-        raise UserError(f"{path}: the first sample's label is {shown}")
+        where = f" (its .json's {_label_key})" if _label_key else ""
+        raise UserError(f"{path}: the first sample's label{where} is {shown}")
 
 
 def check_labels(split: Split, num_classes: int) -> None:
@@ -239,31 +250,34 @@ def _first_sample(f, path: str) -> tuple[list[str], int | None]:
                     break
                 key = found[1]
                 types.append(found[2].lower())
-                if types[-1] == LABEL_TYPE:
-                    label = _label(tar.extractfile(member).read())
+                if types[-1] == label_member():
+                    label = _sample_label(tar.extractfile(member).read())
     except tarfile.TarError as e:
         raise UserError(f"{path} is not a tar file ({first_line(e, 80)})") from None
     return types, label
 
 
-def keep_tables_in(cache_dir: str) -> None:
+def keep_tables_in(cache_dir: str, label_key: str = "") -> None:
     """Sample tables are kept in `cache_dir/wds-index` between runs, one small file per shard version (path, size,
-    modification time): walking a shard's tar headers costs Python's tarfile about 0.14 ms a sample (3 minutes for
-    ImageNet's 1.28 million, docs/benchmarks.md), which every run and every worker process of a host would pay."""
-    global _index_dir
+    modification time) and `label_key` (the labels' .json field, "" for .cls): walking a shard's tar headers costs
+    Python's tarfile about 0.14 ms a sample (3 minutes for ImageNet's 1.28 million, docs/benchmarks.md), which
+    every run and every worker process of a host would pay."""
+    global _index_dir, _label_key
     _index_dir = os.path.join(os.path.expanduser(cache_dir), INDEX_FOLDER)
+    _label_key = label_key
 
 
 def sample_table(path: str) -> tuple[np.ndarray, str | None]:
     """(a row per whole sample of a local tar shard, in order, `ROW` int64s each: where its image is and its
     label; how the shard is cut short, or None).
 
-    Only the headers and the `.cls` members are read. A sample lacking an image or an integer label gets a
-    row with no bytes (the decoder then counts it as corrupt). Kept per file version, in memory (listing and
-    building the pipeline both ask) and on disk (`keep_tables_in`).
+    Only the headers and the label members (`label_member`) are read. A sample lacking an image or an integer
+    label gets a row with no bytes (the decoder then counts it as corrupt); one whose .json number is negative
+    has no row. Kept per file version and label key, in memory (listing and building the pipeline both ask) and
+    on disk (`keep_tables_in`).
     """
     stat = os.stat(path)
-    return _table(path, stat.st_size, stat.st_mtime_ns)
+    return _table(path, stat.st_size, stat.st_mtime_ns, _label_key)
 
 
 def make_tables(paths: list[str]) -> None:
@@ -278,11 +292,11 @@ def make_tables(paths: list[str]) -> None:
     import multiprocessing
     workers = min(len(missing), os.cpu_count() or 1, WALKERS)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_kept_table, missing, [_index_dir] * len(missing), chunksize=4))
+        list(pool.map(_kept_table, missing, [_index_dir] * len(missing), [_label_key] * len(missing), chunksize=4))
 
 
-def _kept_table(path: str, index_dir: str) -> None:
-    keep_tables_in(os.path.dirname(index_dir))
+def _kept_table(path: str, index_dir: str, label_key: str) -> None:
+    keep_tables_in(os.path.dirname(index_dir), label_key)
     sample_table(path)
 
 
@@ -313,11 +327,12 @@ def drop_other_versions(kept: str) -> None:
 
 
 def _index_path(path: str, size: int, mtime_ns: int) -> str:
-    return os.path.join(_index_dir, f"{version_name(path, size, mtime_ns)}.npz")
+    salt = f"|label_key={_label_key}" if _label_key else ""   # .cls tables keep the names they always had
+    return os.path.join(_index_dir, f"{version_name(path, size, mtime_ns, salt)}.npz")
 
 
 @functools.lru_cache(maxsize=8192)   # ImageNet's 1,024 training shards: 30 KB each
-def _table(path: str, size: int, mtime_ns: int) -> tuple[np.ndarray, str | None]:
+def _table(path: str, size: int, mtime_ns: int, label_key: str) -> tuple[np.ndarray, str | None]:
     index = _index_path(path, size, mtime_ns) if _index_dir else None
     if index and os.path.exists(index):
         try:
@@ -344,7 +359,7 @@ def _walk(path: str, size: int) -> tuple[np.ndarray, str | None]:
     key, image, label = None, None, None
 
     def close():
-        if key is not None:
+        if key is not None and label != SKIPPED:
             rows.append([image[0], image[1], label] if image and label is not None else [0, 0, -1])
 
     try:
@@ -362,8 +377,8 @@ def _walk(path: str, size: int) -> tuple[np.ndarray, str | None]:
                 kind = found[2].lower()
                 if kind in IMAGE_TYPES and image is None:
                     image = (member.offset_data, member.size)
-                elif kind == LABEL_TYPE:
-                    label = _label(tar.extractfile(member).read())
+                elif kind == label_member():
+                    label = _sample_label(tar.extractfile(member).read())
             end = tar.offset
     except tarfile.TarError as e:
         if not rows and key is None:
@@ -385,6 +400,28 @@ def _label(data: bytes) -> int | None:
     except (UnicodeDecodeError, ValueError):
         return None
     return label if label >= 0 else None
+
+
+def label_member() -> str:
+    """The member type a sample's label is read from: `.cls`, or `.json` with data.label_key."""
+    return "json" if _label_key else LABEL_TYPE
+
+
+def _sample_label(data: bytes) -> int | None:
+    """A sample's class number from its label member: the `.cls` text, or the `.json` field data.label_key names
+    (timm's `get_field`: the key itself, else a '/'-separated path into nested objects), an integer (or its
+    text); None where there is none; SKIPPED where the number is negative."""
+    if not _label_key:
+        return _label(data)
+    try:
+        value = json.loads(data)
+        path = [_label_key] if isinstance(value, dict) and _label_key in value else _label_key.split("/")
+        for part in path:
+            value = value[part]
+        label = None if isinstance(value, bool) or not isinstance(value, (int, str)) else int(value)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+    return label if label is None or label >= 0 else SKIPPED
 
 
 def read_range(path, row):
