@@ -17,6 +17,7 @@ model's upstream one.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import keras
 import numpy as np
@@ -96,59 +97,89 @@ for _name, (_constructor, _dropout_arg, _extra, _dropout) in APPS.items():
 
 # ---------------------------------------------------------------- timm's EfficientNets, TensorFlow-padded
 
-# timm's module → keras.applications' EfficientNet layer. Block `blocks.S.B` is Keras' `block{S+1}{a+B}_`; the first
-# stage's blocks are depthwise-separable (no expansion), the others inverted residuals.
+# timm's module → keras.applications' EfficientNet (V1 and V2) layer. Block `blocks.S.B` is Keras' `block{S+1}{a+B}_`,
+# its kind told by its modules: depthwise-separable (V1's first stage: `conv_dw`, `conv_pw`), inverted residual
+# (`conv_pw`, `conv_dw`, `conv_pwl`), and V2's fused blocks, without expansion (`conv`) or with it (`conv_exp`).
 EFFICIENTNET_TOP = {"conv_stem": "stem_conv", "bn1": "stem_bn", "conv_head": "top_conv", "bn2": "top_bn",
                     "classifier": "predictions"}
-EFFICIENTNET_BLOCK = {
+EFFICIENTNET_BLOCKS = {
     "separable": {"conv_dw": "dwconv", "bn1": "bn", "se.conv_reduce": "se_reduce", "se.conv_expand": "se_expand",
                   "conv_pw": "project_conv", "bn2": "project_bn"},
     "inverted": {"conv_pw": "expand_conv", "bn1": "expand_bn", "conv_dw": "dwconv", "bn2": "bn",
                  "se.conv_reduce": "se_reduce", "se.conv_expand": "se_expand", "conv_pwl": "project_conv",
                  "bn3": "project_bn"},
+    "fused": {"conv": "project_conv", "bn1": "project_bn"},
+    "fused_expanding": {"conv_exp": "expand_conv", "bn1": "expand_bn", "conv_pwl": "project_conv", "bn2": "project_bn"},
 }
 _BLOCK = re.compile(r"blocks\.(\d+)\.(\d+)\.(.+)")
 
 
-def efficientnet_layer(module: str) -> str | None:
-    """The Keras layer a timm EfficientNet module's tensors go to, or None."""
-    found = _BLOCK.fullmatch(module)
-    if not found:
-        return EFFICIENTNET_TOP.get(module)
-    stage, block, part = int(found[1]), int(found[2]), found[3]
-    name = EFFICIENTNET_BLOCK["separable" if stage == 0 else "inverted"].get(part)
-    return f"block{stage + 1}{chr(ord('a') + block)}_{name}" if name and block < 26 else None
+def block_kind(parts: set[str]) -> str:
+    """A timm EfficientNet block's kind (`EFFICIENTNET_BLOCKS`) from the modules it holds."""
+    if "conv_exp" in parts:
+        return "fused_expanding"
+    if "conv" in parts:
+        return "fused"
+    return "inverted" if "conv_pwl" in parts else "separable"
 
 
-@register_torch_layout(*(f"efficientnet_{v}" for v in EFFICIENTNET_DROPOUT))
-def read_timm_efficientnet(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
-    """timm's `tf_efficientnet_b0` ... `b7` state dicts (the ports of the TensorFlow checkpoints: padding "same",
-    batch-norm epsilon 1e-3, as keras.applications builds them), depthwise kernels (C, 1, H, W) → (H, W, C, 1).
+def efficientnet_layers(modules, depthwise: str) -> dict[str, str | None]:
+    """Each timm EfficientNet module → its Keras layer (None: no place), `depthwise` the name Keras gives the
+    depthwise convolution (V1 `dwconv`, V2 `dwconv2`)."""
+    blocks: dict[tuple[int, int], set[str]] = {}
+    for module in modules:
+        if found := _BLOCK.fullmatch(module):
+            blocks.setdefault((int(found[1]), int(found[2])), set()).add(found[3])
+    layers = {}
+    for module in modules:
+        found = _BLOCK.fullmatch(module)
+        if not found:
+            layers[module] = EFFICIENTNET_TOP.get(module)
+            continue
+        stage, block = int(found[1]), int(found[2])
+        name = EFFICIENTNET_BLOCKS[block_kind(blocks[stage, block])].get(found[3])
+        name = depthwise if name == "dwconv" else name
+        layers[module] = f"block{stage + 1}{chr(ord('a') + block)}_{name}" if name and block < 26 else None
+    return layers
 
-    timm's own `efficientnet_b*` pad as PyTorch does and normalise with epsilon 1e-5: their names and shapes are the
-    same, but in Keras' graph they would give other outputs than in timm's, so a file whose config names one is one
-    line, not a quietly worse start."""
-    architecture = pretrained.timm_architecture(what) or ""
-    if re.fullmatch(r"efficientnet_b\d", architecture):
-        raise UserError(f"model.init_from: {what} holds timm's {architecture}, which pads its convolutions as PyTorch "
-                        f"does; tfdp's {model_cfg.name} is keras.applications' EfficientNet, padded as TensorFlow pads "
-                        f"(timm's tf_{architecture}): use tf_{architecture} weights")
-    modules: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in tensors.items():
-        module, _, param = key.rpartition(".")
-        if param != "num_batches_tracked":  # PyTorch's batch-norm step counter: nothing in Keras holds it
-            modules.setdefault(module, {})[param] = value
-    values, names = {}, {}
-    for module, params in modules.items():
-        layer = efficientnet_layer(module)
-        if layer is None:
-            first = sorted(params)[0]
-            raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor "
-                            f"{module}.{first} {tuple(params[first].shape)} has no place in it (another architecture?)")
-        if layer.endswith("_dwconv"):
-            arrays, order = [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
-        else:
-            arrays, order = torch_module_values(params, layer)
-        values[layer], names[layer] = arrays, [f"{module}.{p}" for p in order]
-    return Weights(what, values, names)
 
+def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelConfig, str], Weights]:
+    """A reader of timm's TensorFlow ports, `tf_efficientnet_b0` ... `b7` and `tf_efficientnetv2_b0` ... `l`
+    (padding "same", batch-norm epsilon 1e-3: the graph keras.applications builds), depthwise kernels
+    (C, 1, H, W) → (H, W, C, 1).
+
+    timm's own `efficientnet_b*` pad as PyTorch does and normalise with epsilon 1e-5: their names and shapes are
+    those of `tf_efficientnet_b*`, but in Keras' graph they would give other outputs than in timm's, so a file
+    whose config names one is one line, not a quietly worse start. (timm's own EfficientNetV2s, `*_rw_*`, are
+    other architectures, which the shapes refuse.)"""
+    def read(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
+        architecture = pretrained.timm_architecture(what) or ""
+        if re.fullmatch(r"efficientnet_b\d", architecture):
+            raise UserError(f"model.init_from: {what} holds timm's {architecture}, which pads its convolutions as "
+                            f"PyTorch does; tfdp's {model_cfg.name} is keras.applications' EfficientNet, padded as "
+                            f"TensorFlow pads (timm's tf_{architecture}): use tf_{architecture} weights")
+        modules: dict[str, dict[str, np.ndarray]] = {}
+        for key, value in tensors.items():
+            module, _, param = key.rpartition(".")
+            if param != "num_batches_tracked":  # PyTorch's batch-norm step counter: nothing in Keras holds it
+                modules.setdefault(module, {})[param] = value
+        layers = efficientnet_layers(modules, depthwise)
+        values, names = {}, {}
+        for module, params in modules.items():
+            layer = layers[module]
+            if layer is None:
+                first = sorted(params)[0]
+                raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor "
+                                f"{module}.{first} {tuple(params[first].shape)} has no place in it (another "
+                                f"architecture?)")
+            if layer.endswith(f"_{depthwise}"):
+                arrays, order = [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
+            else:
+                arrays, order = torch_module_values(params, layer)
+            values[layer], names[layer] = arrays, [f"{module}.{p}" for p in order]
+        return Weights(what, values, names)
+    return read
+
+
+register_torch_layout(*(f"efficientnet_{v}" for v in EFFICIENTNET_DROPOUT))(timm_efficientnet("dwconv"))
+register_torch_layout(*(name for name in APPS if name.startswith("efficientnetv2_")))(timm_efficientnet("dwconv2"))
