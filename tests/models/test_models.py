@@ -243,6 +243,25 @@ def test_keras_applications_models_honour_the_configured_dropout(name, layer, de
     assert rates == {None: {layer: default} if default else {}, 0.3: {layer: 0.3}}
 
 
+@pytest.mark.parametrize("name", ["efficientnet_b0", "efficientnetv2_b0"])
+def test_efficientnets_take_model_drop_path_as_keras_drop_connect_rate(name):
+    """0 (the default, as for every model): no stochastic depth, where Keras' wrappers fix 0.2; 0.3: each residual
+    block b of n drops at 0.3 * b / n (Keras' and timm's schedule)."""
+    import keras
+    from support.shapes import shapes_only
+    rates = {}
+    for drop_path in (0.0, 0.3):
+        cfg = validate({"model": {"name": name, "drop_path": drop_path}, "data": {"image_size": 32}})
+        with shapes_only():
+            backbone = build_model(cfg.model, cfg.data).layers[-2]
+            blocks = sorted({layer.name.split("_")[0] for layer in backbone.layers if layer.name.startswith("block")})
+            rates[drop_path] = {layer.name.split("_")[0]: layer.rate for layer in backbone.layers
+                                if isinstance(layer, keras.layers.Dropout) and layer.name.endswith("_drop")}
+        keras.backend.clear_session()
+    assert rates[0.0] == {} and len(rates[0.3]) > 5
+    assert all(rate == pytest.approx(0.3 * blocks.index(block) / len(blocks)) for block, rate in rates[0.3].items())
+
+
 def test_stochastic_depth_drops_whole_residual_branches_per_sample_at_rising_rates():
     """resnet18 with drop_path 0.3: 8 blocks at rates 0, 0.3/7, ..., 0.3; in training each sample's branch is
     either dropped (all zeros) or scaled by 1/(1 - rate); at inference it passes unchanged."""

@@ -153,7 +153,7 @@ class ModelConfig:
     # 0.99): the statistics keep the pace the weights were trained at. docs/models.md.
     bn_momentum: Annotated[float, Strict(), Field(ge=0, lt=1)] | Literal["auto"] = "auto"
     # Stochastic depth: residual branches dropped per sample, the rate rising linearly to this at the last
-    # block (timm's drop_path_rate); the ResNet family and ConvNeXt.
+    # block (timm's drop_path_rate); the ResNet family, ConvNeXt, the transformers and the EfficientNets.
     drop_path: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
     # Weights a fresh run starts from (a resumed run continues from its own checkpoint): imagenet (Keras' own
     # files, keras.applications models), a tfdp run directory, a checkpoint folder, a .keras or .weights.h5

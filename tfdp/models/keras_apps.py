@@ -12,6 +12,10 @@ B0 to B7) without exposing its rate, which is set after construction (Dropout re
 time); the others have none, and get one inserted before their final Dense
 layer when a rate above 0 is configured. The registry's default is each
 model's upstream one.
+
+Stochastic depth: the EfficientNets take `model.drop_path` as Keras'
+`drop_connect_rate` (`scaled`), 0 unless set, as for every other model of the
+zoo; Keras' own wrappers fix it at 0.2.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Callable
 
 import keras
 import numpy as np
+from keras.src.applications import efficientnet, efficientnet_v2
 
 from tfdp.config import ModelConfig, pretrained
 from tfdp.errors import UserError
@@ -29,11 +34,20 @@ from tfdp.models.weights import Weights, register_torch_layout, torch_module_val
 
 
 def _app(constructor, dropout_arg: str | None = None, **extra):
-    def build(input_shape, num_classes: int, dropout: float) -> keras.Model:
+    def build(input_shape, num_classes: int, dropout: float, **depth) -> keras.Model:
         kwargs = {**extra, dropout_arg: dropout} if dropout_arg else extra
         model = constructor(weights=None, include_top=True, input_shape=input_shape, classes=num_classes,
-                            classifier_activation=None, **kwargs)
+                            classifier_activation=None, **kwargs, **depth)
         return model if dropout_arg else _set_head_dropout(model, dropout)
+    return build
+
+
+def scaled(base, width: float, depth: float, size: int, name: str, **fixed):
+    """keras.applications' EfficientNet or EfficientNetV2 builder (`base`) at one size of its family, taking
+    tfdp's stochastic depth: `drop_path` is Keras' `drop_connect_rate` (block b of n drops at drop_path * b / n, as
+    timm's `drop_path_rate` does), 0 unless given, where Keras' own wrappers (`EfficientNetB0`, ...) fix it at 0.2."""
+    def build(drop_path: float = 0.0, **kwargs) -> keras.Model:
+        return base(width, depth, size, drop_connect_rate=drop_path, name=name, **fixed, **kwargs)
     return build
 
 
@@ -62,8 +76,14 @@ def from_the_stem(constructor):
 
 
 NO_PREPROCESSING = {"include_preprocessing": False}
-# EfficientNet-B0 ... B7's classifier dropout, as keras.applications (and the paper) set it
-EFFICIENTNET_DROPOUT = {"b0": 0.2, "b1": 0.2, "b2": 0.3, "b3": 0.3, "b4": 0.4, "b5": 0.4, "b6": 0.5, "b7": 0.5}
+# EfficientNet-B0 ... B7: width and depth coefficients, default size and classifier dropout, as keras.applications'
+# wrappers (and the paper) set them
+EFFICIENTNET = {"b0": (1.0, 1.0, 224, 0.2), "b1": (1.0, 1.1, 240, 0.2), "b2": (1.1, 1.2, 260, 0.3),
+                "b3": (1.2, 1.4, 300, 0.3), "b4": (1.4, 1.8, 380, 0.4), "b5": (1.6, 2.2, 456, 0.4),
+                "b6": (1.8, 2.6, 528, 0.5), "b7": (2.0, 3.1, 600, 0.5)}
+# EfficientNetV2-B0 ... B3, S, M, L: width and depth coefficients and default size (classifier dropout 0.2)
+EFFICIENTNET_V2 = {"b0": (1.0, 1.0, 224), "b1": (1.0, 1.1, 240), "b2": (1.1, 1.2, 260), "b3": (1.2, 1.4, 300),
+                   "s": (1.0, 1.0, 384), "m": (1.0, 1.0, 480), "l": (1.0, 1.0, 480)}
 # name → (constructor, its keyword for the classifier's dropout rate or None, other keywords, default dropout)
 APPS = {
     "resnet50": (keras.applications.ResNet50, None, {}, 0.0),
@@ -73,15 +93,11 @@ APPS = {
     "mobilenet_v2": (keras.applications.MobileNetV2, None, {}, 0.0),
     "mobilenet_v3_large": (keras.applications.MobileNetV3Large, "dropout_rate", NO_PREPROCESSING, 0.2),
     "mobilenet_v3_small": (keras.applications.MobileNetV3Small, "dropout_rate", NO_PREPROCESSING, 0.2),
-    **{f"efficientnet_{v}": (from_the_stem(getattr(keras.applications, f"EfficientNet{v.upper()}")), None, {}, rate)
-       for v, rate in EFFICIENTNET_DROPOUT.items()},
-    "efficientnetv2_b0": (keras.applications.EfficientNetV2B0, None, NO_PREPROCESSING, 0.2),
-    "efficientnetv2_b1": (keras.applications.EfficientNetV2B1, None, NO_PREPROCESSING, 0.2),
-    "efficientnetv2_b2": (keras.applications.EfficientNetV2B2, None, NO_PREPROCESSING, 0.2),
-    "efficientnetv2_b3": (keras.applications.EfficientNetV2B3, None, NO_PREPROCESSING, 0.2),
-    "efficientnetv2_s": (keras.applications.EfficientNetV2S, None, NO_PREPROCESSING, 0.2),
-    "efficientnetv2_m": (keras.applications.EfficientNetV2M, None, NO_PREPROCESSING, 0.2),
-    "efficientnetv2_l": (keras.applications.EfficientNetV2L, None, NO_PREPROCESSING, 0.2),
+    **{f"efficientnet_{v}": (from_the_stem(scaled(efficientnet.EfficientNet, width, depth, size, f"efficientnet{v}",
+                                                  dropout_rate=rate)), None, {}, rate)
+       for v, (width, depth, size, rate) in EFFICIENTNET.items()},
+    **{f"efficientnetv2_{v}": (scaled(efficientnet_v2.EfficientNetV2, *spec, f"efficientnetv2-{v}"), None,
+                               NO_PREPROCESSING, 0.2) for v, spec in EFFICIENTNET_V2.items()},
 }
 MIN_SIZE = {"inception_v3": 75}
 # The classifier: a Dense `predictions` layer, or MobileNetV3's 1x1 convolution `logits`.
@@ -92,6 +108,7 @@ LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet15
 
 for _name, (_constructor, _dropout_arg, _extra, _dropout) in APPS.items():
     register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout, head=HEAD,
+             drop_path=_name.startswith("efficientnet"),   # Keras' drop_connect_rate (`scaled`)
              layer_groups=LAYER_GROUPS.get(_name))(_app(_constructor, _dropout_arg, **_extra))
 
 
@@ -181,5 +198,5 @@ def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelC
     return read
 
 
-register_torch_layout(*(f"efficientnet_{v}" for v in EFFICIENTNET_DROPOUT))(timm_efficientnet("dwconv"))
+register_torch_layout(*(f"efficientnet_{v}" for v in EFFICIENTNET))(timm_efficientnet("dwconv"))
 register_torch_layout(*(name for name in APPS if name.startswith("efficientnetv2_")))(timm_efficientnet("dwconv2"))
