@@ -110,14 +110,15 @@ def test_keras_efficientnet_b0_weights_give_keras_own_logits(tmp_path, monkeypat
     os.makedirs(file.parent)
     with h5py.File(file, "w") as f:
         save_weights_to_hdf5_group(f, source)
-    monkeypatch.setattr(efficientnet.file_utils, "get_file", lambda name, *args, **kwargs: str(tmp_path / "models" / name))
+    monkeypatch.setattr(efficientnet.file_utils, "get_file",
+                        lambda name, *args, **kwargs: str(tmp_path / "models" / name))
     reference = keras.applications.EfficientNetB0(weights="imagenet", classifier_activation=None)
 
     cfg = imagenet_cfg("efficientnet_b0", image_size=224)
     model = build_model(cfg.model, cfg.data)
     capsys.readouterr()
     init_from(model, cfg.model, cfg.data, resumed=False)
-    n = len(layers_with_weights(model))   # every layer, the classifier's 1,000 classes too; the file's Normalization unused
+    n = len(layers_with_weights(model))   # every layer, the 1,000-class classifier too; the file's Normalization unused
     assert f"tfdp: init_from: loaded {n} of {n} layers from imagenet weights" in capsys.readouterr().out
 
     x = photos(224)

@@ -8,7 +8,7 @@ and EfficientNetV2 have a switch for it (`include_preprocessing`); EfficientNet
 
 Dropout before the classifier: MobileNetV3 takes it as `dropout_rate`; the
 EfficientNets build a `top_dropout` layer (V2: rate 0.2; V1: 0.2 to 0.5 from
-B0 to B7) without exposing its rate, which is set after construction (Dropout reads it at call
+B0 to B7), whose rate is set after construction (Dropout reads it at call
 time); the others have none, and get one inserted before their final Dense
 layer when a rate above 0 is configured. The registry's default is each
 model's upstream one.

@@ -141,8 +141,9 @@ def footer(fs, path: str) -> tuple[int, Columns, tuple[str, ...]]:
     label = label or next((n for n in LABEL_COLUMNS if n in schema.names), None)
     text = label is not None and _is_text(schema.field(label).type)
     if label is None or not (text or _is_integer(schema.field(label).type)):
+        columns = ", ".join(f"{n} ({schema.field(n).type})" for n in schema.names)
         raise UserError(f"{where} has no integer or string label column (a datasets ClassLabel, or one named "
-                        f"{', '.join(LABEL_COLUMNS)}; it has {', '.join(f'{n} ({schema.field(n).type})' for n in schema.names)})")
+                        f"{', '.join(LABEL_COLUMNS)}; it has {columns})")
     names = tuple(str(n) for n in (features.get(label) or {}).get("names") or ())
     return meta.num_rows, Columns(image, in_struct, label, label_is_text=text), names
 

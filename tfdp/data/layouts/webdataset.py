@@ -222,8 +222,8 @@ def check_first_sample(split: Split, num_classes: int) -> None:
                         f"image and its {reads})")
     if label is None or (num_classes and label >= num_classes):
         shown = "not a class number" if label is None else f"outside 0..{num_classes - 1} (synsets.txt's classes)"
-        where = f" (its .json's {_label_key})" if _label_key else ""
-        raise UserError(f"{path}: the first sample's label{where} is {shown}")
+        field = f" (its .json's {_label_key})" if _label_key else ""
+        raise UserError(f"{path}: the first sample's label{field} is {shown}")
 
 
 def check_labels(split: Split, num_classes: int) -> None:
