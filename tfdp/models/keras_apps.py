@@ -30,7 +30,7 @@ from keras.src.applications import efficientnet, efficientnet_v2
 from tfdp.config import ModelConfig, pretrained
 from tfdp.errors import UserError
 from tfdp.models.registry import register
-from tfdp.models.weights import Weights, register_torch_layout, torch_module_values
+from tfdp.models.weights import Weights, register_torch_layout, renamed_modules, torch_module_values, torch_modules
 
 
 def _app(constructor, dropout_arg: str | None = None, **extra):
@@ -175,26 +175,13 @@ def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelC
             raise UserError(f"model.init_from: {what} holds timm's {architecture}, which pads its convolutions as "
                             f"PyTorch does; tfdp's {model_cfg.name} is keras.applications' EfficientNet, padded as "
                             f"TensorFlow pads (timm's tf_{architecture}): use tf_{architecture} weights")
-        modules: dict[str, dict[str, np.ndarray]] = {}
-        for key, value in tensors.items():
-            module, _, param = key.rpartition(".")
-            if param != "num_batches_tracked":  # PyTorch's batch-norm step counter: nothing in Keras holds it
-                modules.setdefault(module, {})[param] = value
-        layers = efficientnet_layers(modules, depthwise)
-        values, names = {}, {}
-        for module, params in modules.items():
-            layer = layers[module]
-            if layer is None:
-                first = sorted(params)[0]
-                raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor "
-                                f"{module}.{first} {tuple(params[first].shape)} has no place in it (another "
-                                f"architecture?)")
-            if layer.endswith(f"_{depthwise}"):
-                arrays, order = [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
-            else:
-                arrays, order = torch_module_values(params, layer)
-            values[layer], names[layer] = arrays, [f"{module}.{p}" for p in order]
-        return Weights(what, values, names)
+        modules = torch_modules(tensors)
+        return renamed_modules(modules, efficientnet_layers(modules, depthwise).get, model_cfg, what, convert)
+
+    def convert(params: dict[str, np.ndarray], layer: str) -> tuple[list, list[str]]:
+        if layer.endswith(f"_{depthwise}"):
+            return [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
+        return torch_module_values(params, layer)
     return read
 
 

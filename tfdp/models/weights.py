@@ -423,12 +423,25 @@ def torch_weights(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: 
     """A torchvision/timm state dict as `Weights` for the zoo model `model_cfg.name`."""
     if model_cfg.name in TORCH_LAYOUTS:
         return TORCH_LAYOUTS[model_cfg.name](tensors, model_cfg, what)
+    return renamed_modules(torch_modules(tensors), TORCHVISION[model_cfg.name], model_cfg, what)
+
+
+def torch_modules(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """A state dict's tensors by module (`layer1.0.bn1.weight` → module `layer1.0.bn1`, parameter `weight`)."""
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         module, _, param = key.rpartition(".")
         if param != "num_batches_tracked":  # PyTorch's batch-norm step counter: nothing in Keras holds it
             modules.setdefault(module, {})[param] = value
-    rename = TORCHVISION[model_cfg.name]
+    return modules
+
+
+def renamed_modules(modules: dict[str, dict[str, np.ndarray]], rename: Callable[[str], str | None],
+                    model_cfg: ModelConfig, what: str,
+                    convert: Callable[[dict[str, np.ndarray], str], tuple[list, list[str]]] = torch_module_values
+                    ) -> Weights:
+    """`Weights` of torch modules each renamed to its Keras layer (`rename`; None: no place, the "does not fit"
+    line) and converted to Keras' layouts (`convert(params, layer)` → (values, parameter names))."""
     values, names = {}, {}
     for module, params in modules.items():
         layer = rename(module)
@@ -436,7 +449,7 @@ def torch_weights(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: 
             first = sorted(params)[0]
             raise UserError(f"model.init_from: {what} does not fit model '{model_cfg.name}': tensor "
                             f"{module}.{first} {tuple(params[first].shape)} has no place in it (another architecture?)")
-        arrays, order = torch_module_values(params, layer)
+        arrays, order = convert(params, layer)
         values[layer], names[layer] = arrays, [f"{module}.{p}" for p in order]
     return Weights(what, values, names)
 
