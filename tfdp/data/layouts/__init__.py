@@ -260,3 +260,13 @@ def file_names(fs: fsspec.AbstractFileSystem, folder: str) -> set[str]:
         return {posixpath.basename(path) for path, is_dir in folder_entries(fs, folder) if not is_dir}
     except (FileNotFoundError, NotADirectoryError):
         return set()
+
+
+def sorted_names(labels) -> tuple[str, ...]:
+    """Class names from the labels a dataset uses: sorted, as numbers where every one is an integer (so labels
+    0..N-1 keep their numbers); the `csv` layout's and the `parquet` layout's string labels."""
+    return tuple(sorted(labels, key=int if all(is_integer(label) for label in labels) else None))
+
+
+def is_integer(label: str) -> bool:
+    return label.lstrip("-").isdigit()

@@ -26,7 +26,7 @@ import json
 import posixpath
 
 from tfdp.data.layouts import (IMAGE_PATTERNS, LISTING_THREADS, Source, Split, file_names, is_image_file,
-                               read_text)
+                               is_integer, read_text, sorted_names)
 from tfdp.data.storage import filesystem, is_remote, url
 from tfdp.errors import UserError, first_line
 
@@ -165,7 +165,7 @@ def class_list(fs, root: str, rows: dict[str, list[tuple[str, str, int]]]) -> tu
     labels = {label for split in rows.values() for _, label, _ in split}
     classes_file = posixpath.join(root, CLASSES)
     if not fs.isfile(classes_file):
-        classes = tuple(sorted(labels, key=int if all(_is_integer(label) for label in labels) else None))
+        classes = sorted_names(labels)
         return classes, {name: i for i, name in enumerate(classes)}
     classes = tuple(name.strip() for name in read_text(fs, classes_file).splitlines() if name.strip())
     duplicated = sorted({name for name in classes if classes.count(name) > 1})
@@ -174,14 +174,10 @@ def class_list(fs, root: str, rows: dict[str, list[tuple[str, str, int]]]) -> tu
     unknown = sorted(labels - set(classes))
     if not unknown:
         return classes, {name: i for i, name in enumerate(classes)}
-    if not labels & set(classes) and all(_is_integer(label) and 0 <= int(label) < len(classes) for label in labels):
+    if not labels & set(classes) and all(is_integer(label) and 0 <= int(label) < len(classes) for label in labels):
         return classes, {label: int(label) for label in labels}
     raise UserError(f"{url(fs, classes_file)} lacks {len(unknown)} label(s) the csv files use (first: {unknown[0]}), "
                     f"which are neither its names nor indices into its {len(classes)} lines")
-
-
-def _is_integer(label: str) -> bool:
-    return label.lstrip("-").isdigit()
 
 
 def check_present(fs, root: str, where: str, files: list[str], lines: list[int]) -> None:

@@ -30,7 +30,7 @@ import os
 import posixpath
 import tarfile
 
-from tfdp.data.layouts import LISTING_THREADS, Source, Split
+from tfdp.data.layouts import LISTING_THREADS, Source, Split, sorted_names
 from tfdp.data.layouts.records import SPLIT_PREFIXES
 from tfdp.data.layouts.webdataset import drop_other_versions, keep_tables_in, version_name
 from tfdp.data.storage import filesystem, is_remote, url
@@ -95,8 +95,7 @@ def text_classes(fs, root: str, column: str, splits: tuple[str, ...]) -> tuple[s
         return set(pc.unique(labels).drop_null().to_pylist())
     with concurrent.futures.ThreadPoolExecutor(LISTING_THREADS if is_remote(fs) else 1) as pool:
         found = set().union(*pool.map(names, files))
-    numbers = all(n.strip().lstrip("-").isdigit() for n in found)
-    return tuple(sorted(found, key=(lambda n: int(n)) if numbers else None))
+    return sorted_names(found)
 
 
 def _files_or_none(fs, root: str, split: str) -> list[str]:
