@@ -1,13 +1,13 @@
 """EfficientNet B0-B7 (keras.applications' graph from its stem on) and EfficientNetV2 (tfdp/models/keras_apps.py)
-with timm's TensorFlow-padded weights (`tf_efficientnet_b*`, `tf_efficientnetv2_*`), checked against torch and
-timm's own outputs: the fixture (tests/fixtures/make_efficientnet_fixture.py) holds a small random model of each,
-their logits on real photos, and the state-dict names and shapes of four full-size ones. Keras' own ImageNet
-files: tests/config/test_pretrained.py.
+with timm's TensorFlow-padded weights (`tf_efficientnet_b*`, `tf_efficientnetv2_*`), and `efficientnet_b*_torch`
+(the same graph padded as PyTorch pads) with timm's own `efficientnet_b*`, checked against torch and timm's own
+outputs: the fixture (tests/fixtures/make_efficientnet_fixture.py) holds a small random model of each, their logits
+on real photos, and the state-dict names and shapes of four full-size ones. Keras' own ImageNet files:
+tests/config/test_pretrained.py.
 """
 
 import json
 import os
-import shutil
 
 import keras
 import numpy as np
@@ -17,7 +17,7 @@ from conftest import REPO
 from tfdp.config import IMAGENET_MEAN, validate
 from tfdp.errors import UserError
 from tfdp.models import build_model
-from tfdp.models.keras_apps import from_the_stem
+from tfdp.models.keras_apps import from_the_stem, torch_padded
 from tfdp.models.weights import layers_with_weights, load_into, read_source, torch_weights
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -36,7 +36,8 @@ def cfg_for(name: str, init_from: str = "", num_classes: int = 10):
 
 def keras_small(folder: str, classes: int):
     """keras.applications' builder of the fixture's small model, at its width and depth, without the built-in
-    preprocessing, as the zoo builds its models (V1 cut at its stem, V2 with include_preprocessing off)."""
+    preprocessing, as the zoo builds its models (V1 cut at its stem, V2 with include_preprocessing off; timm's own
+    EfficientNet padded as PyTorch pads)."""
     from keras.src.applications.efficientnet import EfficientNet
     from keras.src.applications.efficientnet_v2 import EfficientNetV2
     spec = fixture()["small"]
@@ -44,15 +45,19 @@ def keras_small(folder: str, classes: int):
                   input_shape=(224, 224, 3), classes=classes, classifier_activation=None)
     if folder == "efficientnet_timm":
         return from_the_stem(EfficientNet)(**common)
+    if folder == "efficientnet_torch_timm":
+        return torch_padded(from_the_stem(EfficientNet))(**common)
     return EfficientNetV2(**common, name="efficientnetv2-b0", include_preprocessing=False)
 
 
 @pytest.mark.parametrize("folder,name,mean", [("efficientnet_timm", "efficientnet_b0", IMAGENET_MEAN),
-                                              ("efficientnetv2_timm", "efficientnetv2_b0", (127.5,) * 3)])
-def test_timms_tf_efficientnets_give_timms_logits_on_real_photos(folder, name, mean):
-    """The fixture's small tf_efficientnet and tf_efficientnetv2 (width 0.25, depth 0.34 of B0; every block kind)
-    read by tfdp's timm reader into keras.applications' builder at the same width and depth: on 4 real photos,
-    normalised as each file's pretrained cfg says (V2's: mean and std 0.5), the logits are timm's."""
+                                              ("efficientnetv2_timm", "efficientnetv2_b0", (127.5,) * 3),
+                                              ("efficientnet_torch_timm", "efficientnet_b0_torch", IMAGENET_MEAN)])
+def test_timms_efficientnets_give_timms_logits_on_real_photos(folder, name, mean):
+    """The fixture's small tf_efficientnet, tf_efficientnetv2 and (PyTorch-padded) efficientnet (width 0.25, depth
+    0.34 of B0; every block kind) read by tfdp's timm reader into keras.applications' builder at the same width and
+    depth (the last padded as PyTorch pads): on 4 real photos, normalised as each file's pretrained cfg says (V2's:
+    mean and std 0.5), the logits are timm's."""
     path = os.path.join(FIXTURES, folder, "model.safetensors")
     model = keras_small(folder, fixture()["small"]["num_classes"])
     cfg = cfg_for(name, init_from=path)
@@ -84,17 +89,38 @@ def test_full_size_state_dicts_fill_every_layer_of_the_zoo_model(timm_name, name
     keras.backend.clear_session()
 
 
-def test_timms_pytorch_padded_efficientnet_and_another_size_are_one_line_each(tmp_path):
-    """timm's own efficientnet_b0 (PyTorch's padding, named in its config.json) is refused, not loaded into a graph
-    that pads otherwise; the small fixture into the full-size B0 fails on its first shape."""
-    folder = tmp_path / "efficientnet_b0.ra_in1k"
-    shutil.copytree(os.path.dirname(SMALL), folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "architecture": "efficientnet_b0"}))
-    cfg = cfg_for("efficientnet_b0", init_from=str(folder / "model.safetensors"))
-    with pytest.raises(UserError, match=r"holds timm's efficientnet_b0, which pads its convolutions as PyTorch does; "
-                                        r".*: use tf_efficientnet_b0 weights$"):
-        read_source(str(folder / "model.safetensors"), cfg.model, cfg.data)
+def test_pytorch_padding_is_what_timms_own_efficientnet_needs():
+    """timm's own efficientnet_b0 weights in Keras' graph (padded "same", epsilon 1e-3) give logits far from timm's:
+    the logits test above tells the two graphs apart, and a file in the other graph is not a near miss."""
+    path = os.path.join(FIXTURES, "efficientnet_torch_timm", "model.safetensors")
+    model = keras_small("efficientnet_timm", fixture()["small"]["num_classes"])
+    cfg = cfg_for("efficientnet_b0_torch", init_from=path)
+    load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+    photos = np.load(os.path.join(FIXTURES, "photos.npy")).astype(np.float32)
+    ours = model.predict((photos - np.float32(cfg.data.mean)) / np.float32(cfg.data.std), verbose=0)
+    theirs = np.load(os.path.join(FIXTURES, "efficientnet_logits.npz"))["efficientnet_torch_timm"]
+    assert np.abs(ours - theirs).max() > 0.05 * np.abs(theirs).max()
+
+
+@pytest.mark.parametrize("folder,name,line", [
+    ("efficientnet_torch_timm", "efficientnet_b0",
+     r"holds timm's efficientnet_b0, padded as PyTorch pads; model 'efficientnet_b0' is padded as TensorFlow pads: "
+     r"set model.name: efficientnet_b0_torch$"),
+    ("efficientnet_timm", "efficientnet_b0_torch",
+     r"holds timm's tf_efficientnet_b0, padded as TensorFlow pads; model 'efficientnet_b0_torch' is padded as "
+     r"PyTorch pads: set model.name: efficientnet_b0$")])
+def test_a_timm_efficientnet_of_the_other_padding_is_one_line(folder, name, line):
+    """timm's own efficientnet_b0 and its tf_efficientnet_b0 (the architecture named in the file's config.json) have
+    the same names and shapes: each is refused by the zoo model padded the other way, the line naming the one that
+    fits."""
+    path = os.path.join(FIXTURES, folder, "model.safetensors")
+    cfg = cfg_for(name, init_from=path)
+    with pytest.raises(UserError, match=line):
+        read_source(path, cfg.model, cfg.data)
+
+
+def test_another_size_is_one_line():
+    """The small fixture into the full-size B0 fails on its first shape."""
     cfg = cfg_for("efficientnet_b0", init_from=SMALL)
     model = build_model(cfg.model, cfg.data)
     with pytest.raises(UserError, match=r"does not fit model 'efficientnet_b0': stem_conv/kernel is \(3, 3, 3, 8\) "

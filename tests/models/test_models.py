@@ -38,14 +38,19 @@ KERAS_APPLICATIONS = {
     "efficientnet_b3": 12_320_535, "efficientnet_b4": 19_466_823, "efficientnet_b5": 30_562_527,
     "efficientnet_b6": 43_265_143, "efficientnet_b7": 66_658_687,
 }
+# timm's own EfficientNets: keras.applications' graph padded as PyTorch pads (the same layers and weights)
+KERAS_APPLICATIONS.update({f"efficientnet_b{v}_torch": KERAS_APPLICATIONS[f"efficientnet_b{v}"] for v in range(8)})
 # Weights of keras.applications' built-in preprocessing that tfdp leaves out (it normalises on the device): EfficientNet
 # (V1)'s Normalization layer, its mean and variance per channel and its count.
-LEFT_OUT = {f"efficientnet_b{v}": 3 + 3 + 1 for v in range(8)}
+LEFT_OUT = {f"efficientnet_b{v}{torch}": 3 + 3 + 1 for v in range(8) for torch in ("", "_torch")}
 SMALL_IMAGE = {"resnet18_small", "resnet10_small", "simple_cnn"}  # for 16-32 px inputs: no ImageNet reference
 # Not built for their count here: test_convnext.py checks every ConvNeXt's count from its depths and widths, and
 # builds one of each table (convnext_atto, convnext_tiny, convnextv2_atto, convnextv2_tiny).
 COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small", "base", "large")} | {
     f"convnextv2_{s}" for s in ("femto", "pico", "nano", "small", "base", "large", "huge")}
+# Built for their count at the smallest and largest size only: the others are the same rebuild (`torch_padded`) of
+# graphs counted here
+TORCH_PADDED_UNCOUNTED = {f"efficientnet_b{v}_torch" for v in range(1, 7)}
 # timm's counts checked in tests/models/test_vit.py from the variables' shapes, without allocating ViT-L's 300M
 # (and vit_mini_patch4_small, for 16-32 px inputs)
 VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (16, 32)), "vit_tiny_patch16_224",
@@ -73,7 +78,8 @@ def test_every_registered_model_has_a_reference_count():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted((set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS)) - COUNTED_FROM_SPEC))
+@pytest.mark.parametrize("name", sorted((set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS)) - COUNTED_FROM_SPEC
+                                         - TORCH_PADDED_UNCOUNTED))
 def test_parameter_count_at_1000_classes_and_224_px(name):
     """Counted from the variables' shapes (`shapes_only`, as test_vit.py counts ViTs: the model is built, its variables
     made with their shapes, and nothing allocates or initialises VGG's 133M values)."""
@@ -108,6 +114,8 @@ ONE_PER_BUILDER = {
     "mobilenet_v3_small": "mobilenet_v3_large",
     **{f"efficientnetv2_{s}": "efficientnetv2_b0" for s in ("b0", "b1", "b2", "b3", "s", "m", "l")},
     **{f"efficientnet_b{v}": "efficientnet_b0" for v in range(8)},
+    # the same layers with other paddings and epsilons (their outputs: tests/models/test_efficientnet.py)
+    **{f"efficientnet_b{v}_torch": "efficientnet_b0" for v in range(8)},
     **{f"vgg{d}": "vgg11" for d in (11, 13, 16, 19)}, **{f"vgg{d}_bn": "vgg11_bn" for d in (11, 13, 16, 19)},
     "squeezenet1_1": "squeezenet1_1", "simple_cnn": "simple_cnn",
     **{f"convnext_{s}": "convnext_atto"

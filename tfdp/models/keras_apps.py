@@ -75,6 +75,27 @@ def from_the_stem(constructor):
     return build
 
 
+def torch_padded(constructor):
+    """timm's own EfficientNet graph (`efficientnet_b*`, PyTorch-padded) from keras.applications': Keras pads a strided
+    convolution "same" (on an even side one row and column fewer above and left than below and right), PyTorch's
+    `padding=k // 2` pads k // 2 on every side, and torch's batch norm divides by sqrt(var + 1e-5) where Keras' adds
+    1e-3. Both are layer settings, so the graph is Keras' rebuilt from its config with every `ZeroPadding2D` made
+    symmetric (the larger of each pair on both sides) and every batch norm torch's (`TORCH_BATCH_NORM`): the same
+    layers, names and weights, whose outputs differ at every border and in every normalisation. (torch's momentum
+    too, which timm trained these at: what `model.bn_momentum: auto` keeps when fine-tuning from its weights.)"""
+    def build(**kwargs) -> keras.Model:
+        config = constructor(**kwargs).get_config()
+        for layer in config["layers"]:
+            if layer["class_name"] == "ZeroPadding2D":
+                layer["config"]["padding"] = [[max(side)] * 2 for side in layer["config"]["padding"]]
+            elif layer["class_name"] == "BatchNormalization":
+                layer["config"].update(TORCH_BATCH_NORM)
+        return keras.Model.from_config(config)
+    return build
+
+
+# torch's BatchNorm2d defaults in Keras' terms (its momentum 0.1 is the share of the new statistic)
+TORCH_BATCH_NORM = {"epsilon": 1e-5, "momentum": 0.9}
 NO_PREPROCESSING = {"include_preprocessing": False}
 # EfficientNet-B0 ... B7: width and depth coefficients, default size and classifier dropout, as keras.applications'
 # wrappers (and the paper) set them
@@ -106,7 +127,13 @@ HEAD = ("predictions", "logits")
 RESNET_GROUPS = {"stem": r"^conv1_", "blocks": r"^conv(\d+)_block(\d+)_"}
 LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet152": RESNET_GROUPS}
 
-for _name, (_constructor, _dropout_arg, _extra, _dropout) in APPS.items():
+# timm's own EfficientNets (`efficientnet_b0` ... `b7`, padded as PyTorch pads): Keras' graph of the same size with
+# PyTorch's padding and epsilon (`torch_padded`). No Keras file fits them, so they stay out of APPS (the models of
+# `init_from: imagenet`).
+TORCH_PADDED = {f"{name}_torch": (torch_padded(constructor), None, {}, dropout)
+                for name, (constructor, _, _, dropout) in APPS.items() if name.startswith("efficientnet_b")}
+
+for _name, (_constructor, _dropout_arg, _extra, _dropout) in {**APPS, **TORCH_PADDED}.items():
     register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout, head=HEAD,
              drop_path=_name.startswith("efficientnet"),   # Keras' drop_connect_rate (`scaled`)
              layer_groups=LAYER_GROUPS.get(_name))(_app(_constructor, _dropout_arg, **_extra))
@@ -160,21 +187,36 @@ def efficientnet_layers(modules, depthwise: str) -> dict[str, str | None]:
     return layers
 
 
-def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelConfig, str], Weights]:
-    """A reader of timm's TensorFlow ports, `tf_efficientnet_b0` ... `b7` and `tf_efficientnetv2_b0` ... `l`
-    (padding "same", batch-norm epsilon 1e-3: the graph keras.applications builds), depthwise kernels
-    (C, 1, H, W) → (H, W, C, 1).
+# timm's EfficientNet architectures: its TensorFlow ports (`tf_`, padded "same": Keras' graph, tfdp's `efficientnet_b*`
+# and `efficientnetv2_*`) and its own (padded as PyTorch pads: tfdp's `efficientnet_b*_torch`)
+TIMM_EFFICIENTNET = re.compile(r"(tf_)?(efficientnet(?:v2)?_(?:b\d|s|m|l|xl))")
 
-    timm's own `efficientnet_b*` pad as PyTorch does and normalise with epsilon 1e-5: their names and shapes are
-    those of `tf_efficientnet_b*`, but in Keras' graph they would give other outputs than in timm's, so a file
-    whose config names one is one line, not a quietly worse start. (timm's own EfficientNetV2s, `*_rw_*`, are
-    other architectures, which the shapes refuse.)"""
+
+def padding_refusal(architecture: str, model: str, what: str) -> str | None:
+    """The line for a timm EfficientNet file whose padding is not the zoo model's, else None. The names and shapes
+    of `efficientnet_b0` and `tf_efficientnet_b0` are the same, but in the other graph the weights give other
+    outputs than in timm's: a quietly worse start, which a file whose config names its architecture does not get."""
+    found = TIMM_EFFICIENTNET.fullmatch(architecture)
+    if not found or bool(found[1]) != model.endswith("_torch"):
+        return None
+    pads = ("PyTorch", "TensorFlow") if found[1] else ("TensorFlow", "PyTorch")
+    counterpart = found[2] if found[1] else f"{architecture}_torch"
+    fix = (f"set model.name: {counterpart}" if counterpart in APPS or counterpart in TORCH_PADDED
+           else "no tfdp model of its size is padded as it is")
+    return (f"model.init_from: {what} holds timm's {architecture}, padded as {pads[1]} pads; model '{model}' is "
+            f"padded as {pads[0]} pads: {fix}")
+
+
+def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelConfig, str], Weights]:
+    """A reader of timm's EfficientNets: its TensorFlow ports, `tf_efficientnet_b0` ... `b7` and `tf_efficientnetv2_b0`
+    ... `l` (padding "same", batch-norm epsilon 1e-3: the graph keras.applications builds), into `efficientnet_b*` and
+    `efficientnetv2_*`, and its own `efficientnet_b0` ... `b7` into `efficientnet_b*_torch`; depthwise kernels
+    (C, 1, H, W) → (H, W, C, 1). A file of the other padding is one line (`padding_refusal`); one that does not name
+    its architecture is taken at its shapes. (timm's own EfficientNetV2s, `*_rw_*`, are other architectures, which
+    the shapes refuse.)"""
     def read(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
-        architecture = pretrained.timm_architecture(what) or ""
-        if re.fullmatch(r"efficientnet_b\d", architecture):
-            raise UserError(f"model.init_from: {what} holds timm's {architecture}, which pads its convolutions as "
-                            f"PyTorch does; tfdp's {model_cfg.name} is keras.applications' EfficientNet, padded as "
-                            f"TensorFlow pads (timm's tf_{architecture}): use tf_{architecture} weights")
+        if refusal := padding_refusal(pretrained.timm_architecture(what) or "", model_cfg.name, what):
+            raise UserError(refusal)
         modules = torch_modules(tensors)
         return renamed_modules(modules, efficientnet_layers(modules, depthwise).get, model_cfg, what, convert)
 
@@ -185,5 +227,5 @@ def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelC
     return read
 
 
-register_torch_layout(*(f"efficientnet_{v}" for v in EFFICIENTNET))(timm_efficientnet("dwconv"))
+register_torch_layout(*(f"efficientnet_{v}" for v in EFFICIENTNET), *TORCH_PADDED)(timm_efficientnet("dwconv"))
 register_torch_layout(*(name for name in APPS if name.startswith("efficientnetv2_")))(timm_efficientnet("dwconv2"))
