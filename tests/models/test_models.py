@@ -61,6 +61,8 @@ VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (1
        *(f"vit_base_patch16_siglip_{px}" for px in (224, 256, 384, 512)),
        *(f"vit_large_patch16_siglip_{px}" for px in (256, 384, 512)),
        *(f"vit_so400m_patch14_siglip_{px}" for px in (224, 378)),
+       *(f"deit3_{s}_patch16_{px}" for s in ("small", "base", "large") for px in (224, 384)),
+       "deit3_medium_patch16_224", "deit3_huge_patch14_224",
        "vit_mini_patch4_small"}
 
 

@@ -124,13 +124,15 @@ def outputs() -> dict[str, np.ndarray]:
     return dict(np.load(os.path.join(FIXTURES, "vit_variants_outputs.npz")))
 
 
-def test_dinov2_clip_and_siglip_parameter_counts_equal_timms():
+def test_dinov2_clip_siglip_and_deit3_parameter_counts_equal_timms():
     """At 1,000 classes, DINOv2 at its published 518 px (a 37x37 grid), the CLIP towers at 224 px, the SigLIP
-    towers at the size in their names: layer scale, register tokens, CLIP's norm_pre and bias-free patch
-    embedding, SigLIP's attention pooling and no class token."""
+    towers and DeiT III at the size in their names: layer scale, register tokens, CLIP's norm_pre and bias-free
+    patch embedding, SigLIP's attention pooling and no class token, DeiT III's class token without a position
+    embedding."""
     counts = variants()["parameter_counts"]
-    assert sorted(counts) == sorted(n for n in MODELS if n.endswith("_dinov2") or "_clip" in n or "_siglip_" in n)
-    assert len(counts) == 23
+    assert sorted(counts) == sorted(n for n in MODELS if n.endswith("_dinov2") or "_clip" in n or "_siglip_" in n
+                                    or n.startswith("deit3_"))
+    assert len(counts) == 23 + 8
     for name, found in counts.items():
         size = found["image_size"]
         with shapes_only():
@@ -198,12 +200,31 @@ def test_siglip_tower_weights_give_timms_logits(photos, outputs):
     assert list(logits.argmax(1)) == list(outputs["siglip_16"].argmax(1))
 
 
+def test_deit3_weights_give_timms_logits(photos, outputs):
+    """A timm DeiT III (small, random; layer scale, its class token without a position embedding) through the
+    config: ImageNet's mean and std and the image size from its pretrained cfg, then timm's logits."""
+    path = os.path.join(FIXTURES, "deit3_timm_mini.safetensors")
+    cfg = validate({"model": {"name": "deit3_base_patch16_224", "num_classes": 10, "init_from": path},
+                    "data": {"hflip": False}})
+    assert cfg.data.image_size == 16
+    model = vision_transformer((16, 16, 3), 10, 0.0, small(SPECS["deit3_base_patch16_224"]), "deit3")
+    loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+    assert new == [] and {"pos_embed", "blocks_1_2_ls"} <= set(loaded)
+    assert len(loaded) == len(layers_with_weights(model))
+    x = ((photos["16"] - np.array(cfg.data.mean)) / np.array(cfg.data.std)).astype("float32")
+    logits = model.predict(x, verbose=0)
+    assert relative(logits, outputs["deit3_16"]) <= MAX_RELATIVE
+    assert list(logits.argmax(1)) == list(outputs["deit3_16"].argmax(1))
+
+
 @pytest.mark.parametrize("name,size", [("vit_base_patch14_dinov2", 518), ("vit_small_patch14_reg4_dinov2", 224),
-                                       ("vit_base_patch16_clip_224", 224), ("vit_base_patch16_siglip_224", 384)])
-def test_published_dinov2_clip_and_siglip_state_dicts_map_onto_their_models(name, size):
+                                       ("vit_base_patch16_clip_224", 224), ("vit_base_patch16_siglip_224", 384),
+                                       ("deit3_base_patch16_224", 384)])
+def test_published_dinov2_clip_siglip_and_deit3_state_dicts_map_onto_their_models(name, size):
     """timm's real keys and shapes (DINOv2's and SigLIP's towers without a classifier; CLIP's ImageNet fine-tunes
-    with 1,000 classes), onto the full-size model in a `shapes_only`; DINOv2 also at 224 px, as fine-tuning usually
-    runs (the 37x37 grid resampled to 16x16), SigLIP's 224 px tower at 384 (14x14 to 24x24)."""
+    and DeiT III with 1,000 classes), onto the full-size model in a `shapes_only`; DINOv2 also at 224 px, as
+    fine-tuning usually runs (the 37x37 grid resampled to 16x16), SigLIP's 224 px tower and DeiT III at 384 (14x14
+    to 24x24)."""
     tensors = {k: np.broadcast_to(np.float32(0), s) for k, s in variants()["state_dicts"][name].items()}
     cfg = ModelConfig(name=name, num_classes=1000)
     with shapes_only():

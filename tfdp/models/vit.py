@@ -420,6 +420,13 @@ SPECS: dict[str, ViTSpec] = {
     "vit_small_patch14_reg4_dinov2": ViTSpec(14, 384, 12, 6, init_values=1e-5, reg_tokens=4, no_embed_class=True),
     "vit_base_patch14_reg4_dinov2": ViTSpec(14, 768, 12, 12, init_values=1e-5, reg_tokens=4, no_embed_class=True),
     "vit_large_patch14_reg4_dinov2": ViTSpec(14, 1024, 24, 16, init_values=1e-5, reg_tokens=4, no_embed_class=True),
+    # DeiT III (Touvron et al. 2022; ImageNet-1k, or 21k then 1k): layer scale, and no position embedding for the
+    # class token; timm's names for each size they were published at (`_384`: the same architecture).
+    **{f"deit3_{size}_patch16_{px}": ViTSpec(16, dim, depth, heads, init_values=1e-6, no_embed_class=True)
+       for size, dim, depth, heads, sizes in (("small", 384, 12, 6, (224, 384)), ("medium", 512, 12, 8, (224,)),
+                                              ("base", 768, 12, 12, (224, 384)), ("large", 1024, 24, 16, (224, 384)))
+       for px in sizes},
+    "deit3_huge_patch14_224": ViTSpec(14, 1280, 32, 16, init_values=1e-6, no_embed_class=True),
     # CLIP's image towers (Radford et al. 2021; OpenCLIP): a LayerNorm before the blocks, epsilon 1e-5. timm's
     # ImageNet fine-tunes of them (`*.openai_ft_in1k`, `*.laion2b_ft_in12k_in1k`) use GELU; the towers trained
     # with QuickGELU (OpenAI's own), the `_quickgelu_` models.
