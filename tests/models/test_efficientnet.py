@@ -45,20 +45,23 @@ def keras_small(folder: str, classes: int):
                   input_shape=(224, 224, 3), classes=classes, classifier_activation=None)
     if folder == "efficientnet_timm":
         return from_the_stem(EfficientNet)(**common)
-    if folder == "efficientnet_torch_timm":
+    if folder in ("efficientnet_torch_timm", "efficientnet_torchvision"):
         return torch_padded(from_the_stem(EfficientNet))(**common)
     return EfficientNetV2(**common, name="efficientnetv2-b0", include_preprocessing=False)
 
 
 @pytest.mark.parametrize("folder,name,mean", [("efficientnet_timm", "efficientnet_b0", IMAGENET_MEAN),
                                               ("efficientnetv2_timm", "efficientnetv2_b0", (127.5,) * 3),
-                                              ("efficientnet_torch_timm", "efficientnet_b0_torch", IMAGENET_MEAN)])
-def test_timms_efficientnets_give_timms_logits_on_real_photos(folder, name, mean):
-    """The fixture's small tf_efficientnet, tf_efficientnetv2 and (PyTorch-padded) efficientnet (width 0.25, depth
-    0.34 of B0; every block kind) read by tfdp's timm reader into keras.applications' builder at the same width and
-    depth (the last padded as PyTorch pads): on 4 real photos, normalised as each file's pretrained cfg says (V2's:
-    mean and std 0.5), the logits are timm's."""
-    path = os.path.join(FIXTURES, folder, "model.safetensors")
+                                              ("efficientnet_torch_timm", "efficientnet_b0_torch", IMAGENET_MEAN),
+                                              ("efficientnet_torchvision", "efficientnet_b0_torch", IMAGENET_MEAN)])
+def test_timm_and_torchvision_efficientnets_give_their_logits_on_real_photos(folder, name, mean):
+    """The fixture's small tf_efficientnet, tf_efficientnetv2, timm's own (PyTorch-padded) efficientnet and
+    torchvision's EfficientNet (width 0.25, depth 0.34 of B0; every block kind) read by tfdp's reader into
+    keras.applications' builder at the same width and depth (the last two padded as PyTorch pads): on 4 real
+    photos, normalised as each file's pretrained cfg says (V2's: mean and std 0.5; torchvision's, which has none:
+    ImageNet's), the logits are timm's and torchvision's."""
+    path = (os.path.join(FIXTURES, f"{folder}.safetensors") if folder.endswith("torchvision")
+            else os.path.join(FIXTURES, folder, "model.safetensors"))
     model = keras_small(folder, fixture()["small"]["num_classes"])
     cfg = cfg_for(name, init_from=path)
     np.testing.assert_allclose(cfg.data.mean, mean)   # from its pretrained cfg
@@ -75,11 +78,13 @@ def test_timms_efficientnets_give_timms_logits_on_real_photos(folder, name, mean
 @pytest.mark.parametrize("timm_name,name,second", [("tf_efficientnet_b0", "efficientnet_b0", None),
                                                    ("tf_efficientnet_b3", "efficientnet_b3", "block1b_dwconv"),
                                                    ("tf_efficientnetv2_b0", "efficientnetv2_b0", None),
-                                                   ("tf_efficientnetv2_s", "efficientnetv2_s", "block1b_project_conv")])
+                                                   ("tf_efficientnetv2_s", "efficientnetv2_s", "block1b_project_conv"),
+                                                   ("torchvision_efficientnet_b3", "efficientnet_b3_torch",
+                                                    "block1b_dwconv")])
 def test_full_size_state_dicts_fill_every_layer_of_the_zoo_model(timm_name, name, second):
-    """Every tensor of timm's full-size state dict (names and shapes; zeros here) finds its layer and shape in the
-    zoo model at 1,000 classes, and every layer of the model gets its values (B3 and V2-S: a second block in the
-    first stage, which the small models lack)."""
+    """Every tensor of timm's (or torchvision's) full-size state dict (names and shapes; zeros here) finds its layer
+    and shape in the zoo model at 1,000 classes, and every layer of the model gets its values (B3 and V2-S: a second
+    block in the first stage, which the small models lack)."""
     tensors = {k: np.zeros(shape, np.float32) for k, shape in fixture()["state_dicts"][timm_name].items()}
     cfg = cfg_for(name, num_classes=1000)
     model = build_model(cfg.model, cfg.data)
@@ -117,6 +122,24 @@ def test_a_timm_efficientnet_of_the_other_padding_is_one_line(folder, name, line
     cfg = cfg_for(name, init_from=path)
     with pytest.raises(UserError, match=line):
         read_source(path, cfg.model, cfg.data)
+
+
+@pytest.mark.parametrize("name,line", [
+    ("efficientnet_b3", r"torchvision_efficientnet_b3 is in torchvision's layout, padded as PyTorch pads; model "
+                        r"'efficientnet_b3' is padded as TensorFlow pads: set model.name: efficientnet_b3_torch$"),
+    ("efficientnetv2_s", r"model 'efficientnetv2_s' is padded as TensorFlow pads: no tfdp model of its size is padded "
+                         r"as it is$"),
+    ("efficientnet_b5_torch", r"torchvision_efficientnet_b5 is in torchvision's layout, whose EfficientNet-B5, B6 and "
+                              r"B7 normalise with epsilon 1e-3; model 'efficientnet_b5_torch' normalises with torch's "
+                              r"1e-5, as timm's: torchvision's B5-B7 are not read$")])
+def test_torchvisions_efficientnet_where_it_does_not_fit_is_one_line(name, line):
+    """torchvision's EfficientNets pad as PyTorch does, so they are refused by Keras' graph (TensorFlow's padding),
+    and its B5-B7 (epsilon 1e-3) by efficientnet_b5_torch ... b7_torch; the key lists stand for the files."""
+    size = "b5" if name.endswith("_torch") else "b3"
+    tensors = {k: np.zeros(shape, np.float32)
+               for k, shape in fixture()["state_dicts"][f"torchvision_efficientnet_{size}"].items()}
+    with pytest.raises(UserError, match=line):
+        torch_weights(tensors, cfg_for(name).model, f"torchvision_efficientnet_{size}")
 
 
 def test_another_size_is_one_line():

@@ -139,7 +139,7 @@ for _name, (_constructor, _dropout_arg, _extra, _dropout) in {**APPS, **TORCH_PA
              layer_groups=LAYER_GROUPS.get(_name))(_app(_constructor, _dropout_arg, **_extra))
 
 
-# ---------------------------------------------------------------- timm's EfficientNets, TensorFlow-padded
+# ---------------------------------------------------------------- timm's and torchvision's EfficientNets
 
 # timm's module → keras.applications' EfficientNet (V1 and V2) layer. Block `blocks.S.B` is Keras' `block{S+1}{a+B}_`,
 # its kind told by its modules: depthwise-separable (V1's first stage: `conv_dw`, `conv_pw`), inverted residual
@@ -187,6 +187,59 @@ def efficientnet_layers(modules, depthwise: str) -> dict[str, str | None]:
     return layers
 
 
+# torchvision's EfficientNet (V1) in timm's names: `features.0` is the stem, `features.S` (S = 1 ... 7) stage S's
+# blocks, the last `features` the head's convolution; a block's modules are numbered in order (`block.I.0`/`.1`: a
+# convolution and its batch norm, `block.I.fc1`/`.fc2`: squeeze-excite), three of them without expansion (stage 1)
+# and four with it.
+TORCHVISION_BLOCKS = {
+    3: {"0.0": "conv_dw", "0.1": "bn1", "1.fc1": "se.conv_reduce", "1.fc2": "se.conv_expand", "2.0": "conv_pw",
+        "2.1": "bn2"},
+    4: {"0.0": "conv_pw", "0.1": "bn1", "1.0": "conv_dw", "1.1": "bn2", "2.fc1": "se.conv_reduce",
+        "2.fc2": "se.conv_expand", "3.0": "conv_pwl", "3.1": "bn3"},
+}
+TORCHVISION_STEM = "features.0.0"
+_TORCHVISION_BLOCK = re.compile(r"features\.(\d+)\.(\d+)\.block\.(\d+)\.(.+)")
+_TORCHVISION_CONV = re.compile(r"features\.(\d+)\.([01])")
+
+
+def torchvision_as_timm(modules) -> dict[str, str]:
+    """Each module of torchvision's EfficientNet → timm's name for it (itself where it has none, which then finds
+    no layer)."""
+    sizes: dict[tuple[str, str], int] = {}
+    for module in modules:
+        if found := _TORCHVISION_BLOCK.fullmatch(module):
+            sizes[found[1], found[2]] = max(sizes.get((found[1], found[2]), 0), int(found[3]) + 1)
+    names = {}
+    for module in modules:
+        if found := _TORCHVISION_BLOCK.fullmatch(module):
+            part = TORCHVISION_BLOCKS.get(sizes[found[1], found[2]], {}).get(f"{found[3]}.{found[4]}")
+            names[module] = f"blocks.{int(found[1]) - 1}.{found[2]}.{part}" if part else module
+        elif found := _TORCHVISION_CONV.fullmatch(module):
+            names[module] = (("conv_stem", "bn1") if found[1] == "0" else ("conv_head", "bn2"))[int(found[2])]
+        else:
+            names[module] = "classifier" if module == "classifier.1" else module
+    return names
+
+
+def torchvision_refusal(model: str, what: str) -> str | None:
+    """The line for torchvision's EfficientNet in a model its weights do not fit, else None: torchvision pads as
+    PyTorch does (`efficientnet_b*_torch`), and its B5-B7 (ported from TensorFlow's weights) normalise with epsilon
+    1e-3 where `efficientnet_b*_torch` take torch's 1e-5 (timm's own B5's)."""
+    if not model.endswith("_torch"):
+        fix = (f"set model.name: {model}_torch" if f"{model}_torch" in TORCH_PADDED
+               else "no tfdp model of its size is padded as it is")
+        return (f"model.init_from: {what} is in torchvision's layout, padded as PyTorch pads; model '{model}' is "
+                f"padded as TensorFlow pads: {fix}")
+    if model in TORCHVISION_EPSILON_1E3:
+        return (f"model.init_from: {what} is in torchvision's layout, whose EfficientNet-B5, B6 and B7 normalise with "
+                f"epsilon 1e-3; model '{model}' normalises with torch's 1e-5, as timm's: torchvision's B5-B7 are not "
+                f"read")
+    return None
+
+
+TORCHVISION_EPSILON_1E3 = {f"efficientnet_b{v}_torch" for v in (5, 6, 7)}
+
+
 # timm's EfficientNet architectures: its TensorFlow ports (`tf_`, padded "same": Keras' graph, tfdp's `efficientnet_b*`
 # and `efficientnetv2_*`) and its own (padded as PyTorch pads: tfdp's `efficientnet_b*_torch`)
 TIMM_EFFICIENTNET = re.compile(r"(tf_)?(efficientnet(?:v2)?_(?:b\d|s|m|l|xl))")
@@ -210,15 +263,21 @@ def padding_refusal(architecture: str, model: str, what: str) -> str | None:
 def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelConfig, str], Weights]:
     """A reader of timm's EfficientNets: its TensorFlow ports, `tf_efficientnet_b0` ... `b7` and `tf_efficientnetv2_b0`
     ... `l` (padding "same", batch-norm epsilon 1e-3: the graph keras.applications builds), into `efficientnet_b*` and
-    `efficientnetv2_*`, and its own `efficientnet_b0` ... `b7` into `efficientnet_b*_torch`; depthwise kernels
-    (C, 1, H, W) → (H, W, C, 1). A file of the other padding is one line (`padding_refusal`); one that does not name
-    its architecture is taken at its shapes. (timm's own EfficientNetV2s, `*_rw_*`, are other architectures, which
+    `efficientnetv2_*`, and its own `efficientnet_b0` ... `b7` into `efficientnet_b*_torch`, as torchvision's
+    `efficientnet_b0` ... `b4` (`torchvision_as_timm`); depthwise kernels (C, 1, H, W) → (H, W, C, 1). A file of the
+    other padding is one line (`padding_refusal`, `torchvision_refusal`); a timm file that does not name its
+    architecture is taken at its shapes. (timm's own EfficientNetV2s, `*_rw_*`, are other architectures, which
     the shapes refuse.)"""
     def read(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
-        if refusal := padding_refusal(pretrained.timm_architecture(what) or "", model_cfg.name, what):
-            raise UserError(refusal)
         modules = torch_modules(tensors)
-        return renamed_modules(modules, efficientnet_layers(modules, depthwise).get, model_cfg, what, convert)
+        torchvision = TORCHVISION_STEM in modules
+        refusal = (torchvision_refusal(model_cfg.name, what) if torchvision
+                   else padding_refusal(pretrained.timm_architecture(what) or "", model_cfg.name, what))
+        if refusal:
+            raise UserError(refusal)
+        timm_names = torchvision_as_timm(modules) if torchvision else {module: module for module in modules}
+        layers = efficientnet_layers(timm_names.values(), depthwise)
+        return renamed_modules(modules, lambda module: layers.get(timm_names[module]), model_cfg, what, convert)
 
     def convert(params: dict[str, np.ndarray], layer: str) -> tuple[list, list[str]]:
         if layer.endswith(f"_{depthwise}"):
