@@ -17,8 +17,9 @@ from conftest import REPO
 from tfdp.config import IMAGENET_MEAN, validate
 from tfdp.errors import UserError
 from tfdp.models import build_model
-from tfdp.models.keras_apps import from_the_stem, torch_padded
+from tfdp.models.keras_apps import efficientnet_layers, from_the_stem, torch_padded
 from tfdp.models.weights import layers_with_weights, load_into, read_source, torch_weights
+from tfdp.optim.finetune import layer_ids
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 SMALL = os.path.join(FIXTURES, "efficientnet_timm", "model.safetensors")
@@ -92,6 +93,23 @@ def test_full_size_state_dicts_fill_every_layer_of_the_zoo_model(timm_name, name
     assert new == [] and len(loaded) == len(layers_with_weights(model))
     assert second is None or second in loaded
     keras.backend.clear_session()
+
+
+def test_layer_decay_groups_are_timms():
+    """`optimizer.layer_decay`'s layer ids for the small EfficientNet are those timm's `param_groups_layer_decay`
+    gives each parameter (recorded by the fixture), matched through the weights' own mapping: the stem first, one
+    group per block (Keras' `block4b` after `block4a`), the head's convolution with the last block, the classifier
+    last."""
+    timm_ids = fixture()["small"]["efficientnet_torch_timm"]["layer_ids"]
+    layer_of = efficientnet_layers({param.rpartition(".")[0] for param in timm_ids}, "dwconv")
+    theirs: dict[str, set[int]] = {}
+    for param, layer_id in timm_ids.items():
+        theirs.setdefault(layer_of[param.rpartition(".")[0]], set()).add(layer_id)
+    model = keras_small("efficientnet_torch_timm", fixture()["small"]["num_classes"])
+    ids, count = layer_ids(model, "efficientnet_b0_torch")
+    ours = {layer.name: {ids[id(w)] for w in layer.trainable_weights} for layer in layers_with_weights(model)}
+    assert ours == theirs and count == max(timm_ids.values()) + 1 == 12
+    assert ours["top_conv"] == ours["block7a_project_bn"] == {10}
 
 
 def test_pytorch_padding_is_what_timms_own_efficientnet_needs():

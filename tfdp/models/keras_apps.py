@@ -29,7 +29,7 @@ from keras.src.applications import efficientnet, efficientnet_v2
 
 from tfdp.config import ModelConfig, pretrained
 from tfdp.errors import UserError
-from tfdp.models.registry import register
+from tfdp.models.registry import WITH_PREVIOUS, register
 from tfdp.models.weights import Weights, register_torch_layout, renamed_modules, torch_module_values, torch_modules
 
 
@@ -125,7 +125,11 @@ MIN_SIZE = {"inception_v3": 75}
 HEAD = ("predictions", "logits")
 # timm's ResNet grouping on keras.applications' names (conv1_*: the stem; convS_blockB_*: one group per block).
 RESNET_GROUPS = {"stem": r"^conv1_", "blocks": r"^conv(\d+)_block(\d+)_"}
-LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet152": RESNET_GROUPS}
+# timm's EfficientNet grouping (`group_matcher(coarse=False)`: the stem, one group per block, the head's convolution
+# with the last block) on Keras' names (stem_*, block{S}{letter}_*, top_*), V1 and V2 alike.
+EFFICIENTNET_GROUPS = {"stem": r"^stem_", "blocks": r"^block(\d+)([a-z])_", WITH_PREVIOUS: r"^top_"}
+LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet152": RESNET_GROUPS,
+                **{name: EFFICIENTNET_GROUPS for name in APPS if name.startswith("efficientnet")}}
 
 # timm's own EfficientNets (`efficientnet_b0` ... `b7`, padded as PyTorch pads): Keras' graph of the same size with
 # PyTorch's padding and epsilon (`torch_padded`). No Keras file fits them, so they stay out of APPS (the models of
@@ -136,7 +140,7 @@ TORCH_PADDED = {f"{name}_torch": (torch_padded(constructor), None, {}, dropout)
 for _name, (_constructor, _dropout_arg, _extra, _dropout) in {**APPS, **TORCH_PADDED}.items():
     register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout, head=HEAD,
              drop_path=_name.startswith("efficientnet"),   # Keras' drop_connect_rate (`scaled`)
-             layer_groups=LAYER_GROUPS.get(_name))(_app(_constructor, _dropout_arg, **_extra))
+             layer_groups=LAYER_GROUPS.get(_name.removesuffix("_torch")))(_app(_constructor, _dropout_arg, **_extra))
 
 
 # ---------------------------------------------------------------- timm's and torchvision's EfficientNets

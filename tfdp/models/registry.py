@@ -31,9 +31,12 @@ FIXED_SIZE: set[str] = set()
 # what `train.freeze: [backbone]` leaves trainable and `optimizer.head_lr_multiplier` scales. () = no known head.
 HEAD_LAYERS: dict[str, tuple[str, ...]] = {}
 # name → its layer grouping for layer-wise learning-rate decay, as timm's `group_matcher(coarse=False)`: an ordered
-# {group: regex on layer names}; a regex's groups number the layers inside its group (one per block), and layers no
-# regex matches (the head) come last. Models without one cannot take `optimizer.layer_decay`.
+# {group: regex on layer names}; a regex's groups number the layers inside its group (one per block; digits, or a
+# letter counted by its place in the alphabet, as Keras names blocks `block2b`), a group named WITH_PREVIOUS joins
+# the group before it (timm's MATCH_PREV_GROUP), and layers no regex matches (the head) come last. Models without
+# one cannot take `optimizer.layer_decay`.
 LAYER_GROUPS: dict[str, dict[str, str]] = {}
+WITH_PREVIOUS = "with_previous"
 
 
 def register(name: str, min_size: int = 32, dropout: float = 0.0, drop_path: bool = False, fixed_size: bool = False,

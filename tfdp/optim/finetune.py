@@ -33,7 +33,7 @@ import keras
 
 from tfdp.config import Config, TrainConfig
 from tfdp.errors import UserError
-from tfdp.models.registry import HEAD_LAYERS, LAYER_GROUPS
+from tfdp.models.registry import HEAD_LAYERS, LAYER_GROUPS, WITH_PREVIOUS
 
 BACKBONE = "backbone"
 
@@ -139,11 +139,13 @@ class Freezing:
 # ---- per-variable learning rates ----
 
 def group_key(name: str, matcher: dict[str, str]) -> tuple[float, ...]:
-    """timm's `group_with_matcher` ordinal for one layer name: (group index, the regex's numbers...), inf unmatched."""
+    """timm's `group_with_matcher` ordinal for one layer name: (group index, the regex's numbers...), inf unmatched;
+    a letter the regex captures counts as its place in the alphabet (Keras' `block2b`)."""
     for ordinal, pattern in enumerate(matcher.values()):
         m = re.match(pattern, name)
         if m:
-            return (float(ordinal), *(float(g) for g in m.groups() if g is not None))
+            return (float(ordinal), *(float(g) if g.isdigit() else float(ord(g) - ord("a"))
+                                      for g in m.groups() if g is not None))
     return (float("inf"),)
 
 
@@ -157,8 +159,12 @@ def layer_ids(model: keras.Model, model_name: str) -> tuple[dict[int, int], int]
     for layer in weight_layers(model):
         for v in layer.trainable_weights:
             keys[id(v)] = group_key(layer.name, matcher)
-    ordered = {key: i for i, key in enumerate(sorted(set(keys.values())))}
-    return {vid: ordered[key] for vid, key in keys.items()}, len(ordered)
+    joins = float(list(matcher).index(WITH_PREVIOUS)) if WITH_PREVIOUS in matcher else None
+    ordered, layer = {}, -1
+    for key in sorted(set(keys.values())):
+        layer += not (key[0] == joins and layer >= 0)   # timm's MATCH_PREV_GROUP: the group before's id
+        ordered[key] = layer
+    return {vid: ordered[key] for vid, key in keys.items()}, layer + 1
 
 
 def learning_rate_scales(cfg: Config, model: keras.Model) -> dict[int, float]:
