@@ -101,18 +101,25 @@ def test_published_state_dict_maps_onto_the_model():
 
 def test_layer_groups_and_weight_decay_follow_timm():
     """timm's group_matcher(coarse=False): the patch embedding, one group per block with a stage's patch merging
-    in its first block's, the final norm, the head; the bias tables undecayed with decay_norm_and_bias false;
-    drop path rising linearly over all the blocks."""
+    in its first block's, the final norm with the last block, the head (each parameter's id as timm's
+    `param_groups_layer_decay` gives it, recorded by the fixture); the bias tables undecayed with
+    decay_norm_and_bias false; drop path rising linearly over all the blocks."""
     from tfdp.models.resnet import DropPath
     from tfdp.optim.finetune import layer_ids, weight_layers
     from tfdp.optim.optimizers import build_optimizer
     model = swin_transformer((32, 32, 3), 10, 0.0, SMALL, "swin_fixture", drop_path=0.5)
     ids, count = layer_ids(model, "swin_tiny_patch4_window7_224")
     group = {layer.name: ids[id(layer.trainable_weights[0])] for layer in weight_layers(model)}
-    assert count == 9 and group["patch_embed"] == group["patch_embed_norm"] == 0
+    assert count == 8 and group["patch_embed"] == group["patch_embed_norm"] == 0
     assert [group[f"layers_{s}_blocks_{b}_attn_qkv"] for s in range(3) for b in range(2)] == [1, 2, 3, 4, 5, 6]
     assert group["layers_1_downsample_reduction"] == group["layers_1_blocks_0_norm1"] == 3
-    assert (group["norm"], group["head_fc"]) == (7, 8)
+    assert (group["norm"], group["head_fc"]) == (6, 7)
+    theirs: dict[str, set[int]] = {}
+    for param, layer_id in facts()["layer_ids"].items():
+        module = param.rpartition(".")[0]
+        theirs.setdefault("patch_embed" if module == "patch_embed.proj" else module.replace(".", "_"), set()).add(
+            layer_id)
+    assert {layer.name: {ids[id(w)] for w in layer.trainable_weights} for layer in weight_layers(model)} == theirs
     rates = sorted(layer.rate for layer in model.layers if isinstance(layer, DropPath))
     np.testing.assert_allclose(rates, np.repeat(np.linspace(0, 0.5, 6)[1:], 2))   # two branches a block
     optimizer = build_optimizer(validate({"optimizer": {"name": "adamw", "weight_decay": 0.05,

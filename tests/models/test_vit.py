@@ -265,7 +265,8 @@ def test_fine_tuning_at_twice_the_weights_resolution(photos, expected, capsys):
     task.initialize(model, resumed=False)
     out = capsys.readouterr().out
     assert "tfdp: init_from: pos_embed resampled from a 4x4 to a 8x8 grid" in out
-    assert "tfdp: fine-tuning: per-layer learning rates (layer_decay 0.75): x0.178 to x1 of the schedule" in out
+    # 0.75 ** 5: six groups (the embeddings, 4 blocks, the final norm with the last of them, the head)
+    assert "tfdp: fine-tuning: per-layer learning rates (layer_decay 0.75): x0.237 to x1 of the schedule" in out
     assert relative(model.predict(photos["32"], verbose=0), expected["timm_mini_32"]) <= MAX_RELATIVE
     labels = np.arange(4) % 10
     history = model.fit(photos["32"], labels, batch_size=4, epochs=6, verbose=0).history["loss"]
@@ -273,18 +274,18 @@ def test_fine_tuning_at_twice_the_weights_resolution(photos, expected, capsys):
 
 
 def test_layer_groups_freezing_and_weight_decay_follow_timm():
-    """timm's group_matcher(coarse=False): patch_embed/cls_token/pos_embed 0, block i i+1, norm, head last;
-    `backbone` leaves the head, `blocks_0` exactly block 0; norms, biases, tokens and position embeddings
-    undecayed with decay_norm_and_bias false; drop path rising linearly to model.drop_path."""
+    """timm's group_matcher(coarse=False): patch_embed/cls_token/pos_embed 0, block i i+1, norm with the last block,
+    head last; `backbone` leaves the head, `blocks_0` exactly block 0; norms, biases, tokens and position
+    embeddings undecayed with decay_norm_and_bias false; drop path rising linearly to model.drop_path."""
     from tfdp.models.resnet import DropPath
     from tfdp.optim.finetune import frozen_layers, layer_ids, weight_layers
     from tfdp.optim.optimizers import build_optimizer
     model = MODELS["vit_mini_patch4_small"]((16, 16, 3), 10, drop_path_rate=0.3)
     ids, count = layer_ids(model, "vit_mini_patch4_small")
     by_layer = {layer.name: ids[id(layer.trainable_weights[0])] for layer in weight_layers(model)}
-    assert count == 7 and by_layer["patch_embed"] == by_layer["cls_token"] == by_layer["pos_embed"] == 0
+    assert count == 6 and by_layer["patch_embed"] == by_layer["cls_token"] == by_layer["pos_embed"] == 0
     assert [by_layer[f"blocks_{i}_attn_qkv"] for i in range(4)] == [1, 2, 3, 4]
-    assert (by_layer["norm"], by_layer["head"]) == (5, 6)
+    assert (by_layer["norm"], by_layer["head"]) == (4, 5)
     assert [layer.name for layer in weight_layers(model)
             if layer not in frozen_layers(model, "vit_mini_patch4_small", ("backbone",))] == ["head"]
     assert {layer.name for layer in frozen_layers(model, "vit_mini_patch4_small", ("blocks_0",))} == {
@@ -302,7 +303,39 @@ def test_layer_groups_freezing_and_weight_decay_follow_timm():
     dinov2 = vision_transformer((16, 16, 3), 10, 0.0, spec, "dinov2_fixture")
     ids, count = layer_ids(dinov2, "vit_small_patch14_reg4_dinov2")
     reg_token = dinov2.get_layer("cls_token").reg_token
-    assert ids[id(reg_token)] == 0 and count == 5 and not optimizer._use_weight_decay(reg_token)
+    assert ids[id(reg_token)] == 0 and count == 4 and not optimizer._use_weight_decay(reg_token)
+
+
+def timm_parameter_layer(param: str) -> str:
+    """tfdp's layer of a timm ViT parameter: the module's (`timm_layer`), the tokens' and position embeddings' own,
+    the register tokens in the class token's layer."""
+    from tfdp.models.vit import timm_layer
+    module = param.rpartition(".")[0]
+    if not module:
+        return "cls_token" if param == "reg_token" else param
+    return timm_layer(module)
+
+
+@pytest.mark.parametrize("family,name", [("dinov2", "vit_small_patch14_reg4_dinov2"),
+                                         ("clip", "vit_base_patch16_clip_quickgelu_224"),
+                                         ("siglip", "vit_base_patch16_siglip_224"), ("deit3", "deit3_base_patch16_224")])
+def test_layer_decay_groups_are_timms(family, name):
+    """`optimizer.layer_decay`'s layer ids for the small DINOv2, CLIP, SigLIP and DeiT III are those timm's
+    `param_groups_layer_decay` gives each of their parameters (recorded by the fixture): the final norm with the last
+    block, CLIP's norm_pre and the register tokens with the embeddings, SigLIP's attention pool with the head. (timm's
+    DINOv2 file has no classifier: tfdp's model adds its head as one group more.)"""
+    from tfdp.optim.finetune import layer_ids
+    timm_ids = variants()["layer_ids"][family]
+    theirs: dict[str, set[int]] = {}
+    for param, layer_id in timm_ids.items():
+        theirs.setdefault(timm_parameter_layer(param), set()).add(layer_id)
+    model = vision_transformer((16, 16, 3), 10, 0.0, small(SPECS[name]), family)
+    ids, count = layer_ids(model, name)
+    ours = {layer.name: {ids[id(w)] for w in layer.trainable_weights} for layer in layers_with_weights(model)}
+    headless = "head.weight" not in timm_ids
+    assert {k: v for k, v in ours.items() if k in theirs} == theirs
+    assert set(ours) - set(theirs) == ({"head"} if headless else set())
+    assert count == max(timm_ids.values()) + 1 + headless
 
 
 def wrapped(spec: ViTSpec) -> keras.Model:

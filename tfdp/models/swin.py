@@ -38,7 +38,7 @@ from keras import layers
 
 from tfdp.config import ModelConfig
 from tfdp.errors import UserError
-from tfdp.models.registry import register
+from tfdp.models.registry import WITH_PREVIOUS, register
 from tfdp.models.resnet import DropPath
 from tfdp.models.vit import dense
 from tfdp.models.weights import Weights, by_module, register_torch_layout
@@ -47,10 +47,11 @@ LAYER_NORM = dict(epsilon=1e-5)
 HEAD = ("head_fc",)
 # timm's SwinTransformer.group_matcher(coarse=False) on tfdp's layer names: the patch embedding, one group per
 # block (a stage's patch merging in its first block's group, as timm gives `layers.N.downsample` and
-# `layers.N.blocks.0` one ordinal), the final norm; the classifier (unmatched) last.
+# `layers.N.blocks.0` one ordinal), the final norm with the last block (timm's MATCH_PREV_GROUP); the classifier
+# (unmatched) last.
 LAYER_GROUPS = {"stem": r"^patch_embed",
                 "blocks": r"^(?:layers_(\d+)_(?:downsample|blocks_0)_|layers_(\d+)_blocks_(\d+)_)",
-                "norm": r"^norm$"}
+                WITH_PREVIOUS: r"^norm$"}
 MASKED = -100.0   # timm's fill between tokens of different regions of a shifted window
 
 

@@ -55,14 +55,16 @@ from keras import layers
 
 from tfdp.config import ModelConfig
 from tfdp.errors import UserError
-from tfdp.models.registry import register
+from tfdp.models.registry import WITH_PREVIOUS, register
 from tfdp.models.resnet import DropPath
 from tfdp.models.weights import (Weights, by_module, h5_groups, keras_hub_head, register_keras_hub_layout,
                                  register_torch_layout)
 
-# timm's VisionTransformer.group_matcher(coarse=False) on tfdp's layer names: the embeddings, one group per block,
-# the final norm; the classifier (unmatched) last.
-LAYER_GROUPS = {"stem": r"^(?:cls_token|pos_embed|patch_embed)", "blocks": r"^blocks_(\d+)_", "norm": r"^norm$"}
+# timm's VisionTransformer.group_matcher(coarse=False) on tfdp's layer names: the embeddings (the register tokens
+# live in the class token's layer) and CLIP's norm_pre, one group per block, the final norm with the last block
+# (timm's MATCH_PREV_GROUP); the classifier and SigLIP's attention pool (unmatched) last.
+LAYER_GROUPS = {"stem": r"^(?:cls_token|pos_embed|patch_embed|norm_pre)", "blocks": r"^blocks_(\d+)_",
+                WITH_PREVIOUS: r"^norm$"}
 HEAD = ("head", "head_dist")
 
 
