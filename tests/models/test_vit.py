@@ -318,7 +318,8 @@ def timm_parameter_layer(param: str) -> str:
 
 @pytest.mark.parametrize("family,name", [("dinov2", "vit_small_patch14_reg4_dinov2"),
                                          ("clip", "vit_base_patch16_clip_quickgelu_224"),
-                                         ("siglip", "vit_base_patch16_siglip_224"), ("deit3", "deit3_base_patch16_224")])
+                                         ("siglip", "vit_base_patch16_siglip_224"),
+                                         ("deit3", "deit3_base_patch16_224")])
 def test_layer_decay_groups_are_timms(family, name):
     """`optimizer.layer_decay`'s layer ids for the small DINOv2, CLIP, SigLIP and DeiT III are those timm's
     `param_groups_layer_decay` gives each of their parameters (recorded by the fixture): the final norm with the last
