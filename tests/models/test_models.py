@@ -63,6 +63,13 @@ VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (1
        *(f"vit_so400m_patch14_siglip_{px}" for px in (224, 378)),
        *(f"deit3_{s}_patch16_{px}" for s in ("small", "base", "large") for px in (224, 384)),
        "deit3_medium_patch16_224", "deit3_huge_patch14_224",
+       *(f"vit_base_patch16_siglip_gap_{px}" for px in (224, 256, 384, 512)),
+       *(f"vit_large_patch16_siglip_gap_{px}" for px in (256, 384, 512)),
+       *(f"vit_so400m_patch14_siglip_gap_{px}" for px in (224, 378, 448)),
+       *(f"vit_{n}_gap_256" for n in ("wee_patch16_reg1", "little_patch16_reg1", "little_patch16_reg4",
+                                      "medium_patch16_reg1", "medium_patch16_reg4", "mediumd_patch16_reg4",
+                                      "betwixt_patch16_reg1", "betwixt_patch16_reg4", "base_patch16_reg4")),
+       "vit_mediumd_patch16_reg4_gap_384", "vit_betwixt_patch16_reg4_gap_384",
        "vit_mini_patch4_small"}
 
 

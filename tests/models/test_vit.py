@@ -124,15 +124,15 @@ def outputs() -> dict[str, np.ndarray]:
     return dict(np.load(os.path.join(FIXTURES, "vit_variants_outputs.npz")))
 
 
-def test_dinov2_clip_siglip_and_deit3_parameter_counts_equal_timms():
+def test_dinov2_clip_siglip_deit3_and_gap_parameter_counts_equal_timms():
     """At 1,000 classes, DINOv2 at its published 518 px (a 37x37 grid), the CLIP towers at 224 px, the SigLIP
-    towers and DeiT III at the size in their names: layer scale, register tokens, CLIP's norm_pre and bias-free
-    patch embedding, SigLIP's attention pooling and no class token, DeiT III's class token without a position
-    embedding."""
+    towers, DeiT III and the average-pooling ViTs at the size in their names: layer scale, register tokens, CLIP's
+    norm_pre and bias-free patch embedding, SigLIP's attention pooling and no class token, DeiT III's class token
+    without a position embedding, fc_norm."""
     counts = variants()["parameter_counts"]
     assert sorted(counts) == sorted(n for n in MODELS if n.endswith("_dinov2") or "_clip" in n or "_siglip_" in n
-                                    or n.startswith("deit3_"))
-    assert len(counts) == 23 + 8
+                                    or n.startswith("deit3_") or "_gap_" in n)
+    assert len(counts) == 23 + 8 + 21
     for name, found in counts.items():
         size = found["image_size"]
         with shapes_only():
@@ -217,14 +217,34 @@ def test_deit3_weights_give_timms_logits(photos, outputs):
     assert list(logits.argmax(1)) == list(outputs["deit3_16"].argmax(1))
 
 
+@pytest.mark.parametrize("family,name", [("gap", "vit_betwixt_patch16_reg4_gap_256"),
+                                         ("siglip_gap", "vit_large_patch16_siglip_gap_512")])
+def test_average_pooling_weights_give_timms_logits(family, name, photos, outputs):
+    """timm's average-pooling ViTs (small, random): registers without a class token and fc_norm after the patch
+    tokens' mean; a SigLIP tower averaging after its final norm, with GELU's tanh approximation. Through the config,
+    every layer loaded, then timm's logits."""
+    path = os.path.join(FIXTURES, f"{family}_timm_mini.safetensors")
+    cfg = validate({"model": {"name": name, "num_classes": 10, "init_from": path}, "data": {"hflip": False}})
+    assert cfg.data.image_size == 16
+    model = vision_transformer((16, 16, 3), 10, 0.0, small(SPECS[name]), family)
+    loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    assert ({"reg_token", "fc_norm"} if family == "gap" else {"norm"}) <= set(loaded)
+    x = ((photos["16"] - np.array(cfg.data.mean)) / np.array(cfg.data.std)).astype("float32")
+    logits = model.predict(x, verbose=0)
+    assert relative(logits, outputs[f"{family}_16"]) <= MAX_RELATIVE
+    assert list(logits.argmax(1)) == list(outputs[f"{family}_16"].argmax(1))
+
+
 @pytest.mark.parametrize("name,size", [("vit_base_patch14_dinov2", 518), ("vit_small_patch14_reg4_dinov2", 224),
                                        ("vit_base_patch16_clip_224", 224), ("vit_base_patch16_siglip_224", 384),
-                                       ("deit3_base_patch16_224", 384)])
-def test_published_dinov2_clip_siglip_and_deit3_state_dicts_map_onto_their_models(name, size):
-    """timm's real keys and shapes (DINOv2's and SigLIP's towers without a classifier; CLIP's ImageNet fine-tunes
-    and DeiT III with 1,000 classes), onto the full-size model in a `shapes_only`; DINOv2 also at 224 px, as
-    fine-tuning usually runs (the 37x37 grid resampled to 16x16), SigLIP's 224 px tower and DeiT III at 384 (14x14
-    to 24x24)."""
+                                       ("deit3_base_patch16_224", 384), ("vit_betwixt_patch16_reg4_gap_256", 256),
+                                       ("vit_base_patch16_siglip_gap_224", 224)])
+def test_published_state_dicts_map_onto_their_models(name, size):
+    """timm's real keys and shapes (DINOv2's and SigLIP's towers without a classifier; CLIP's ImageNet fine-tunes,
+    DeiT III and the average-pooling ViTs with 1,000 classes), onto the full-size model in a `shapes_only`; DINOv2
+    also at 224 px, as fine-tuning usually runs (the 37x37 grid resampled to 16x16), SigLIP's 224 px tower and
+    DeiT III at 384 (14x14 to 24x24)."""
     tensors = {k: np.broadcast_to(np.float32(0), s) for k, s in variants()["state_dicts"][name].items()}
     cfg = ModelConfig(name=name, num_classes=1000)
     with shapes_only():
@@ -306,30 +326,32 @@ def test_layer_groups_freezing_and_weight_decay_follow_timm():
     assert ids[id(reg_token)] == 0 and count == 4 and not optimizer._use_weight_decay(reg_token)
 
 
-def timm_parameter_layer(param: str) -> str:
+def timm_parameter_layer(param: str, class_token: bool) -> str:
     """tfdp's layer of a timm ViT parameter: the module's (`timm_layer`), the tokens' and position embeddings' own,
-    the register tokens in the class token's layer."""
+    the register tokens in the class token's layer where there is one."""
     from tfdp.models.vit import timm_layer
     module = param.rpartition(".")[0]
     if not module:
-        return "cls_token" if param == "reg_token" else param
+        return "cls_token" if param == "reg_token" and class_token else param
     return timm_layer(module)
 
 
 @pytest.mark.parametrize("family,name", [("dinov2", "vit_small_patch14_reg4_dinov2"),
                                          ("clip", "vit_base_patch16_clip_quickgelu_224"),
                                          ("siglip", "vit_base_patch16_siglip_224"),
-                                         ("deit3", "deit3_base_patch16_224")])
+                                         ("deit3", "deit3_base_patch16_224"),
+                                         ("gap", "vit_betwixt_patch16_reg4_gap_256"),
+                                         ("siglip_gap", "vit_large_patch16_siglip_gap_512")])
 def test_layer_decay_groups_are_timms(family, name):
-    """`optimizer.layer_decay`'s layer ids for the small DINOv2, CLIP, SigLIP and DeiT III are those timm's
-    `param_groups_layer_decay` gives each of their parameters (recorded by the fixture): the final norm with the last
-    block, CLIP's norm_pre and the register tokens with the embeddings, SigLIP's attention pool with the head. (timm's
-    DINOv2 file has no classifier: tfdp's model adds its head as one group more.)"""
+    """`optimizer.layer_decay`'s layer ids for the small DINOv2, CLIP, SigLIP, DeiT III and average-pooling ViTs are
+    those timm's `param_groups_layer_decay` gives each of their parameters (recorded by the fixture): the final norm
+    with the last block, CLIP's norm_pre and the register tokens with the embeddings, SigLIP's attention pool and
+    fc_norm with the head. (timm's DINOv2 file has no classifier: tfdp's model adds its head as one group more.)"""
     from tfdp.optim.finetune import layer_ids
     timm_ids = variants()["layer_ids"][family]
     theirs: dict[str, set[int]] = {}
     for param, layer_id in timm_ids.items():
-        theirs.setdefault(timm_parameter_layer(param), set()).add(layer_id)
+        theirs.setdefault(timm_parameter_layer(param, "cls_token" in timm_ids), set()).add(layer_id)
     model = vision_transformer((16, 16, 3), 10, 0.0, small(SPECS[name]), family)
     ids, count = layer_ids(model, name)
     ours = {layer.name: {ids[id(w)] for w in layer.trainable_weights} for layer in layers_with_weights(model)}
@@ -353,14 +375,18 @@ def wrapped(spec: ViTSpec) -> keras.Model:
                                           no_embed_class=True),
                                   ViTSpec(patch=16, dim=192, depth=2, heads=3, pre_norm=True, norm_eps=1e-5,
                                           act="quick_gelu"),
-                                  ViTSpec(patch=16, dim=192, depth=2, heads=3, class_token=False, pool="map")],
-                         ids=["distilled", "dinov2_registers", "clip", "siglip"])
+                                  ViTSpec(patch=16, dim=192, depth=2, heads=3, class_token=False, pool="map"),
+                                  ViTSpec(patch=16, dim=192, depth=2, heads=3, init_values=0.1, reg_tokens=4,
+                                          no_embed_class=True, class_token=False, pool="avg", fc_norm=True,
+                                          act="gelu_tanh")],
+                         ids=["distilled", "dinov2_registers", "clip", "siglip", "gap"])
 def test_builds_in_a_strategy_scope_saves_and_runs_under_xla_and_bfloat16(spec, tmp_path):
     """Two replicas' mirrored variables, a .keras round trip with the same outputs, XLA-compiled inference on
     the CPU equal to eager, and mixed_bfloat16 close to float32 (attention in bfloat16). At DeiT-Tiny's width,
     2 blocks deep: the distilled architecture (two heads, two prefix tokens), DINOv2's (layer scale, four
-    register tokens, position embeddings for the patches only), a CLIP tower's (norm_pre, QuickGELU) and a SigLIP
-    tower's (no class token, attention pooling)."""
+    register tokens, position embeddings for the patches only), a CLIP tower's (norm_pre, QuickGELU), a SigLIP
+    tower's (no class token, attention pooling) and an average-pooling one's (registers without a class token,
+    the patches' mean, fc_norm, GELU's tanh approximation)."""
     import tensorflow as tf
     from tfdp.distribute.strategy import make_runtime
     strategy = make_runtime(validate({"distribute": {"strategy": "mirrored", "cpu_replicas": 2}}).distribute).strategy

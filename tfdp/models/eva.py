@@ -46,8 +46,8 @@ from keras import layers
 from tfdp.config import ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import register
-from tfdp.models.vit import (LAYER_GROUPS, PositionEmbedding, PrefixTokens, branch_end, check_patch_divides,
-                             dense)
+from tfdp.models.vit import (LAYER_GROUPS, PatchMean, PositionEmbedding, PrefixTokens, branch_end,
+                             check_patch_divides, dense)
 from tfdp.models.weights import Weights, by_module, register_torch_layout, torch_module_values
 
 HEAD = ("head",)
@@ -146,24 +146,6 @@ class RopeAttention(layers.Layer):
         return {**super().get_config(), "heads": self.heads, "grid": self.grid, "prefix_tokens": self.prefix_tokens,
                 "rope": self.rope, "temperature": self.temperature, "ref_grid": self.ref_grid,
                 "qkv_bias": self.qkv_bias}
-
-
-@keras.saving.register_keras_serializable(package="tfdp")
-class PatchMean(layers.Layer):
-    """The average of the patch tokens, the prefix tokens left out (timm's `global_pool_nlc(x, 'avg')`)."""
-
-    def __init__(self, prefix_tokens: int, **kwargs):
-        super().__init__(**kwargs)
-        self.prefix_tokens = int(prefix_tokens)
-
-    def call(self, x):
-        return keras.ops.mean(x[:, self.prefix_tokens:], axis=1)
-
-    def compute_output_shape(self, input_shape):
-        return (input_shape[0], input_shape[2])
-
-    def get_config(self):
-        return {**super().get_config(), "prefix_tokens": self.prefix_tokens}
 
 
 # ---------------------------------------------------------------- the network

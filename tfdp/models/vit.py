@@ -63,7 +63,7 @@ from tfdp.models.weights import (Weights, by_module, h5_groups, keras_hub_head, 
 # timm's VisionTransformer.group_matcher(coarse=False) on tfdp's layer names: the embeddings (the register tokens
 # live in the class token's layer) and CLIP's norm_pre, one group per block, the final norm with the last block
 # (timm's MATCH_PREV_GROUP); the classifier and SigLIP's attention pool (unmatched) last.
-LAYER_GROUPS = {"stem": r"^(?:cls_token|pos_embed|patch_embed|norm_pre)", "blocks": r"^blocks_(\d+)_",
+LAYER_GROUPS = {"stem": r"^(?:cls_token|reg_token|pos_embed|patch_embed|norm_pre)", "blocks": r"^blocks_(\d+)_",
                 WITH_PREVIOUS: r"^norm$"}
 HEAD = ("head", "head_dist")
 
@@ -74,18 +74,21 @@ HEAD = ("head", "head_dist")
 @keras.saving.register_keras_serializable(package="tfdp")
 class PrefixTokens(layers.Layer):
     """Puts the learned class token in front of the patch tokens, then DeiT's distillation token or DINOv2's
-    register tokens (timm's order: class, distillation or registers, patches)."""
+    register tokens (timm's order: class, distillation or registers, patches); timm's average-pooling ViTs have
+    registers without a class token (`class_token=False`)."""
 
-    def __init__(self, distilled: bool = False, reg_tokens: int = 0, **kwargs):
+    def __init__(self, distilled: bool = False, reg_tokens: int = 0, class_token: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.distilled = bool(distilled)
         self.reg_tokens = int(reg_tokens)
+        self.class_token = bool(class_token)
 
     def build(self, input_shape):
         dim = input_shape[-1]
         # timm draws them with trunc_normal(std=0.02) (the class token 1e-6); Keras' truncated normal is the same law
         init = keras.initializers.TruncatedNormal(stddev=0.02)
-        self.cls_token = self.add_weight(shape=(1, 1, dim), initializer=init, name="cls_token")
+        if self.class_token:
+            self.cls_token = self.add_weight(shape=(1, 1, dim), initializer=init, name="cls_token")
         if self.distilled:
             self.dist_token = self.add_weight(shape=(1, 1, dim), initializer=init, name="dist_token")
         if self.reg_tokens:   # timm draws them with normal(std=1e-6)
@@ -94,17 +97,18 @@ class PrefixTokens(layers.Layer):
 
     def call(self, x):
         batch = keras.ops.shape(x)[0]
-        tokens = [self.cls_token] + ([self.dist_token] if self.distilled else []) + (
+        tokens = ([self.cls_token] if self.class_token else []) + ([self.dist_token] if self.distilled else []) + (
             [self.reg_token] if self.reg_tokens else [])
         tokens = [keras.ops.broadcast_to(keras.ops.cast(t, x.dtype), (batch, t.shape[1], x.shape[-1]))
                   for t in tokens]
         return keras.ops.concatenate([*tokens, x], axis=1)
 
     def compute_output_shape(self, input_shape):
-        return (input_shape[0], input_shape[1] + 1 + self.distilled + self.reg_tokens, input_shape[2])
+        return (input_shape[0], input_shape[1] + self.class_token + self.distilled + self.reg_tokens, input_shape[2])
 
     def get_config(self):
-        return {**super().get_config(), "distilled": self.distilled, "reg_tokens": self.reg_tokens}
+        return {**super().get_config(), "distilled": self.distilled, "reg_tokens": self.reg_tokens,
+                "class_token": self.class_token}
 
 
 def bicubic_antialias_matrix(in_size: int, out_size: int) -> np.ndarray:
@@ -267,8 +271,15 @@ def quick_gelu(x):
     return x * keras.ops.sigmoid(1.702 * x)
 
 
+@keras.saving.register_keras_serializable(package="tfdp")
+def gelu_tanh(x):
+    """GELU's tanh approximation (timm's `gelu_tanh`, torch's `GELU(approximate='tanh')`), which some SigLIP towers
+    were trained with."""
+    return keras.activations.gelu(x, approximate=True)
+
+
 # The MLP's activation: timm's nn.GELU is the exact one (erf), as Keras' default
-ACTIVATIONS = {"gelu": keras.activations.gelu, "quick_gelu": quick_gelu}
+ACTIVATIONS = {"gelu": keras.activations.gelu, "quick_gelu": quick_gelu, "gelu_tanh": gelu_tanh}
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -287,6 +298,25 @@ class Token(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "index": self.index}
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
+class PatchMean(layers.Layer):
+    """The mean of the patch tokens, the prefix tokens (class, registers) left out: timm's `global_pool='avg'`
+    (`global_pool_nlc(x, 'avg')`), for its average-pooling ViTs and EVA-02."""
+
+    def __init__(self, prefix_tokens: int, **kwargs):
+        super().__init__(**kwargs)
+        self.prefix_tokens = int(prefix_tokens)
+
+    def call(self, x):
+        return keras.ops.mean(x[:, self.prefix_tokens:], axis=1)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[2])
+
+    def get_config(self):
+        return {**super().get_config(), "prefix_tokens": self.prefix_tokens}
 
 
 # ---------------------------------------------------------------- the network
@@ -308,8 +338,10 @@ class ViTSpec:
                                        # and then no bias in the patch embedding
     norm_eps: float = 1e-6             # every LayerNorm's epsilon (timm's and torchvision's ViTs; CLIP's 1e-5)
     act: str = "gelu"                  # the MLP's activation, a key of ACTIVATIONS
-    class_token: bool = True           # SigLIP's towers have none
-    pool: str = "token"                # what the classifier reads: the class token, or "map" (attention pooling)
+    class_token: bool = True           # SigLIP's towers and timm's average-pooling ViTs have none
+    pool: str = "token"                # what the classifier reads: the class token, "map" (attention pooling) or
+                                       # "avg" (the patch tokens' mean, timm's global_pool='avg')
+    fc_norm: bool = False              # the final LayerNorm after the pooling (timm's fc_norm) rather than before
 
 
 def dense(units: int, name: str, activation=None, use_bias: bool = True):
@@ -354,27 +386,39 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
     # timm gives the patch embedding no bias where a LayerNorm follows the embeddings (CLIP's norm_pre)
     x = layers.Conv2D(spec.dim, spec.patch, strides=spec.patch, use_bias=not spec.pre_norm, name="patch_embed")(inputs)
     x = layers.Reshape((grid[0] * grid[1], spec.dim), name="patch_embed_flatten")(x)
-    if not spec.class_token:   # SigLIP's: the patches alone
-        x = PositionEmbedding(grid, 0, name="pos_embed")(x)
-    elif spec.no_embed_class:   # timm's no_embed_class: neither the class nor the register tokens get one
-        x = PositionEmbedding(grid, 0, name="pos_embed")(x)
-        x = PrefixTokens(spec.distilled, spec.reg_tokens, name="cls_token")(x)
+    prefix = spec.class_token + spec.distilled + spec.reg_tokens
+    tokens = PrefixTokens(spec.distilled, spec.reg_tokens, spec.class_token,
+                          name="cls_token" if spec.class_token else "reg_token") if prefix else None
+    if spec.no_embed_class or not prefix:   # timm's no_embed_class (and SigLIP's patches alone): the prefix tokens
+        x = PositionEmbedding(grid, 0, name="pos_embed")(x)   # get no position embedding
+        x = tokens(x) if tokens else x
     else:
-        x = PrefixTokens(spec.distilled, spec.reg_tokens, name="cls_token")(x)
-        x = PositionEmbedding(grid, 1 + spec.distilled + spec.reg_tokens, name="pos_embed")(x)
+        x = PositionEmbedding(grid, prefix, name="pos_embed")(tokens(x))
     if spec.pre_norm:
         x = layers.LayerNormalization(epsilon=spec.norm_eps, name="norm_pre")(x)
     for i in range(spec.depth):
         x = block(x, i, spec, drop_path * i / max(spec.depth - 1, 1))
-    x = layers.LayerNormalization(epsilon=spec.norm_eps, name="norm")(x)
+    if not spec.fc_norm:
+        x = layers.LayerNormalization(epsilon=spec.norm_eps, name="norm")(x)
     heads = []
     for index, head in enumerate(HEAD[:1 + spec.distilled]):
-        h = attention_pool(x, spec) if spec.pool == "map" else Token(index, name=f"{head}_token")(x)
+        h = pooled(x, spec, index, head, prefix)
+        if spec.fc_norm:
+            h = layers.LayerNormalization(epsilon=spec.norm_eps, name="fc_norm")(h)
         if dropout:
             h = layers.Dropout(dropout, name=f"{head}_drop")(h)
         heads.append(dense(num_classes, head)(h))
     logits = layers.Average(name="head_average")(heads) if spec.distilled else heads[0]
     return keras.Model(inputs, logits, name=f"{name}_backbone")
+
+
+def pooled(x, spec: ViTSpec, index: int, head: str, prefix: int):
+    """What classifier `head` (the `index`th) reads: its token, the attention pool, or the patch tokens' mean."""
+    if spec.pool == "map":
+        return attention_pool(x, spec)
+    if spec.pool == "avg":
+        return PatchMean(prefix, name="pool")(x)
+    return Token(index, name=f"{head}_token")(x)
 
 
 def attention_pool(x, spec: ViTSpec):
@@ -394,9 +438,20 @@ def clip(patch: int, dim: int, depth: int, heads: int, act: str = "gelu") -> ViT
     return ViTSpec(patch, dim, depth, heads, pre_norm=True, norm_eps=1e-5, act=act)
 
 
-def siglip(patch: int, dim: int, depth: int, heads: int, mlp_ratio: float = 4.0) -> ViTSpec:
-    """A SigLIP image tower's architecture (timm's `vit_*_siglip_*`: `class_token=False, global_pool='map'`)."""
-    return ViTSpec(patch, dim, depth, heads, mlp_ratio=mlp_ratio, class_token=False, pool="map")
+def siglip(patch: int, dim: int, depth: int, heads: int, mlp_ratio: float = 4.0, act: str = "gelu",
+           pool: str = "map") -> ViTSpec:
+    """A SigLIP image tower's architecture (timm's `vit_*_siglip_*`: `class_token=False, global_pool='map'`; its
+    `vit_*_siglip_gap_*`: the same tower averaging the patch tokens, `global_pool='avg', fc_norm=False`)."""
+    return ViTSpec(patch, dim, depth, heads, mlp_ratio=mlp_ratio, class_token=False, pool=pool, act=act)
+
+
+def gap(dim: int, depth: int, heads: int, reg_tokens: int, mlp_ratio: float = 4.0,
+        init_values: float | None = 1e-5) -> ViTSpec:
+    """One of timm's average-pooling ViTs with registers (its "searching for better ViT baselines" models,
+    `vit_*_patch16_reg*_gap_*`): 16 px patches, no class token, register tokens without position embeddings, layer
+    scale, the patch tokens' mean normalised by fc_norm."""
+    return ViTSpec(16, dim, depth, heads, mlp_ratio=mlp_ratio, init_values=init_values, reg_tokens=reg_tokens,
+                   no_embed_class=True, class_token=False, pool="avg", fc_norm=True)
 
 
 # timm's model names → their architecture
@@ -444,11 +499,30 @@ SPECS: dict[str, ViTSpec] = {
     # the classifier; timm's names for each size they were published at, one architecture per width.
     **dict.fromkeys(("vit_base_patch16_siglip_224", "vit_base_patch16_siglip_256", "vit_base_patch16_siglip_384",
                      "vit_base_patch16_siglip_512"), siglip(16, 768, 12, 12)),
-    **dict.fromkeys(("vit_large_patch16_siglip_256", "vit_large_patch16_siglip_384", "vit_large_patch16_siglip_512"),
-                    siglip(16, 1024, 24, 16)),
+    **dict.fromkeys(("vit_large_patch16_siglip_256", "vit_large_patch16_siglip_384"), siglip(16, 1024, 24, 16)),
+    "vit_large_patch16_siglip_512": siglip(16, 1024, 24, 16, act="gelu_tanh"),
     # (timm's vit_so400m_patch14_siglip_384 convolves 378 of its 384 px; its weights are _378's here, at 378 px)
     **dict.fromkeys(("vit_so400m_patch14_siglip_224", "vit_so400m_patch14_siglip_378"),
                     siglip(14, 1152, 27, 16, mlp_ratio=3.7362)),
+    # The same towers averaging their patch tokens (timm's `_gap_` models, for fine-tuning without the pool's query)
+    **dict.fromkeys(("vit_base_patch16_siglip_gap_224", "vit_base_patch16_siglip_gap_256",
+                     "vit_base_patch16_siglip_gap_384", "vit_base_patch16_siglip_gap_512"),
+                    siglip(16, 768, 12, 12, pool="avg")),
+    **dict.fromkeys(("vit_large_patch16_siglip_gap_256", "vit_large_patch16_siglip_gap_384"),
+                    siglip(16, 1024, 24, 16, pool="avg")),
+    "vit_large_patch16_siglip_gap_512": siglip(16, 1024, 24, 16, act="gelu_tanh", pool="avg"),
+    **dict.fromkeys(("vit_so400m_patch14_siglip_gap_224", "vit_so400m_patch14_siglip_gap_378",
+                     "vit_so400m_patch14_siglip_gap_448"), siglip(14, 1152, 27, 16, mlp_ratio=3.7362, pool="avg")),
+    # timm's average-pooling ViTs with registers (Wightman's "searching for better ViT baselines", `.sbb_*` weights)
+    "vit_wee_patch16_reg1_gap_256": gap(256, 14, 4, 1, mlp_ratio=5),
+    "vit_little_patch16_reg1_gap_256": gap(320, 14, 5, 1, mlp_ratio=5.6),
+    "vit_little_patch16_reg4_gap_256": gap(320, 14, 5, 4, mlp_ratio=5.6),
+    "vit_medium_patch16_reg1_gap_256": gap(512, 12, 8, 1),
+    "vit_medium_patch16_reg4_gap_256": gap(512, 12, 8, 4),
+    **dict.fromkeys(("vit_mediumd_patch16_reg4_gap_256", "vit_mediumd_patch16_reg4_gap_384"), gap(512, 20, 8, 4)),
+    "vit_betwixt_patch16_reg1_gap_256": gap(640, 12, 10, 1),
+    **dict.fromkeys(("vit_betwixt_patch16_reg4_gap_256", "vit_betwixt_patch16_reg4_gap_384"), gap(640, 12, 10, 4)),
+    "vit_base_patch16_reg4_gap_256": gap(768, 12, 12, 4, init_values=None),
     # For 16-32 px images (the digits demo, CPU tests): 4 px patches, 4 blocks of width 64; no timm counterpart
     # (timm, torchvision and keras-hub build it from these numbers).
     "vit_mini_patch4_small": ViTSpec(4, 64, 4, 4),
@@ -503,9 +577,10 @@ def torchvision_module(key: str) -> str:
             "heads.head.bias": "head.bias"}.get(key, key)
 
 
-# timm's ViT modules tfdp builds (fc_norm and the other variants' modules are not among them)
+# timm's ViT modules tfdp builds
 TOKENS = ("cls_token", "dist_token", "reg_token")   # one layer's, in its variables' order
-TIMM_MODULES = re.compile(r"cls_token|dist_token|reg_token|pos_embed|patch_embed\.proj|norm_pre|norm|head|head_dist|"
+TIMM_MODULES = re.compile(r"cls_token|dist_token|reg_token|pos_embed|patch_embed\.proj|norm_pre|norm|fc_norm|head|"
+                          r"head_dist|"
                           r"attn_pool|attn_pool\.(q|kv|proj|norm|mlp\.fc1|mlp\.fc2)|"
                           r"blocks\.\d+\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2|ls1|ls2)")
 
@@ -540,8 +615,8 @@ def vit_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what:
     values, names = {}, {}
     for module, params in modules.items():
         layer = timm_layer(module)
-        if module in TOKENS[1:]:   # the distillation and register tokens live in the class token's layer, after it
-            continue
+        if module in TOKENS[1:] and "cls_token" in modules:   # the distillation and register tokens live in the
+            continue                                             # class token's layer, after it
         arrays, order = module_values(module, params)
         if module == "cls_token":
             extra = [t for t in TOKENS[1:] if t in modules]
