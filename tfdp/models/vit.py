@@ -33,7 +33,9 @@ The families differ only in `ViTSpec`'s switches, each timm's: DINOv2's
 layer scale and register tokens (`no_embed_class`: the position embeddings
 cover the patches only), CLIP's LayerNorm before the blocks (`pre_norm`,
 epsilon 1e-5, no patch-embedding bias) and QuickGELU, SigLIP's towers without
-a class token and with attention pooling before the classifier (`pool="map"`).
+a class token and with attention pooling before the classifier (`pool="map"`),
+DeiT III's layer scale, and timm's average-pooling ViTs (`pool="avg"`: the
+patch tokens' mean, `fc_norm` after it; registers without a class token).
 
 Attention goes through `keras.ops.dot_product_attention`. The position grid
 is fixed by the image size the model is built at (`data.image_size`, which
@@ -61,8 +63,9 @@ from tfdp.models.weights import (Weights, by_module, h5_groups, keras_hub_head, 
                                  register_torch_layout)
 
 # timm's VisionTransformer.group_matcher(coarse=False) on tfdp's layer names: the embeddings (the register tokens
-# live in the class token's layer) and CLIP's norm_pre, one group per block, the final norm with the last block
-# (timm's MATCH_PREV_GROUP); the classifier and SigLIP's attention pool (unmatched) last.
+# live in the class token's layer, or in their own without one) and CLIP's norm_pre, one group per block, the final
+# norm with the last block (timm's MATCH_PREV_GROUP); the classifier, SigLIP's attention pool and fc_norm (unmatched)
+# last.
 LAYER_GROUPS = {"stem": r"^(?:cls_token|reg_token|pos_embed|patch_embed|norm_pre)", "blocks": r"^blocks_(\d+)_",
                 WITH_PREVIOUS: r"^norm$"}
 HEAD = ("head", "head_dist")
