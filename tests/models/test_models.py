@@ -22,6 +22,8 @@ TORCHVISION = {
 }
 # timm's counts (its parameters), compared with our trainable weights, for models torchvision does not have.
 TIMM = {
+    "resnet18d": 11_708_744, "resnet34d": 21_816_904, "resnet50d": 25_576_264, "resnet101d": 44_568_392,
+    "resnet152d": 60_212_040,
     "convnext_atto": 3_695_520, "convnext_femto": 5_217_784, "convnext_pico": 9_045_672, "convnext_nano": 15_593_560,
     "convnextv2_atto": 3_708_400, "convnextv2_femto": 5_233_240, "convnextv2_pico": 9_066_280,
     "convnextv2_nano": 15_623_800, "convnextv2_tiny": 28_635_496, "convnextv2_small": 50_318_440,
@@ -45,12 +47,14 @@ KERAS_APPLICATIONS.update({f"efficientnet_b{v}_torch": KERAS_APPLICATIONS[f"effi
 LEFT_OUT = {f"efficientnet_b{v}{torch}": 3 + 3 + 1 for v in range(8) for torch in ("", "_torch")}
 SMALL_IMAGE = {"resnet18_small", "resnet10_small", "simple_cnn"}  # for 16-32 px inputs: no ImageNet reference
 # Not built for their count here: test_convnext.py checks every ConvNeXt's count from its depths and widths, and
-# builds one of each table (convnext_atto, convnext_tiny, convnextv2_atto, convnextv2_tiny).
+# builds one of each table (convnext_atto, convnext_tiny, convnextv2_atto, convnextv2_tiny); test_resnet_d.py counts
+# every ResNet-D against timm's.
 COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small", "base", "large")} | {
-    f"convnextv2_{s}" for s in ("femto", "pico", "nano", "small", "base", "large", "huge")}
+    f"convnextv2_{s}" for s in ("femto", "pico", "nano", "small", "base", "large", "huge")} | {
+    f"resnet{d}d" for d in (18, 34, 50, 101, 152)}
 # Built for their count at the smallest and largest size only: the others are the same rebuild (`torch_padded`) of
 # graphs counted here
-TORCH_PADDED_UNCOUNTED = {f"efficientnet_b{v}_torch" for v in range(1, 7)}
+COUNTED_AT_THE_ENDS_ONLY = {f"efficientnet_b{v}_torch" for v in range(1, 7)}
 # timm's counts checked in tests/models/test_vit.py from the variables' shapes, without allocating ViT-L's 300M
 # (and vit_mini_patch4_small, for 16-32 px inputs)
 VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (16, 32)), "vit_tiny_patch16_224",
@@ -88,7 +92,7 @@ def test_every_registered_model_has_a_reference_count():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted((set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS)) - COUNTED_FROM_SPEC
-                                         - TORCH_PADDED_UNCOUNTED))
+                                         - COUNTED_AT_THE_ENDS_ONLY))
 def test_parameter_count_at_1000_classes_and_224_px(name):
     """Counted from the variables' shapes (`shapes_only`, as test_vit.py counts ViTs: the model is built, its variables
     made with their shapes, and nothing allocates or initialises VGG's 133M values)."""
@@ -118,6 +122,9 @@ def strategy():
 ONE_PER_BUILDER = {
     "resnet18": "resnet18", "resnet34": "resnet18", "resnet50_v1_5": "resnet50_v1_5",
     "resnext50_32x4d": "resnext50_32x4d", "resnet18_small": "resnet18_small", "resnet10_small": "resnet18_small",
+    # the same blocks with a deeper stem and pooled shortcuts (their outputs: tests/models/test_resnet_d.py)
+    "resnet18d": "resnet18", "resnet34d": "resnet18", "resnet50d": "resnet50_v1_5", "resnet101d": "resnet50_v1_5",
+    "resnet152d": "resnet50_v1_5",
     "resnet50": "resnet50", "resnet101": "resnet50", "resnet152": "resnet50", "inception_v3": "inception_v3",
     "mobilenet_v2": "mobilenet_v2", "mobilenet_v3_large": "mobilenet_v3_large",
     "mobilenet_v3_small": "mobilenet_v3_large",

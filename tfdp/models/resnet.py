@@ -1,4 +1,5 @@
-"""ResNet-18/34/50 (v1.5) and ResNeXt-50 (32x4d) following torchvision, and ResNet-18 for small images.
+"""ResNet-18/34/50 (v1.5) and ResNeXt-50 (32x4d) following torchvision, timm's ResNet-D, and ResNet-18 for small
+images.
 
 torchvision's layout: 7x7/2 stem and 3x3/2 max-pool, padded as PyTorch pads
 them (symmetric, `kernel // 2`), convolutions without
@@ -13,6 +14,12 @@ see keras_apps.py) is the original v1, with the stride on the first 1x1.
 `drop_path` (stochastic depth, Huang et al. 2016) drops each block's residual
 branch per sample during training, at a rate rising linearly from 0 at the
 first block to `drop_path` at the last, as timm does.
+
+ResNet-D (He et al. 2019, "Bag of Tricks"; timm's `resnet18d` ... `resnet152d`, whose `.ra2`/`.ra4` weights
+are among timm's best ResNets): a deep stem of three 3x3 convolutions (32, 32, 64 wide; the first at stride 2) in
+place of the 7x7, and projection shortcuts that average 2x2 windows at the block's stride before a stride-1 1x1
+convolution (timm's `avg_down`: `AvgPool2d(2, ceil_mode=True, count_include_pad=False)`, which Keras' "same"
+average pool equals: on an odd side both average the last window's one pixel alone).
 
 `small_images=True` (CIFAR-style, `resnet18_small`): a 3x3 stride-1 stem and no
 max-pool. At 28-32 px the ImageNet stem would shrink the image to 8 px before
@@ -33,7 +40,8 @@ from keras import layers
 from tfdp.config import ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import register
-from tfdp.models.weights import Weights, h5_groups, keras_hub_head, register_keras_hub_layout
+from tfdp.models.weights import (Weights, h5_groups, keras_hub_head, register_keras_hub_layout, register_torch_layout,
+                                 renamed_modules, resnet_d_layer, torch_modules)
 
 BN = dict(momentum=0.9, epsilon=1e-5)
 # timm's ResNet group_matcher (coarse=False) on tfdp's layer names: the stem, then one group per block.
@@ -55,9 +63,14 @@ def conv_bn(x, filters: int, kernel: int, stride: int, name: str, relu: bool = T
     return layers.ReLU(name=f"{name}_relu")(x) if relu else x
 
 
-def shortcut(x, filters: int, stride: int, name: str):
+def shortcut(x, filters: int, stride: int, name: str, avg_down: bool = False):
+    """The block's input, or its projection where the shape changes: a strided 1x1 convolution, or (ResNet-D) a
+    2x2 average at the stride and a 1x1 convolution."""
     if stride == 1 and x.shape[-1] == filters:
         return x
+    if avg_down and stride > 1:
+        x = layers.AveragePooling2D(2, strides=stride, padding="same", name=f"{name}_down_pool")(x)
+        stride = 1
     return conv_bn(x, filters, 1, stride, f"{name}_down", relu=False)
 
 
@@ -88,17 +101,18 @@ def residual(x, skip, name: str, drop_path: float):
     return layers.ReLU(name=f"{name}_out")(layers.Add(name=f"{name}_add")([x, skip]))
 
 
-def basic_block(x, filters: int, stride: int, name: str, drop_path: float = 0.0, pytorch_padding: bool = True):
-    skip = shortcut(x, filters, stride, name)
+def basic_block(x, filters: int, stride: int, name: str, drop_path: float = 0.0, pytorch_padding: bool = True,
+                avg_down: bool = False):
+    skip = shortcut(x, filters, stride, name, avg_down)
     x = conv_bn(x, filters, 3, stride, f"{name}_a", pytorch_padding=pytorch_padding)
     x = conv_bn(x, filters, 3, 1, f"{name}_b", relu=False)
     return residual(x, skip, name, drop_path)
 
 
 def bottleneck(x, filters: int, stride: int, name: str, drop_path: float = 0.0, groups: int = 1,
-               width_per_group: int = 64):
+               width_per_group: int = 64, avg_down: bool = False):
     width = int(filters * width_per_group / 64) * groups
-    skip = shortcut(x, filters * 4, stride, name)
+    skip = shortcut(x, filters * 4, stride, name, avg_down)
     x = conv_bn(x, width, 1, 1, f"{name}_a")
     x = conv_bn(x, width, 3, stride, f"{name}_b", groups=groups)
     x = conv_bn(x, filters * 4, 1, 1, f"{name}_c", relu=False)
@@ -108,12 +122,22 @@ def bottleneck(x, filters: int, stride: int, name: str, drop_path: float = 0.0, 
 @dataclasses.dataclass(frozen=True)
 class ResNetSpec:
     """What tells one ResNet from another: its block, the blocks per stage, its name, its stem, the block's
-    own arguments (ResNeXt's groups and width)."""
+    own arguments (ResNeXt's groups and width, ResNet-D's average-pool shortcut), the stages' widths."""
     block: Callable
     depths: tuple[int, int, int, int]
     name: str
     small_images: bool = False
     block_kwargs: tuple[tuple[str, Any], ...] = ()
+    deep_stem: int = 0   # ResNet-D: the deep stem's width (32: 3x3 convolutions 32, 32 and 64 wide); 0: the 7x7
+    widths: tuple[int, int, int, int] = (64, 128, 256, 512)
+
+
+def deep_stem(x, width: int):
+    """ResNet-D's stem (timm's `stem_type='deep'`): 3x3 convolutions `width` (stride 2), `width` and 2 x `width` wide,
+    each with batch norm and ReLU; the last is `stem_conv`/`stem_bn`, as the 7x7 stem's."""
+    x = conv_bn(x, width, 3, 2, "stem_a")
+    x = conv_bn(x, width, 3, 1, "stem_b")
+    return conv_bn(x, 2 * width, 3, 1, "stem")
 
 
 def resnet(input_shape, num_classes: int, dropout: float, spec: ResNetSpec, drop_path: float = 0.0) -> keras.Model:
@@ -121,12 +145,12 @@ def resnet(input_shape, num_classes: int, dropout: float, spec: ResNetSpec, drop
     if spec.small_images:
         x = conv_bn(inputs, 64, 3, 1, "stem")
     else:
-        x = conv_bn(inputs, 64, 7, 2, "stem")
+        x = deep_stem(inputs, spec.deep_stem) if spec.deep_stem else conv_bn(inputs, 64, 7, 2, "stem")
         # PyTorch pads this max-pool by 1 on every side; zeros do as well as -inf after a ReLU.
         x = layers.ZeroPadding2D(1, name="stem_pool_pad")(x)
         x = layers.MaxPooling2D(3, strides=2, name="stem_pool")(x)
     blocks, index = sum(spec.depths), 0
-    for stage, (filters, depth) in enumerate(zip((64, 128, 256, 512), spec.depths), start=1):
+    for stage, (filters, depth) in enumerate(zip(spec.widths, spec.depths), start=1):
         for i in range(depth):
             stride = 2 if stage > 1 and i == 0 else 1
             rate = drop_path * index / max(blocks - 1, 1)
@@ -162,6 +186,34 @@ def resnext50_32x4d(input_shape, num_classes: int, dropout: float, drop_path: fl
     spec = ResNetSpec(bottleneck, (3, 4, 6, 3), "resnext50_32x4d_backbone",
                       block_kwargs=(("groups", 32), ("width_per_group", 4)))
     return resnet(input_shape, num_classes, dropout, spec, drop_path)
+
+
+# timm's ResNet-D: name → (block, blocks per stage)
+RESNET_D = {"resnet18d": (basic_block, (2, 2, 2, 2)), "resnet34d": (basic_block, (3, 4, 6, 3)),
+            "resnet50d": (bottleneck, (3, 4, 6, 3)), "resnet101d": (bottleneck, (3, 4, 23, 3)),
+            "resnet152d": (bottleneck, (3, 8, 36, 3))}
+
+
+def resnet_d(name: str) -> ResNetSpec:
+    block, depths = RESNET_D[name]
+    return ResNetSpec(block, depths, f"{name}_backbone", block_kwargs=(("avg_down", True),), deep_stem=32)
+
+
+def _register_resnet_d(name: str) -> None:
+    def build(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0) -> keras.Model:
+        return resnet(input_shape, num_classes, dropout, resnet_d(name), drop_path)
+    build.__name__ = name
+    register(name, drop_path=True, layer_groups=LAYER_GROUPS)(build)
+
+
+for _name in RESNET_D:
+    _register_resnet_d(_name)
+
+
+@register_torch_layout(*RESNET_D)
+def timm_resnet_d(tensors, model_cfg: ModelConfig, what: str) -> Weights:
+    """timm's ResNet-D state dict: torchvision's names but for the deep stem and the average-pool shortcut."""
+    return renamed_modules(torch_modules(tensors), resnet_d_layer, model_cfg, what)
 
 
 @register("resnet18_small", min_size=8, drop_path=True, layer_groups=LAYER_GROUPS)

@@ -327,6 +327,20 @@ def _resnet_name(key: str) -> str | None:
     return None
 
 
+def resnet_d_layer(key: str) -> str | None:
+    """timm's ResNet-D module names → tfdp's layers (resnet.py): the deep stem `conv1.0`/`.1`, `.3`/`.4`, `.6` and
+    `bn1`, the average-pool shortcut's `downsample.1` (convolution) and `.2` (batch norm); the rest as torchvision's.
+    resnet.py registers it for its ResNet-Ds (`register_torch_layout`)."""
+    fixed = {"conv1.0": "stem_a_conv", "conv1.1": "stem_a_bn", "conv1.3": "stem_b_conv", "conv1.4": "stem_b_bn",
+             "conv1.6": "stem_conv"}
+    if key in fixed:
+        return fixed[key]
+    m = re.fullmatch(r"layer(\d)\.(\d+)\.downsample\.([12])", key)
+    if m:
+        return f"stage{m[1]}_block{int(m[2]) + 1}_down_{('conv', 'bn')[int(m[3]) - 1]}"
+    return None if key == "conv1" or re.fullmatch(r"layer\d\.\d+\.downsample\.0", key) else _resnet_name(key)
+
+
 def _squeezenet_name(key: str) -> str | None:
     """torchvision's SqueezeNet 1.1 `features.N` / `classifier.1` → tfdp's layers (squeezenet.py)."""
     fires = {3: 2, 4: 3, 6: 4, 7: 5, 9: 6, 10: 7, 11: 8, 12: 9}  # features index → fire module number
