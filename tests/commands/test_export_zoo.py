@@ -62,6 +62,15 @@ ZOO = [  # (registry name, image size): one per family
     pytest.param("efficientnetv2_b0", 32, marks=[pytest.mark.slow, FULL_ZOO]),   # squeeze-excite, swish
     pytest.param("efficientnet_b0", 32, marks=[pytest.mark.slow, FULL_ZOO]),     # the same, its graph cut at the stem
     pytest.param("inception_v3", 75, marks=[pytest.mark.slow, FULL_ZOO]),        # concatenated branches
+    # efficientnet_b0's graph with symmetric padding and torch's batch norm (rebuilt from its config)
+    pytest.param("efficientnet_b0_torch", 32, marks=[pytest.mark.slow, FULL_ZOO]),
+    # the deep stem and the shortcuts' "same" average pools
+    pytest.param("resnet18d", 32, marks=[pytest.mark.slow, pytest.mark.full(
+        reason="resnext50_32x4d's converter paths with an average pool, which every family's global pooling "
+               "converts")]),
+    # registers without a class token, the patch tokens' mean, fc_norm
+    pytest.param("vit_little_patch16_reg4_gap_256", 32, marks=[pytest.mark.slow, pytest.mark.full(
+        reason="the DeiT's converter paths with a mean over tokens")]),
 ]
 
 

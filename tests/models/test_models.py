@@ -77,6 +77,9 @@ VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (1
        "vit_mini_patch4_small"}
 
 
+# timm's counts checked in tests/models/test_regnet.py, from the variables' shapes
+REGNET = {f"regnet{v}_{size}" for v in "xy" for size in ("002", "004", "006", "008", "016", "032", "040", "064",
+                                                         "080", "120", "160", "320")}
 # timm's counts checked in tests/models/test_swin.py, from the variables' shapes
 SWIN = {f"swin_{s}_patch4_window{w}" for s in ("tiny", "small", "base", "large") for w in ("7_224",)} | {
     f"swin_{s}_patch4_window12_384" for s in ("base", "large")}
@@ -87,7 +90,8 @@ EVA = {f"vit_{s}_patch16_dinov3{b}" for s in ("small", "small_plus", "base", "la
 
 
 def test_every_registered_model_has_a_reference_count():
-    assert set(MODELS) == set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS) | SMALL_IMAGE | VIT | SWIN | EVA
+    assert set(MODELS) == (set(TORCHVISION) | set(TIMM) | set(KERAS_APPLICATIONS) | SMALL_IMAGE | VIT | SWIN | EVA
+                           | REGNET)
 
 
 @pytest.mark.slow
@@ -139,6 +143,7 @@ ONE_PER_BUILDER = {
     **{f"convnextv2_{s}": "convnextv2_atto"
        for s in ("atto", "femto", "pico", "nano", "tiny", "small", "base", "large", "huge")},
     **dict.fromkeys(VIT, "vit_mini_patch4_small"),
+    **dict.fromkeys(REGNET, "regnety_002"),   # squeeze-excite and grouped convolutions; RegNetX without the former
     **dict.fromkeys(SWIN, "swin_tiny_patch4_window7_224"),
     **dict.fromkeys(EVA, "vit_small_plus_patch16_dinov3_qkvb"),
 }

@@ -191,7 +191,7 @@ class OptimizerConfig:
     # Layer-wise learning-rate decay (timm's --layer-decay): a variable in layer group i of n (the stem 0, one per
     # block, the head n-1) trains at lr * layer_decay ** (n - 1 - i), its decoupled weight decay scaled alike;
     # 0 or 1 = off. Needs a model with a layer grouping (the ResNet family, VGG, simple_cnn, the transformers,
-    # ConvNeXt, the EfficientNets); docs/fine-tuning.md.
+    # ConvNeXt, the EfficientNets, RegNet); docs/fine-tuning.md.
     layer_decay: Annotated[float, Strict(), Field(ge=0, le=1)] = 0.0
     # The classifier head's learning rate (and decoupled weight decay) times this, on top of layer_decay.
     head_lr_multiplier: PosFloat = 1.0

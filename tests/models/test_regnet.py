@@ -1,0 +1,85 @@
+"""RegNetX and RegNetY (tfdp/models/regnet.py) against real timm: the fixture (tests/fixtures/make_regnet_fixture.py)
+holds a small random timm RegNetX and RegNetY (grouped convolutions, squeeze-excite, projection and identity
+shortcuts), their logits on 4 real photos, timm's parameter counts of the registry's 24 RegNets, the full-size
+regnety_040 key list and timm's layer-decay group of every parameter.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import REPO
+from support.shapes import shapes_only
+from tfdp.config import ModelConfig, validate
+from tfdp.models import MODELS
+from tfdp.models.regnet import SPECS, RegNetSpec, regnet
+from tfdp.models.weights import layers_with_weights, load_into, read_source, torch_weights
+from tfdp.optim.finetune import layer_ids
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+SMALL = {"regnetx_timm_mini": "regnetx_002", "regnety_timm_mini": "regnety_002"}   # file → a zoo model of its kind
+
+
+def fixture() -> dict:
+    with open(os.path.join(FIXTURES, "regnet_fixture.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def small(name: str):
+    """tfdp's RegNet at the fixture model's stages, 56 px."""
+    spec = fixture()["small"][name]
+    depths, widths, group_widths = zip(*spec["stages"])
+    return regnet((56, 56, 3), fixture()["small"]["num_classes"], 0.0,
+                  RegNetSpec(depths, widths, group_widths, se=spec["se_ratio"] > 0), name)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_timm_regnet_weights_give_timms_logits_on_real_photos(name):
+    """Every layer loaded through the config (a state dict without a config: ImageNet's normalisation), then timm's
+    logits on the photos at 56 px."""
+    path = os.path.join(FIXTURES, f"{name}.safetensors")
+    cfg = validate({"model": {"name": SMALL[name], "num_classes": 10, "init_from": path}, "data": {"image_size": 56}})
+    model = small(name)
+    loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    assert ({"s1_b1_se_fc1"} <= set(loaded)) == name.startswith("regnety")
+    photos = np.load(os.path.join(FIXTURES, "photos.npy"))[:, ::4, ::4].astype(np.float32)
+    ours = model.predict((photos - np.float32(cfg.data.mean)) / np.float32(cfg.data.std), verbose=0)
+    theirs = np.load(os.path.join(FIXTURES, "regnet_logits.npz"))[name]
+    scale = np.abs(theirs).max()
+    assert np.ptp(theirs, axis=0).max() > 0.1 * scale   # the photos give different logits
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * scale)
+
+
+def test_counts_and_the_published_key_list_are_timms():
+    """At 1,000 classes every registry RegNet has timm's parameter count (its weights, built for their shapes only),
+    and timm's full-size regnety_040 key list fills every layer of the zoo's regnety_040."""
+    counts = fixture()["parameter_counts"]
+    assert sorted(counts) == sorted(SPECS)
+    with shapes_only():
+        for name, count in counts.items():
+            model = MODELS[name]((224, 224, 3), 1000)
+            assert sum(int(np.prod(w.shape)) for w in model.trainable_weights) == count, name
+        tensors = {k: np.broadcast_to(np.float32(0), s) for k, s in fixture()["state_dicts"]["regnety_040"].items()}
+        cfg = ModelConfig(name="regnety_040", num_classes=1000)
+        model = MODELS["regnety_040"]((224, 224, 3), 1000)
+        loaded, new = load_into(model, torch_weights(tensors, cfg, "regnety_040"), cfg)
+        assert new == [] and len(loaded) == len(layers_with_weights(model))
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_layer_decay_groups_are_timms(name):
+    """`optimizer.layer_decay`'s layer ids are those timm's `param_groups_layer_decay` gives each parameter: the
+    stem, one group per block, the classifier last."""
+    timm_ids = fixture()["layer_ids"][name]
+    path = os.path.join(FIXTURES, f"{name}.safetensors")
+    weights = torch_weights(load_file(path), ModelConfig(name=SMALL[name], num_classes=10), path)
+    theirs = {layer: {timm_ids[p] for p in params if p in timm_ids} for layer, params in weights.names.items()}
+    model = small(name)
+    ids, count = layer_ids(model, SMALL[name])
+    assert {layer.name: {ids[id(w)] for w in layer.trainable_weights}
+            for layer in layers_with_weights(model)} == {layer: found for layer, found in theirs.items() if found}
+    assert count == max(timm_ids.values()) + 1 == 8
