@@ -68,6 +68,9 @@ ZOO = [  # (registry name, image size): one per family
     pytest.param("resnet18d", 32, marks=[pytest.mark.slow, pytest.mark.full(
         reason="resnext50_32x4d's converter paths with an average pool, which every family's global pooling "
                "converts")]),
+    # grouped convolutions and squeeze-excite
+    pytest.param("regnety_002", 32, marks=[pytest.mark.slow, pytest.mark.full(
+        reason="resnext50_32x4d's grouped convolutions and the EfficientNets' squeeze-excite")]),
     # registers without a class token, the patch tokens' mean, fc_norm
     pytest.param("vit_little_patch16_reg4_gap_256", 32, marks=[pytest.mark.slow, pytest.mark.full(
         reason="the DeiT's converter paths with a mean over tokens")]),
