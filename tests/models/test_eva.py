@@ -220,17 +220,12 @@ def test_layer_decay_groups_are_timms(family, name, path):
     """`optimizer.layer_decay`'s layer ids for the small DINOv3 and EVA-02 are those timm's `param_groups_layer_decay`
     gives each parameter (recorded by the fixture), matched through the reader's own names: DINOv3's register
     tokens with the embeddings and its final norm with the last block, EVA-02's fc_norm with the head."""
-    from tfdp.optim.finetune import layer_ids
+    from support.timm_checks import tfdp_groups, timm_groups
     timm_ids = facts()["layer_ids"][family]
-    model_cfg = ModelConfig(name=name, num_classes=10)
-    weights = torch_weights(load_file(path), model_cfg, path)
-    def timm_id(param: str) -> set[int]:   # EVA-02-S's packed SwiGLU fc1 is split into fc1_g and fc1_x on reading
-        return {timm_ids[p] for p in (param, re.sub(r"\.fc1_[gx]\.", ".fc1.", param)) if p in timm_ids}
-    theirs = {layer: set().union(*map(timm_id, params)) for layer, params in weights.names.items()}
-    model = eva((16, 16, 3), 10, 0.0, small(name), family)
-    ids, count = layer_ids(model, name)
-    assert {layer.name: {ids[id(w)] for w in layer.trainable_weights} for layer in layers_with_weights(model)
-            if layer.trainable_weights} == {layer: found for layer, found in theirs.items() if found}
+    weights = torch_weights(load_file(path), ModelConfig(name=name, num_classes=10), path)
+    ours, count = tfdp_groups(eva((16, 16, 3), 10, 0.0, small(name), family), name)
+    # EVA-02-S's packed SwiGLU fc1 is split into fc1_g and fc1_x on reading
+    assert ours == timm_groups(weights.names, timm_ids, lambda p: (p, re.sub(r"\.fc1_[gx]\.", ".fc1.", p)))
     assert count == max(timm_ids.values()) + 1
 
 

@@ -12,12 +12,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import REPO
-from support.shapes import shapes_only
+from support.timm_checks import (assert_logits_are, counts_and_key_list_are_timms, photo_logits, tfdp_groups,
+                                 timm_groups)
 from tfdp.config import ModelConfig, validate
-from tfdp.models import MODELS
 from tfdp.models.regnet import SPECS, RegNetSpec, regnet
 from tfdp.models.weights import layers_with_weights, load_into, read_source, torch_weights
-from tfdp.optim.finetune import layer_ids
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 SMALL = {"regnetx_timm_mini": "regnetx_002", "regnety_timm_mini": "regnety_002"}   # file → a zoo model of its kind
@@ -46,12 +45,8 @@ def test_timm_regnet_weights_give_timms_logits_on_real_photos(name):
     loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
     assert new == [] and len(loaded) == len(layers_with_weights(model))
     assert ({"s1_b1_se_fc1"} <= set(loaded)) == name.startswith("regnety")
-    photos = np.load(os.path.join(FIXTURES, "photos.npy"))[:, ::4, ::4].astype(np.float32)
-    ours = model.predict((photos - np.float32(cfg.data.mean)) / np.float32(cfg.data.std), verbose=0)
     theirs = np.load(os.path.join(FIXTURES, "regnet_logits.npz"))[name]
-    scale = np.abs(theirs).max()
-    assert np.ptp(theirs, axis=0).max() > 0.1 * scale   # the photos give different logits
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4 * scale)
+    assert_logits_are(photo_logits(model, cfg.data, every=4), theirs)
 
 
 def test_counts_and_the_published_key_list_are_timms():
@@ -59,15 +54,7 @@ def test_counts_and_the_published_key_list_are_timms():
     and timm's full-size regnety_040 key list fills every layer of the zoo's regnety_040."""
     counts = fixture()["parameter_counts"]
     assert sorted(counts) == sorted(SPECS)
-    with shapes_only():
-        for name, count in counts.items():
-            model = MODELS[name]((224, 224, 3), 1000)
-            assert sum(int(np.prod(w.shape)) for w in model.trainable_weights) == count, name
-        tensors = {k: np.broadcast_to(np.float32(0), s) for k, s in fixture()["state_dicts"]["regnety_040"].items()}
-        cfg = ModelConfig(name="regnety_040", num_classes=1000)
-        model = MODELS["regnety_040"]((224, 224, 3), 1000)
-        loaded, new = load_into(model, torch_weights(tensors, cfg, "regnety_040"), cfg)
-        assert new == [] and len(loaded) == len(layers_with_weights(model))
+    counts_and_key_list_are_timms(counts, "regnety_040", fixture()["state_dicts"]["regnety_040"])
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
@@ -77,9 +64,6 @@ def test_layer_decay_groups_are_timms(name):
     timm_ids = fixture()["layer_ids"][name]
     path = os.path.join(FIXTURES, f"{name}.safetensors")
     weights = torch_weights(load_file(path), ModelConfig(name=SMALL[name], num_classes=10), path)
-    theirs = {layer: {timm_ids[p] for p in params if p in timm_ids} for layer, params in weights.names.items()}
-    model = small(name)
-    ids, count = layer_ids(model, SMALL[name])
-    assert {layer.name: {ids[id(w)] for w in layer.trainable_weights}
-            for layer in layers_with_weights(model)} == {layer: found for layer, found in theirs.items() if found}
+    ours, count = tfdp_groups(small(name), SMALL[name])
+    assert ours == timm_groups(weights.names, timm_ids)
     assert count == max(timm_ids.values()) + 1 == 8
