@@ -155,7 +155,9 @@ TRAINED_ON_TWO_REPLICAS_IN = {"vit_mini_patch4_small": "tests/models/test_transf
                               # its builder, at the fixture's size (the same code with 3 small stages)
                               "swin_tiny_patch4_window7_224": "tests/models/test_swin.py",
                               # its builder (DINOv3's and EVA-02's) at the fixture's size, q/v biases and SwiGLU
-                              "vit_small_plus_patch16_dinov3_qkvb": "tests/models/test_eva.py"}
+                              "vit_small_plus_patch16_dinov3_qkvb": "tests/models/test_eva.py",
+                              # its builder at the fixture's size (4 stages, 6 blocks; the full size took 48 s here)
+                              "regnety_002": "tests/models/test_regnet.py"}
 
 
 def test_every_model_has_a_representative_that_trains():
