@@ -227,8 +227,8 @@ def torchvision_as_timm(modules) -> dict[str, str]:
 
 def torchvision_refusal(model: str, what: str) -> str | None:
     """The line for torchvision's EfficientNet in a model its weights do not fit, else None: torchvision pads as
-    PyTorch does (`efficientnet_b*_torch`), and its B5-B7 (ported from TensorFlow's weights) normalise with epsilon
-    1e-3 where `efficientnet_b*_torch` take torch's 1e-5 (timm's own B5's)."""
+    PyTorch does (`efficientnet_b*_torch`), and its B5-B7 (built with `BatchNorm2d(eps=0.001)`) normalise with
+    epsilon 1e-3 where `efficientnet_b*_torch` take torch's 1e-5 (timm's own B5's)."""
     if not model.endswith("_torch"):
         fix = (f"set model.name: {model}_torch" if f"{model}_torch" in TORCH_PADDED
                else "no tfdp model of its size is padded as it is")
