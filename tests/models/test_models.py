@@ -174,21 +174,11 @@ def test_every_model_has_a_representative_that_trains():
 def test_one_training_step_with_two_replicas(name, strategy):
     """One eager step on 4 images at the model's smallest input (8 px at least: the small-image models are
     convolved at 8, the ImageNet ones at 32, Inception at 75)."""
-    import keras
+    from support.model_checks import steps_on_replicas
     size = max(8, MIN_INPUT_SIZE[name])
     cfg = validate({"model": {"name": name, "num_classes": 7}, "data": {"image_size": size}})
-    with strategy.scope():
-        model = build_model(cfg.model, cfg.data)
-        # Eager: the same replicated step and all-reduce, without minutes of graph tracing for the big models.
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      run_eagerly=True)
     images = np.random.default_rng(0).integers(0, 256, (4, size, size, 3), dtype=np.uint8)
-    labels = np.arange(4) % 7
-    before = [w.numpy().copy() for w in model.trainable_weights]
-    history = model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
-    assert np.isfinite(history.history["loss"][0])
-    assert any(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights))
-    assert model.predict(images, verbose=0).shape == (4, 7)
+    steps_on_replicas(strategy, lambda: build_model(cfg.model, cfg.data), images, 7)
 
 
 def test_input_too_small_for_the_architecture():
