@@ -43,6 +43,7 @@ wheels at ImageNet's size (~500x375); see benchmarks/input_pipeline.py.
   python benchmarks/gpu.py --rows=scaling        # the input alone on 1, 4, 16, ... cores (GPU hidden)
   python benchmarks/gpu.py --rows=dali_alone --decoder=dali:dali_threads=4,dali:dali_hw_decoder_load=0.65
                                                  # DALI alone with each setting, its input in memory
+  python benchmarks/gpu.py --rows=decoders --gpu_schedule=blocking_sync   # every process's CUDA waits blocking
 
 The real data (--images JPEGs, and each set of shards a row reads) is made once, on first use: the JPEGs by
 one process per core, each set of shards converted by a converter that imports no TensorFlow
@@ -221,13 +222,14 @@ def decoder_rows(args, work: str, shards: list[str], images: int) -> list[tuple[
         margs = argparse.Namespace(**{**vars(args), "model": model})
         synthetic = ["--data_format=synthetic", f"--set=data.synthetic_examples={images}",
                      "--set=model.num_classes=1000"]
-        kept = os.path.join(work, f"dec-{model}-syn-{images}-{args.batch}-{args.size}-{args.precision}-"
+        wait = f"-{args.gpu_schedule}" if args.gpu_schedule else ""   # the runs of each schedule apart
+        kept = os.path.join(work, f"dec-{model}-syn{wait}-{images}-{args.batch}-{args.size}-{args.precision}-"
                                   f"{args.optimizer}-{args.epochs}.json")   # every setting the run depends on
         if os.path.exists(kept):
             with open(kept, encoding="utf-8") as f:
                 syn = Timed(**json.load(f))
         else:
-            syn = timed_train(margs, os.path.join(work, f"dec-{model}-syn"), synthetic)
+            syn = timed_train(margs, os.path.join(work, f"dec-{model}-syn{wait}"), synthetic)
             if not syn.error:
                 with open(kept, "w", encoding="utf-8") as f:
                     json.dump(vars(syn), f)
@@ -235,7 +237,7 @@ def decoder_rows(args, work: str, shards: list[str], images: int) -> list[tuple[
         for entry in [d for d in args.decoder.split(",") if d]:
             decoder, *settings = entry.split(":")   # dali:dali_threads=16 → data.dali_threads=16 on that row
             name = "-".join([decoder, *(v.replace("=", "") for v in settings)])
-            run = timed_train(margs, os.path.join(work, f"dec-{model}-{name}"),
+            run = timed_train(margs, os.path.join(work, f"dec-{model}-{name}{wait}"),
                               [*shards, f"--set=data.decoder={decoder}", *(f"--set=data.{v}" for v in settings)])
             rows.append((f"{model}: tfdp train, shards, data.decoder {' '.join([decoder, *settings])}",
                          run.line(syn)))
@@ -398,6 +400,7 @@ def allocator() -> str:
     return of_environment(with_tcmalloc(os.environ) or os.environ)
 
 
+SCHEDULE = "TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE"   # read by TensorFlow as it makes each GPU's CUDA context
 ROWS = ("keras", "syn", "split", "demo", "nojit", "fp16", "files", "shards", "small", "benchmark", "decode", "decoders",
         "scaling", "dali_alone")
 
@@ -419,6 +422,10 @@ def main() -> None:
     parser.add_argument("--decoder", default="tf,dali", help="the decoders row's data.decoder values, in this order; "
                         "an entry may add data settings: dali:dali_threads=16:dali_hw_decoder_load=0.9")
     parser.add_argument("--decoder_models", default="resnet50,resnet18", help="the decoders row's models")
+    parser.add_argument("--gpu_schedule", default="", choices=["", "spin", "yield", "blocking_sync"],
+                        help="how every process's CUDA calls wait for the GPU (TensorFlow's "
+                        "TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE; DALI shares the context): default CUDA's own choice, "
+                        "which spins on a host with more cores than contexts")
     parser.add_argument("--plain_keras_probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split_gpu", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--split_memory_mb", type=int, default=30_000, help=argparse.SUPPRESS)
@@ -437,7 +444,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown rows {sorted(unknown)}: choose from {','.join(ROWS)}")
 
-    print(f"# {device_name()}, {os.cpu_count()} CPUs, {allocator()}; {args.model}, batch {args.batch} per device, "
+    if args.gpu_schedule:   # before any child starts: they inherit it
+        os.environ[SCHEDULE] = args.gpu_schedule
+    waits = os.environ.get(SCHEDULE, "CUDA auto")
+    print(f"# {device_name()}, {os.cpu_count()} CPUs, {allocator()}, GPU waits: {waits}; {args.model}, "
+          f"batch {args.batch} per device, "
           f"{args.size} px, {args.precision}, {args.optimizer}\n\n| run | images/s |\n|---|---|", flush=True)
     with (contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory()) as work:
         start = time.perf_counter()

@@ -19,7 +19,8 @@ get "$work/whl-tf" tensorflow==2.21.0 nvidia-cublas-cu12==12.5.3.2 nvidia-cuda-c
   nvidia-cuda-nvcc-cu12==12.5.82 nvidia-cuda-nvrtc-cu12==12.5.82 nvidia-cuda-runtime-cu12==12.5.82 \
   nvidia-nvjitlink-cu12==12.5.82 keras==3.15.1 namex==0.1.0 optree==0.20.0 pydantic==2.14.3 pydantic_core==2.50.4 \
   annotated-types==0.8.0 typing-inspection==0.4.5 astunparse==1.6.3 gast==0.7.0 google-pasta==0.2.0 \
-  termcolor==3.3.0 protobuf==7.36.2 ml_dtypes==0.6.0 tensorboard==2.21.0 absl-py==2.5.1 h5py==3.14.0
+  termcolor==3.3.0 protobuf==7.36.2 ml_dtypes==0.6.0 tensorboard==2.21.0 absl-py==2.5.1 h5py==3.14.0 \
+  google-crc32c==1.9.0   # the converter's checksums (pipelines.convert_imagenet imports no TensorFlow)
 # DALI and what its mixed JPEG decoder loads (nvImageCodec, nvJPEG); nvCOMP, nvJPEG2000 and nvTIFF are left out
 get "$work/whl-dali" nvidia-dali-cuda120==2.4.0 "nvidia-nvimgcodec-cu12>=0.9.0,<0.10.0" nvidia-nvjpeg-cu12 nvtx \
   makefun "libcst~=1.8"

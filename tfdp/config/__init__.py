@@ -100,8 +100,8 @@ class DataConfig:
     # replica is a GPU of its own, else tf). `tfdp predict` decodes the same way.
     decoder: Literal["tf", "dali", "auto"] = "tf"
     # data.decoder dali: CPU threads of each replica's DALI pipeline (they parse each JPEG and feed the GPU's
-    # decoders; on CPU replicas they decode); 0: auto, the host's cores shared among its replicas, at most 8 per
-    # GPU replica. The GPU measurement this was tuned against is in docs/benchmarks.md.
+    # decoders; on CPU replicas they decode); 0: auto, the host's cores shared among its replicas, at most 3 per
+    # GPU replica: on one H200 more threads cost more host CPU and fed the card slower (docs/benchmarks.md).
     dali_threads: NonNegInt = 0
     # data.decoder dali on a GPU: the share of the JPEGs sent to the card's hardware JPEG decoders (A100, H100 and
     # later), the rest decoded on its CUDA cores after a Huffman pass on the host's CPUs (DALI's hw_decoder_load).

@@ -409,11 +409,21 @@ def central_crop(encoded, cfg: DataConfig, device: str, options: dict):
 
 def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:
     """A replica's DALI CPU threads: `data.dali_threads`, or (0) the host's cores shared among its `replicas`
-    replicas, at most 8 for a GPU's (there they parse and feed the card's decoders, not decode)."""
+    replicas, at most `GPU_THREADS` for a GPU's.
+
+    On a GPU the threads only parse each JPEG and hand it to the card's
+    decoders, and more of them cost more than they give: on one H200 (16
+    cores) ResNet-18 trained at 0.98x its synthetic rate with 3, 0.92x with
+    4, 0.91x with 6 and 0.82x with 8, DALI's own threads taking 0.12, 0.19,
+    0.40 and 0.66 ms of host CPU per image (docs/benchmarks.md, third lease).
+    """
     if cfg.dali_threads:
         return cfg.dali_threads
     share = max(1, host_cores() // max(replicas, 1))
-    return min(8, share) if on_gpu else share
+    return min(GPU_THREADS, share) if on_gpu else share
+
+
+GPU_THREADS = 3   # a GPU replica's DALI threads by default (pipeline_threads)
 
 
 def padded(stream: tf.data.Dataset) -> tf.data.Dataset:
