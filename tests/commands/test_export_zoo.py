@@ -64,6 +64,10 @@ ZOO = [  # (registry name, image size): one per family
     pytest.param("inception_v3", 75, marks=[pytest.mark.slow, FULL_ZOO]),        # concatenated branches
     # efficientnet_b0's graph with symmetric padding and torch's batch norm (rebuilt from its config)
     pytest.param("efficientnet_b0_torch", 32, marks=[pytest.mark.slow, FULL_ZOO]),
+    # hard-swish, hard-sigmoid gates, a 1x1-convolution head, the stem's own symmetric padding (rebuilt from its config)
+    pytest.param("mobilenet_v3_small_torch", 32, marks=[pytest.mark.slow, pytest.mark.full(
+        reason="mobilenet_v2's converter paths with squeeze-excite (the EfficientNets') and elementwise "
+               "activations")]),
     # the deep stem and the shortcuts' "same" average pools
     pytest.param("resnet18d", 32, marks=[pytest.mark.slow, pytest.mark.full(
         reason="resnext50_32x4d's converter paths with an average pool, which every family's global pooling "

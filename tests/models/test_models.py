@@ -40,8 +40,11 @@ KERAS_APPLICATIONS = {
     "efficientnet_b3": 12_320_535, "efficientnet_b4": 19_466_823, "efficientnet_b5": 30_562_527,
     "efficientnet_b6": 43_265_143, "efficientnet_b7": 66_658_687,
 }
-# timm's own EfficientNets: keras.applications' graph padded as PyTorch pads (the same layers and weights)
+# timm's own EfficientNets and MobileNetV3s: keras.applications' graph padded as PyTorch pads (the same layers and
+# weights; the MobileNetV3s' trainable counts are timm's and torchvision's: tests/models/test_mobilenetv3.py)
 KERAS_APPLICATIONS.update({f"efficientnet_b{v}_torch": KERAS_APPLICATIONS[f"efficientnet_b{v}"] for v in range(8)})
+KERAS_APPLICATIONS.update({f"mobilenet_v3_{s}_torch": KERAS_APPLICATIONS[f"mobilenet_v3_{s}"]
+                           for s in ("large", "small")})
 # Weights of keras.applications' built-in preprocessing that tfdp leaves out (it normalises on the device): EfficientNet
 # (V1)'s Normalization layer, its mean and variance per channel and its count.
 LEFT_OUT = {f"efficientnet_b{v}{torch}": 3 + 3 + 1 for v in range(8) for torch in ("", "_torch")}
@@ -132,6 +135,8 @@ ONE_PER_BUILDER = {
     "resnet50": "resnet50", "resnet101": "resnet50", "resnet152": "resnet50", "inception_v3": "inception_v3",
     "mobilenet_v2": "mobilenet_v2", "mobilenet_v3_large": "mobilenet_v3_large",
     "mobilenet_v3_small": "mobilenet_v3_large",
+    # the same layers with other paddings and epsilons (their outputs: tests/models/test_mobilenetv3.py)
+    "mobilenet_v3_large_torch": "mobilenet_v3_large", "mobilenet_v3_small_torch": "mobilenet_v3_large",
     **{f"efficientnetv2_{s}": "efficientnetv2_b0" for s in ("b0", "b1", "b2", "b3", "s", "m", "l")},
     **{f"efficientnet_b{v}": "efficientnet_b0" for v in range(8)},
     # the same layers with other paddings and epsilons (their outputs: tests/models/test_efficientnet.py)

@@ -76,22 +76,48 @@ def from_the_stem(constructor):
 
 
 def torch_padded(constructor):
-    """timm's own EfficientNet graph (`efficientnet_b*`, PyTorch-padded) from keras.applications': Keras pads a strided
-    convolution "same" (on an even side one row and column fewer above and left than below and right), PyTorch's
-    `padding=k // 2` pads k // 2 on every side, and torch's batch norm divides by sqrt(var + 1e-5) where Keras' adds
-    1e-3. Both are layer settings, so the graph is Keras' rebuilt from its config with every `ZeroPadding2D` made
-    symmetric (the larger of each pair on both sides) and every batch norm torch's (`TORCH_BATCH_NORM`): the same
-    layers, names and weights, whose outputs differ at every border and in every normalisation. (torch's momentum
-    too, which timm trained these at: what `model.bn_momentum: auto` keeps when fine-tuning from its weights.)"""
+    """timm's own EfficientNet and MobileNetV3 graphs (`efficientnet_b*`, `mobilenetv3_*`, PyTorch-padded) from
+    keras.applications': Keras pads a strided convolution "same" (on an even side one row and column fewer above
+    and left than below and right), PyTorch's `padding=k // 2` pads k // 2 on every side, and torch's batch norm
+    divides by sqrt(var + 1e-5) where Keras' adds 1e-3. All are layer settings, so the graph is Keras' rebuilt from
+    its config with every `ZeroPadding2D` made symmetric (the larger of each pair on both sides), every strided
+    "same" convolution given a symmetric `ZeroPadding2D` of its own (`{name}_pad`) and made "valid" (MobileNetV3's
+    stem), and every batch norm torch's (`TORCH_BATCH_NORM`): the same layers, names and weights, whose outputs
+    differ at every border and in every normalisation. (torch's momentum too, which timm trained these at: what
+    `model.bn_momentum: auto` keeps when fine-tuning from its weights.)"""
     def build(**kwargs) -> keras.Model:
         config = constructor(**kwargs).get_config()
+        layers = []
         for layer in config["layers"]:
+            settings = layer["config"]
             if layer["class_name"] == "ZeroPadding2D":
-                layer["config"]["padding"] = [[max(side)] * 2 for side in layer["config"]["padding"]]
+                settings["padding"] = [[max(side)] * 2 for side in settings["padding"]]
             elif layer["class_name"] == "BatchNormalization":
-                layer["config"].update(TORCH_BATCH_NORM)
+                settings.update(TORCH_BATCH_NORM)
+            elif settings.get("padding") == "same" and max(settings.get("strides", [1])) > 1:
+                layers.append(symmetric_padding(layer))
+            layers.append(layer)
+        config["layers"] = layers
         return keras.Model.from_config(config)
     return build
+
+
+def symmetric_padding(conv: dict) -> dict:
+    """The config of a `ZeroPadding2D` padding k // 2 on every side in front of the strided "same" convolution `conv`
+    (a functional model's layer config), which it rewires to read the padding's output and makes "valid"."""
+    name = f"{conv['config']['name']}_pad"
+    padding = keras.layers.ZeroPadding2D([[k // 2] * 2 for k in conv["config"]["kernel_size"]], name=name)
+    pad = {"module": "keras.layers", "class_name": "ZeroPadding2D", "config": padding.get_config(),
+           "registered_name": None, "name": name, "inbound_nodes": conv["inbound_nodes"]}
+    source = conv["inbound_nodes"][0]["args"][0]["config"]
+    batch, height, width, channels = source["shape"]
+    grow = [2 * (k // 2) for k in conv["config"]["kernel_size"]]
+    shape = [batch, height and height + grow[0], width and width + grow[1], channels]
+    conv["inbound_nodes"] = [{"args": [{"class_name": "__keras_tensor__", "config": {
+        "shape": shape, "dtype": source["dtype"], "keras_history": [name, 0, 0]}}], "kwargs": {}}]
+    conv["config"]["padding"] = "valid"
+    conv.pop("build_config", None)
+    return pad
 
 
 # torch's BatchNorm2d defaults in Keras' terms (its momentum 0.1 is the share of the new statistic)
@@ -134,8 +160,9 @@ LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet15
 # timm's own EfficientNets (`efficientnet_b0` ... `b7`, padded as PyTorch pads): Keras' graph of the same size with
 # PyTorch's padding and epsilon (`torch_padded`). No Keras file fits them, so they stay out of APPS (the models of
 # `init_from: imagenet`).
-TORCH_PADDED = {f"{name}_torch": (torch_padded(constructor), None, {}, dropout)
-                for name, (constructor, _, _, dropout) in APPS.items() if name.startswith("efficientnet_b")}
+TORCH_PADDED = {f"{name}_torch": (torch_padded(constructor), dropout_arg, extra, dropout)
+                for name, (constructor, dropout_arg, extra, dropout) in APPS.items()
+                if name.startswith(("efficientnet_b", "mobilenet_v3"))}
 
 for _name, (_constructor, _dropout_arg, _extra, _dropout) in {**APPS, **TORCH_PADDED}.items():
     register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout, head=HEAD,
@@ -290,5 +317,135 @@ def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelC
     return read
 
 
-register_torch_layout(*(f"efficientnet_{v}" for v in EFFICIENTNET), *TORCH_PADDED)(timm_efficientnet("dwconv"))
+register_torch_layout(*(f"efficientnet_{v}{torch}" for v in EFFICIENTNET for torch in ("", "_torch")))(
+    timm_efficientnet("dwconv"))
 register_torch_layout(*(name for name in APPS if name.startswith("efficientnetv2_")))(timm_efficientnet("dwconv2"))
+
+
+# ---------------------------------------------------------------- timm's and torchvision's MobileNetV3
+
+# timm's MobileNetV3 blocks (`blocks.S.B`, numbered through all stages as Keras numbers its `expanded_conv_{i}_`
+# blocks, the first without a number) by kind: depthwise-separable (the first block: `conv_dw`, `conv_pw`) or
+# inverted residual (`conv_pw`, `conv_dw`, `conv_pwl`); the last stage is one 1x1 convolution (`conv`), Keras'
+# `conv_1`. The head: global pooling, `conv_head` (Keras' 1x1 `conv_2`), the classifier (Keras' 1x1 `logits`).
+MOBILENETV3_BLOCKS = {
+    "separable": {"conv_dw": "depthwise", "bn1": "depthwise_bn", "se.conv_reduce": "squeeze_excite_conv",
+                  "se.conv_expand": "squeeze_excite_conv_1", "conv_pw": "project", "bn2": "project_bn"},
+    "inverted": {"conv_pw": "expand", "bn1": "expand_bn", "conv_dw": "depthwise", "bn2": "depthwise_bn",
+                 "se.conv_reduce": "squeeze_excite_conv", "se.conv_expand": "squeeze_excite_conv_1",
+                 "conv_pwl": "project", "bn3": "project_bn"},
+    "last": {"conv": "conv_1", "bn1": "conv_1_bn"},
+}
+MOBILENETV3_TOP = {"conv_stem": "conv", "bn1": "conv_bn", "conv_head": "conv_2", "classifier": "logits"}
+
+
+def mobilenetv3_layers(modules) -> dict[str, str | None]:
+    """Each timm MobileNetV3 module → its keras.applications layer (None: no place)."""
+    blocks: dict[tuple[int, int], set[str]] = {}
+    for module in modules:
+        if found := _BLOCK.fullmatch(module):
+            blocks.setdefault((int(found[1]), int(found[2])), set()).add(found[3])
+    numbers = {block: i for i, block in enumerate(sorted(blocks))}
+    layers = {}
+    for module in modules:
+        found = _BLOCK.fullmatch(module)
+        if not found:
+            layers[module] = MOBILENETV3_TOP.get(module)
+            continue
+        parts = blocks[int(found[1]), int(found[2])]
+        kind = "last" if "conv" in parts else "inverted" if "conv_pwl" in parts else "separable"
+        name = MOBILENETV3_BLOCKS[kind].get(found[3])
+        number = numbers[int(found[1]), int(found[2])]
+        prefix = "" if kind == "last" else "expanded_conv_" if number == 0 else f"expanded_conv_{number}_"
+        layers[module] = f"{prefix}{name}" if name else None
+    return layers
+
+
+_TORCHVISION_MOBILENET_BLOCK = re.compile(r"features\.(\d+)\.block\.(\d+)\.(0|1|fc1|fc2)")
+
+
+def torchvision_mobilenetv3_as_timm(modules) -> dict[str, str]:
+    """Each module of torchvision's MobileNetV3 → timm's name for it (itself where it has none): `features.0` the
+    stem, `features.I` block I - 1, its `block.J` in order the expansion (where there is one), the depthwise convolution,
+    squeeze-excite (`fc1`, `fc2`) and the projection, each convolution's batch norm `.1`; the last `features` the
+    1x1 convolution before pooling, `classifier.0` and `.3` timm's `conv_head` and classifier."""
+    convs: dict[str, list[str]] = {}
+    for module in modules:
+        if (found := _TORCHVISION_MOBILENET_BLOCK.fullmatch(module)) and found[3] == "0":
+            convs.setdefault(found[1], []).append(found[2])
+    last = max((int(m.split(".")[1]) for m in modules if m.startswith("features.")), default=-1)
+    names = {"features.0.0": "conv_stem", "features.0.1": "bn1", f"features.{last}.0": f"blocks.{last - 1}.0.conv",
+             f"features.{last}.1": f"blocks.{last - 1}.0.bn1", "classifier.0": "conv_head",
+             "classifier.3": "classifier"}
+    for module in modules:
+        found = _TORCHVISION_MOBILENET_BLOCK.fullmatch(module)
+        if not found:
+            names.setdefault(module, module)
+            continue
+        order = sorted(convs.get(found[1], []), key=int)
+        kinds = (["conv_pw", "conv_dw", "conv_pwl"] if len(order) == 3 else ["conv_dw", "conv_pw"])[:len(order)]
+        if found[3] in ("fc1", "fc2"):
+            part = "se.conv_reduce" if found[3] == "fc1" else "se.conv_expand"
+        elif found[2] in order:
+            conv = kinds[order.index(found[2])]
+            part = conv if found[3] == "0" else {"conv_pw": "bn1", "conv_dw": "bn2", "conv_pwl": "bn3"}[conv] \
+                if len(order) == 3 else {"conv_dw": "bn1", "conv_pw": "bn2"}[conv]
+        else:
+            names[module] = module
+            continue
+        names[module] = f"blocks.{int(found[1]) - 1}.0.{part}"
+    return names
+
+
+# timm's MobileNetV3 architectures: its TensorFlow ports (`tf_mobilenetv3_*_100`: padded "same", batch-norm epsilon
+# 1e-3, Keras' graph: tfdp's `mobilenet_v3_*`) and its own (padded as PyTorch pads, epsilon 1e-5: `*_torch`)
+TIMM_MOBILENETV3 = re.compile(r"(tf_)?mobilenetv3_(large|small)_100")
+# torchvision builds its MobileNetV3 with `BatchNorm2d(eps=0.001)`: read into the torch-padded graph (epsilon 1e-5)
+# with the difference added to each moving variance, which normalises every input exactly as torchvision does
+TORCHVISION_EPSILON = 1e-3
+
+
+def mobilenetv3_refusal(architecture: str, torchvision: bool, model: str, what: str) -> str | None:
+    """The line for a MobileNetV3 file whose padding is not the zoo model's, else None: timm's `tf_` ports and
+    Keras' graph pad as TensorFlow pads, timm's own and torchvision's as PyTorch pads."""
+    found = TIMM_MOBILENETV3.fullmatch(architecture)
+    if torchvision:
+        kind, tf_padded = re.fullmatch(r"mobilenet_v3_(large|small).*", model)[1], False
+    elif found:
+        kind, tf_padded = found[2], bool(found[1])
+    else:
+        return None
+    if tf_padded != model.endswith("_torch"):
+        return None
+    counterpart = f"mobilenet_v3_{kind}" + ("" if tf_padded else "_torch")
+    source = "torchvision's layout" if torchvision else f"timm's {architecture}"
+    pads = "TensorFlow" if tf_padded else "PyTorch"
+    return (f"model.init_from: {what} holds {source}, padded as {pads} pads; model '{model}' is padded as "
+            f"{'PyTorch' if tf_padded else 'TensorFlow'} pads: set model.name: {counterpart}")
+
+
+@register_torch_layout(*(name for name in {**APPS, **TORCH_PADDED} if name.startswith("mobilenet_v3")))
+def timm_mobilenetv3(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
+    """timm's MobileNetV3s (`mobilenetv3_large_100`, `mobilenetv3_small_100` into the `_torch` models; its
+    TensorFlow ports `tf_mobilenetv3_*_100` into keras.applications' graph) and torchvision's `mobilenet_v3_large`
+    and `_small` (into the `_torch` models, their epsilon folded into the moving variances); depthwise kernels
+    (C, 1, H, W) → (H, W, C, 1), the head's linear layers → 1x1 kernels. A file of the other padding is one line
+    (`mobilenetv3_refusal`); a timm file that does not name its architecture is taken at its shapes."""
+    modules = torch_modules(tensors)
+    torchvision = "features.0.0" in modules
+    refusal = mobilenetv3_refusal(pretrained.timm_architecture(what) or "", torchvision, model_cfg.name, what)
+    if refusal:
+        raise UserError(refusal)
+    timm_names = torchvision_mobilenetv3_as_timm(modules) if torchvision else {module: module for module in modules}
+    layers = mobilenetv3_layers(timm_names.values())
+
+    def convert(params: dict[str, np.ndarray], layer: str) -> tuple[list, list[str]]:
+        if layer.endswith("_depthwise"):
+            return [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
+        if params.get("weight") is not None and params["weight"].ndim == 2:   # a linear layer into a 1x1 conv
+            return [params["weight"].T[None, None], params["bias"]], ["weight", "bias"]
+        values, order = torch_module_values(params, layer)
+        if torchvision and "running_var" in params:
+            values[3] = values[3] + (TORCHVISION_EPSILON - TORCH_BATCH_NORM["epsilon"])
+        return values, order
+    return renamed_modules(modules, lambda module: layers.get(timm_names[module]), model_cfg, what, convert)
