@@ -407,6 +407,9 @@ def central_crop(encoded, cfg: DataConfig, device: str, options: dict):
                                   crop_pos_x=0.5, crop_pos_y=0.5, rounding="truncate", **options)
 
 
+GPU_THREADS = 3   # a GPU replica's DALI threads by default (pipeline_threads)
+
+
 def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:
     """A replica's DALI CPU threads: `data.dali_threads`, or (0) the host's cores shared among its `replicas`
     replicas, at most `GPU_THREADS` for a GPU's.
@@ -421,9 +424,6 @@ def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:
         return cfg.dali_threads
     share = max(1, host_cores() // max(replicas, 1))
     return min(GPU_THREADS, share) if on_gpu else share
-
-
-GPU_THREADS = 3   # a GPU replica's DALI threads by default (pipeline_threads)
 
 
 def padded(stream: tf.data.Dataset) -> tf.data.Dataset:

@@ -362,13 +362,18 @@ def mobilenetv3_layers(modules) -> dict[str, str | None]:
 
 
 _TORCHVISION_MOBILENET_BLOCK = re.compile(r"features\.(\d+)\.block\.(\d+)\.(0|1|fc1|fc2)")
+# a torchvision MobileNetV3 block's convolutions (`block.J.0`, its batch norm `block.J.1`), by how many it has, in
+# timm's names: without expansion (depthwise, projection), with it (expansion, depthwise, projection)
+TORCHVISION_MOBILENET_CONVS = {2: (("conv_dw", "bn1"), ("conv_pw", "bn2")),
+                               3: (("conv_pw", "bn1"), ("conv_dw", "bn2"), ("conv_pwl", "bn3"))}
+TORCHVISION_MOBILENET_SE = {"fc1": "se.conv_reduce", "fc2": "se.conv_expand"}
 
 
 def torchvision_mobilenetv3_as_timm(modules) -> dict[str, str]:
-    """Each module of torchvision's MobileNetV3 → timm's name for it (itself where it has none): `features.0` the
-    stem, `features.I` block I - 1, its `block.J` in order the expansion (where there is one), the depthwise convolution,
-    squeeze-excite (`fc1`, `fc2`) and the projection, each convolution's batch norm `.1`; the last `features` the
-    1x1 convolution before pooling, `classifier.0` and `.3` timm's `conv_head` and classifier."""
+    """Each module of torchvision's MobileNetV3 → timm's name for it (itself where it has none, which then finds
+    no layer): `features.0` the stem, `features.I` block I - 1 (`TORCHVISION_MOBILENET_CONVS`, squeeze-excite
+    `fc1`, `fc2`), the last `features` the 1x1 convolution before pooling, `classifier.0` and `.3` timm's
+    `conv_head` and classifier."""
     convs: dict[str, list[str]] = {}
     for module in modules:
         if (found := _TORCHVISION_MOBILENET_BLOCK.fullmatch(module)) and found[3] == "0":
@@ -383,13 +388,11 @@ def torchvision_mobilenetv3_as_timm(modules) -> dict[str, str]:
             names.setdefault(module, module)
             continue
         order = sorted(convs.get(found[1], []), key=int)
-        kinds = (["conv_pw", "conv_dw", "conv_pwl"] if len(order) == 3 else ["conv_dw", "conv_pw"])[:len(order)]
-        if found[3] in ("fc1", "fc2"):
-            part = "se.conv_reduce" if found[3] == "fc1" else "se.conv_expand"
-        elif found[2] in order:
-            conv = kinds[order.index(found[2])]
-            part = conv if found[3] == "0" else {"conv_pw": "bn1", "conv_dw": "bn2", "conv_pwl": "bn3"}[conv] \
-                if len(order) == 3 else {"conv_dw": "bn1", "conv_pw": "bn2"}[conv]
+        pairs = TORCHVISION_MOBILENET_CONVS.get(len(order))
+        if found[3] in TORCHVISION_MOBILENET_SE:
+            part = TORCHVISION_MOBILENET_SE[found[3]]
+        elif pairs and found[2] in order:
+            part = pairs[order.index(found[2])][int(found[3])]   # `.0` the convolution, `.1` its batch norm
         else:
             names[module] = module
             continue
@@ -443,7 +446,8 @@ def timm_mobilenetv3(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, wha
         if layer.endswith("_depthwise"):
             return [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
         if params.get("weight") is not None and params["weight"].ndim == 2:   # a linear layer into a 1x1 conv
-            return [params["weight"].T[None, None], params["bias"]], ["weight", "bias"]
+            biases = ["bias"] if "bias" in params else []
+            return [params["weight"].T[None, None], *(params[b] for b in biases)], ["weight", *biases]
         values, order = torch_module_values(params, layer)
         if torchvision and "running_var" in params:
             values[3] = values[3] + (TORCHVISION_EPSILON - TORCH_BATCH_NORM["epsilon"])
