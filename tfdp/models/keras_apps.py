@@ -198,24 +198,31 @@ def block_kind(parts: set[str]) -> str:
     return "inverted" if "conv_pwl" in parts else "separable"
 
 
-def efficientnet_layers(modules, depthwise: str) -> dict[str, str | None]:
-    """Each timm EfficientNet module → its Keras layer (None: no place), `depthwise` the name Keras gives the
-    depthwise convolution (V1 `dwconv`, V2 `dwconv2`)."""
-    blocks: dict[tuple[int, int], set[str]] = {}
+def builder_layers(modules, top: dict[str, str], block_layer: Callable) -> dict[str, str | None]:
+    """Each module of a model of timm's efficientnet builder (EfficientNets, MobileNetV3s) → its Keras layer (None: no
+    place): `top[module]` outside the blocks; in block `blocks.S.B`, `block_layer((S, B), parts, part)`, `parts` the
+    modules that block holds (which tell its kind), `part` the module's name in it."""
+    parts: dict[tuple[int, int], set[str]] = {}
     for module in modules:
         if found := _BLOCK.fullmatch(module):
-            blocks.setdefault((int(found[1]), int(found[2])), set()).add(found[3])
+            parts.setdefault((int(found[1]), int(found[2])), set()).add(found[3])
     layers = {}
     for module in modules:
         found = _BLOCK.fullmatch(module)
-        if not found:
-            layers[module] = EFFICIENTNET_TOP.get(module)
-            continue
-        stage, block = int(found[1]), int(found[2])
-        name = EFFICIENTNET_BLOCKS[block_kind(blocks[stage, block])].get(found[3])
-        name = depthwise if name == "dwconv" else name
-        layers[module] = f"block{stage + 1}{chr(ord('a') + block)}_{name}" if name and block < 26 else None
+        block = (int(found[1]), int(found[2])) if found else None
+        layers[module] = block_layer(block, parts, found[3]) if found else top.get(module)
     return layers
+
+
+def efficientnet_layers(modules, depthwise: str) -> dict[str, str | None]:
+    """Each timm EfficientNet module → its Keras layer (None: no place), `depthwise` the name Keras gives the
+    depthwise convolution (V1 `dwconv`, V2 `dwconv2`): block `blocks.S.B` is Keras' `block{S+1}{a+B}_`."""
+    def block_layer(block: tuple[int, int], parts: dict, part: str) -> str | None:
+        stage, number = block
+        name = EFFICIENTNET_BLOCKS[block_kind(parts[block])].get(part)
+        name = depthwise if name == "dwconv" else name
+        return f"block{stage + 1}{chr(ord('a') + number)}_{name}" if name and number < 26 else None
+    return builder_layers(modules, EFFICIENTNET_TOP, block_layer)
 
 
 # torchvision's EfficientNet (V1) in timm's names: `features.0` is the stem, `features.S` (S = 1 ... 7) stage S's
@@ -341,24 +348,14 @@ MOBILENETV3_TOP = {"conv_stem": "conv", "bn1": "conv_bn", "conv_head": "conv_2",
 
 def mobilenetv3_layers(modules) -> dict[str, str | None]:
     """Each timm MobileNetV3 module → its keras.applications layer (None: no place)."""
-    blocks: dict[tuple[int, int], set[str]] = {}
-    for module in modules:
-        if found := _BLOCK.fullmatch(module):
-            blocks.setdefault((int(found[1]), int(found[2])), set()).add(found[3])
-    numbers = {block: i for i, block in enumerate(sorted(blocks))}
-    layers = {}
-    for module in modules:
-        found = _BLOCK.fullmatch(module)
-        if not found:
-            layers[module] = MOBILENETV3_TOP.get(module)
-            continue
-        parts = blocks[int(found[1]), int(found[2])]
-        kind = "last" if "conv" in parts else "inverted" if "conv_pwl" in parts else "separable"
-        name = MOBILENETV3_BLOCKS[kind].get(found[3])
-        number = numbers[int(found[1]), int(found[2])]
+    blocks = sorted({(int(found[1]), int(found[2])) for module in modules if (found := _BLOCK.fullmatch(module))})
+
+    def block_layer(block: tuple[int, int], parts: dict, part: str) -> str | None:
+        kind = "last" if "conv" in parts[block] else "inverted" if "conv_pwl" in parts[block] else "separable"
+        name, number = MOBILENETV3_BLOCKS[kind].get(part), blocks.index(block)
         prefix = "" if kind == "last" else "expanded_conv_" if number == 0 else f"expanded_conv_{number}_"
-        layers[module] = f"{prefix}{name}" if name else None
-    return layers
+        return f"{prefix}{name}" if name else None
+    return builder_layers(modules, MOBILENETV3_TOP, block_layer)
 
 
 _TORCHVISION_MOBILENET_BLOCK = re.compile(r"features\.(\d+)\.block\.(\d+)\.(0|1|fc1|fc2)")
