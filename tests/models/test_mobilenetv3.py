@@ -19,8 +19,9 @@ from support.timm_checks import assert_logits_are
 from tfdp.config import validate
 from tfdp.errors import UserError
 from tfdp.models import build_model
-from tfdp.models.keras_apps import torch_padded
+from tfdp.models.keras_apps import mobilenetv3_layers, torch_padded
 from tfdp.models.weights import layers_with_weights, load_into, read_source, torch_weights
+from tfdp.optim.finetune import layer_ids
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 # fixture file → the zoo model its full-size kind loads into
@@ -137,3 +138,21 @@ def test_a_mobilenetv3_of_the_other_padding_is_one_line(tmp_path, file, architec
     cfg = cfg_for(name, init_from=path)
     with pytest.raises(UserError, match=line):
         read_source(path, cfg.model, cfg.data)
+
+
+@pytest.mark.parametrize("file", ["mobilenetv3_timm_mini", "mobilenetv3_tf_timm_mini"])
+def test_layer_decay_groups_are_timms(file):
+    """`optimizer.layer_decay`'s layer ids for the small MobileNetV3s are those timm's `param_groups_layer_decay`
+    gives each parameter (recorded by the fixture), matched through the weights' own mapping: the stem first, one
+    group per block (Keras' unnumbered first block before `expanded_conv_1_`), the last 1x1 convolution's stage,
+    then the head's 1x1 convolution with the classifier."""
+    timm_ids = fixture()["layer_ids"][file]
+    layer_of = mobilenetv3_layers({param.rpartition(".")[0] for param in timm_ids})
+    theirs: dict[str, set[int]] = {}
+    for param, layer_id in timm_ids.items():
+        theirs.setdefault(layer_of[param.rpartition(".")[0]], set()).add(layer_id)
+    model = keras_small(torch=file == "mobilenetv3_timm_mini")
+    ids, count = layer_ids(model, SMALL[file])
+    ours = {layer.name: {ids[id(w)] for w in layer.trainable_weights} for layer in layers_with_weights(model)}
+    assert ours == theirs and count == max(timm_ids.values()) + 1 == 8
+    assert ours["conv_2"] == ours["logits"] == {7} and ours["expanded_conv_depthwise"] == {1}

@@ -154,8 +154,12 @@ RESNET_GROUPS = {"stem": r"^conv1_", "blocks": r"^conv(\d+)_block(\d+)_"}
 # timm's EfficientNet grouping (`group_matcher(coarse=False)`: the stem, one group per block, the head's convolution
 # with the last block) on Keras' names (stem_*, block{S}{letter}_*, top_*), V1 and V2 alike.
 EFFICIENTNET_GROUPS = {"stem": r"^stem_", "blocks": r"^block(\d+)([a-z])_", WITH_PREVIOUS: r"^top_"}
+# timm's MobileNetV3 grouping (the stem, one group per block, the last 1x1 convolution's stage, the head: `conv_head`
+# and the classifier, unmatched) on Keras' names (conv, conv_bn; expanded_conv_*, then expanded_conv_{i}_*; conv_1*)
+MOBILENETV3_GROUPS = {"stem": r"^conv(?:_bn)?$", "blocks": r"^expanded_conv_(?:(\d+)_)?", "last": r"^conv_1(?:_bn)?$"}
 LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet152": RESNET_GROUPS,
-                **{name: EFFICIENTNET_GROUPS for name in APPS if name.startswith("efficientnet")}}
+                **{name: EFFICIENTNET_GROUPS for name in APPS if name.startswith("efficientnet")},
+                **{name: MOBILENETV3_GROUPS for name in APPS if name.startswith("mobilenet_v3")}}
 
 # timm's own EfficientNets (`efficientnet_b0` ... `b7`, padded as PyTorch pads): Keras' graph of the same size with
 # PyTorch's padding and epsilon (`torch_padded`). No Keras file fits them, so they stay out of APPS (the models of
