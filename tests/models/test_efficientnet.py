@@ -141,18 +141,39 @@ def test_a_timm_efficientnet_of_the_other_padding_is_one_line(folder, name, line
     ("efficientnet_b3", r"torchvision_efficientnet_b3 is in torchvision's layout, padded as PyTorch pads; model "
                         r"'efficientnet_b3' is padded as TensorFlow pads: set model.name: efficientnet_b3_torch$"),
     ("efficientnetv2_s", r"model 'efficientnetv2_s' is padded as TensorFlow pads: no tfdp model of its size is padded "
-                         r"as it is$"),
-    ("efficientnet_b5_torch", r"torchvision_efficientnet_b5 is in torchvision's layout, whose EfficientNet-B5, B6 and "
-                              r"B7 normalise with epsilon 1e-3; model 'efficientnet_b5_torch' normalises with torch's "
-                              r"1e-5, as timm's: torchvision's B5-B7 are not read$")])
+                         r"as it is$")])
 def test_torchvisions_efficientnet_where_it_does_not_fit_is_one_line(name, line):
-    """torchvision's EfficientNets pad as PyTorch does, so they are refused by Keras' graph (TensorFlow's padding),
-    and its B5-B7 (epsilon 1e-3) by efficientnet_b5_torch ... b7_torch; the key lists stand for the files."""
-    size = "b5" if name.endswith("_torch") else "b3"
+    """torchvision's EfficientNets pad as PyTorch does, so they are refused by Keras' graph (TensorFlow's padding);
+    the key lists stand for the files."""
     tensors = {k: np.zeros(shape, np.float32)
-               for k, shape in fixture()["state_dicts"][f"torchvision_efficientnet_{size}"].items()}
+               for k, shape in fixture()["state_dicts"]["torchvision_efficientnet_b3"].items()}
     with pytest.raises(UserError, match=line):
-        torch_weights(tensors, cfg_for(name).model, f"torchvision_efficientnet_{size}")
+        torch_weights(tensors, cfg_for(name).model, "torchvision_efficientnet_b3")
+
+
+def test_torchvisions_b5_to_b7_normalise_as_torchvision_in_a_graph_of_torchs_epsilon():
+    """torchvision builds its B5, B6 and B7 with batch-norm epsilon 1e-3, `efficientnet_b*_torch` normalise with
+    torch's 1e-5: the small torchvision model built with epsilon 1e-3, read for `efficientnet_b5_torch` (the
+    difference folded into each moving variance), gives torchvision's logits; read as a B0-B4 file (nothing folded),
+    it does not; and torchvision's full-size B5 key list fills every layer of `efficientnet_b5_torch`."""
+    path = os.path.join(FIXTURES, "efficientnet_torchvision_eps1e-3.safetensors")
+    theirs = np.load(os.path.join(FIXTURES, "efficientnet_logits.npz"))["efficientnet_torchvision_eps1e-3"]
+    for name, folded in (("efficientnet_b5_torch", True), ("efficientnet_b0_torch", False)):
+        model = keras_small("efficientnet_torchvision", fixture()["small"]["num_classes"])
+        cfg = cfg_for(name, init_from=path)
+        load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
+        ours = photo_logits(model, cfg.data)
+        if folded:
+            assert_logits_are(ours, theirs)
+        else:
+            assert np.abs(ours - theirs).max() > 0.05 * np.abs(theirs).max()
+    tensors = {k: np.zeros(shape, np.float32)
+               for k, shape in fixture()["state_dicts"]["torchvision_efficientnet_b5"].items()}
+    cfg = cfg_for("efficientnet_b5_torch", num_classes=1000)
+    model = build_model(cfg.model, cfg.data)
+    loaded, new = load_into(model, torch_weights(tensors, cfg.model, "torchvision_efficientnet_b5"), cfg.model)
+    assert new == [] and len(loaded) == len(layers_with_weights(model))
+    keras.backend.clear_session()
 
 
 def test_another_size_is_one_line():

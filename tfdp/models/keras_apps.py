@@ -122,6 +122,17 @@ def symmetric_padding(conv: dict) -> dict:
 
 # torch's BatchNorm2d defaults in Keras' terms (its momentum 0.1 is the share of the new statistic)
 TORCH_BATCH_NORM = {"epsilon": 1e-5, "momentum": 0.9}
+
+
+def with_epsilon(values: list, epsilon: float) -> list:
+    """A batch norm's Keras values (gamma, beta, moving mean, moving variance) trained with `epsilon`, for a graph of
+    torch's (1e-5) that is to normalise as it did: (x - mean) / sqrt(var + epsilon) is the same with the difference
+    added to the moving variance. Exact at the start; fine-tuning then normalises batches with 1e-5."""
+    return [*values[:3], values[3] + (epsilon - TORCH_BATCH_NORM["epsilon"])]
+
+
+# the batch-norm epsilon torchvision builds its MobileNetV3s and EfficientNet-B5, B6 and B7 with (`eps=0.001`)
+TORCHVISION_EPSILON = 1e-3
 NO_PREPROCESSING = {"include_preprocessing": False}
 # EfficientNet-B0 ... B7: width and depth coefficients, default size and classifier dropout, as keras.applications'
 # wrappers (and the paper) set them
@@ -265,20 +276,17 @@ def torchvision_as_timm(modules) -> dict[str, str]:
 
 def torchvision_refusal(model: str, what: str) -> str | None:
     """The line for torchvision's EfficientNet in a model its weights do not fit, else None: torchvision pads as
-    PyTorch does (`efficientnet_b*_torch`), and its B5-B7 (built with `BatchNorm2d(eps=0.001)`) normalise with
-    epsilon 1e-3 where `efficientnet_b*_torch` take torch's 1e-5 (timm's own B5's)."""
-    if not model.endswith("_torch"):
-        fix = (f"set model.name: {model}_torch" if f"{model}_torch" in TORCH_PADDED
-               else "no tfdp model of its size is padded as it is")
-        return (f"model.init_from: {what} is in torchvision's layout, padded as PyTorch pads; model '{model}' is "
-                f"padded as TensorFlow pads: {fix}")
-    if model in TORCHVISION_EPSILON_1E3:
-        return (f"model.init_from: {what} is in torchvision's layout, whose EfficientNet-B5, B6 and B7 normalise with "
-                f"epsilon 1e-3; model '{model}' normalises with torch's 1e-5, as timm's: torchvision's B5-B7 are not "
-                f"read")
-    return None
+    PyTorch does (`efficientnet_b*_torch`)."""
+    if model.endswith("_torch"):
+        return None
+    fix = (f"set model.name: {model}_torch" if f"{model}_torch" in TORCH_PADDED
+           else "no tfdp model of its size is padded as it is")
+    return (f"model.init_from: {what} is in torchvision's layout, padded as PyTorch pads; model '{model}' is "
+            f"padded as TensorFlow pads: {fix}")
 
 
+# torchvision builds its EfficientNet-B5, B6 and B7 with `BatchNorm2d(eps=0.001)` (B0-B4 with torch's 1e-5): read into
+# `efficientnet_b5_torch` ... `b7_torch` (epsilon 1e-5) with the difference folded in (`with_epsilon`)
 TORCHVISION_EPSILON_1E3 = {f"efficientnet_b{v}_torch" for v in (5, 6, 7)}
 
 
@@ -306,7 +314,8 @@ def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelC
     """A reader of timm's EfficientNets: its TensorFlow ports, `tf_efficientnet_b0` ... `b7` and `tf_efficientnetv2_b0`
     ... `l` (padding "same", batch-norm epsilon 1e-3: the graph keras.applications builds), into `efficientnet_b*` and
     `efficientnetv2_*`, and its own `efficientnet_b0` ... `b7` into `efficientnet_b*_torch`, as torchvision's
-    `efficientnet_b0` ... `b4` (`torchvision_as_timm`); depthwise kernels (C, 1, H, W) → (H, W, C, 1). A file of the
+    `efficientnet_b0` ... `b7` (`torchvision_as_timm`; B5-B7's epsilon 1e-3 folded into the moving variances:
+    `with_epsilon`); depthwise kernels (C, 1, H, W) → (H, W, C, 1). A file of the
     other padding is one line (`padding_refusal`, `torchvision_refusal`); a timm file that does not name its
     architecture is taken at its shapes. (timm's own EfficientNetV2s, `*_rw_*`, are other architectures, which
     the shapes refuse.)"""
@@ -319,12 +328,14 @@ def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelC
             raise UserError(refusal)
         timm_names = torchvision_as_timm(modules) if torchvision else {module: module for module in modules}
         layers = efficientnet_layers(timm_names.values(), depthwise)
-        return renamed_modules(modules, lambda module: layers.get(timm_names[module]), model_cfg, what, convert)
+        epsilon = TORCHVISION_EPSILON if torchvision and model_cfg.name in TORCHVISION_EPSILON_1E3 else None
 
-    def convert(params: dict[str, np.ndarray], layer: str) -> tuple[list, list[str]]:
-        if layer.endswith(f"_{depthwise}"):
-            return [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
-        return torch_module_values(params, layer)
+        def convert(params: dict[str, np.ndarray], layer: str) -> tuple[list, list[str]]:
+            if layer.endswith(f"_{depthwise}"):
+                return [params["weight"].transpose(2, 3, 0, 1)], ["weight"]
+            values, order = torch_module_values(params, layer)
+            return (with_epsilon(values, epsilon) if epsilon and "running_var" in params else values), order
+        return renamed_modules(modules, lambda module: layers.get(timm_names[module]), model_cfg, what, convert)
     return read
 
 
@@ -404,9 +415,6 @@ def torchvision_mobilenetv3_as_timm(modules) -> dict[str, str]:
 # timm's MobileNetV3 architectures: its TensorFlow ports (`tf_mobilenetv3_*_100`: padded "same", batch-norm epsilon
 # 1e-3, Keras' graph: tfdp's `mobilenet_v3_*`) and its own (padded as PyTorch pads, epsilon 1e-5: `*_torch`)
 TIMM_MOBILENETV3 = re.compile(r"(tf_)?mobilenetv3_(large|small)_100")
-# torchvision builds its MobileNetV3 with `BatchNorm2d(eps=0.001)`: read into the torch-padded graph (epsilon 1e-5)
-# with the difference added to each moving variance, which normalises every input exactly as torchvision does
-TORCHVISION_EPSILON = 1e-3
 
 
 def mobilenetv3_refusal(architecture: str, torchvision: bool, model: str, what: str) -> str | None:
@@ -450,7 +458,5 @@ def timm_mobilenetv3(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, wha
             biases = ["bias"] if "bias" in params else []
             return [params["weight"].T[None, None], *(params[b] for b in biases)], ["weight", *biases]
         values, order = torch_module_values(params, layer)
-        if torchvision and "running_var" in params:
-            values[3] = values[3] + (TORCHVISION_EPSILON - TORCH_BATCH_NORM["epsilon"])
-        return values, order
+        return (with_epsilon(values, TORCHVISION_EPSILON) if torchvision and "running_var" in params else values), order
     return renamed_modules(modules, lambda module: layers.get(timm_names[module]), model_cfg, what, convert)
