@@ -49,19 +49,28 @@ def keras_small(folder: str, classes: int):
         return from_the_stem(EfficientNet)(**common)
     if folder in ("efficientnet_torch_timm", "efficientnet_torchvision"):
         return torch_padded(from_the_stem(EfficientNet))(**common)
+    if folder == "efficientnetv2_torchvision":   # its own small table, at width and depth 1
+        blocks = [{"kernel_size": k, "num_repeat": n, "input_filters": cin, "output_filters": cout, "expand_ratio": e,
+                   "se_ratio": 0 if kind == "fused" else 0.25, "strides": s, "conv_type": int(kind == "fused")}
+                  for kind, e, k, s, cin, cout, n in spec["efficientnetv2_torchvision"]["arch"]]
+        common.update(width_coefficient=1.0, depth_coefficient=1.0, blocks_args=blocks)
+        return torch_padded(EfficientNetV2)(**common, name="efficientnetv2-s", include_preprocessing=False)
     return EfficientNetV2(**common, name="efficientnetv2-b0", include_preprocessing=False)
 
 
 @pytest.mark.parametrize("folder,name,mean", [("efficientnet_timm", "efficientnet_b0", IMAGENET_MEAN),
                                               ("efficientnetv2_timm", "efficientnetv2_b0", (127.5,) * 3),
                                               ("efficientnet_torch_timm", "efficientnet_b0_torch", IMAGENET_MEAN),
-                                              ("efficientnet_torchvision", "efficientnet_b0_torch", IMAGENET_MEAN)])
+                                              ("efficientnet_torchvision", "efficientnet_b0_torch", IMAGENET_MEAN),
+                                              ("efficientnetv2_torchvision", "efficientnetv2_s_torch", IMAGENET_MEAN)])
 def test_timm_and_torchvision_efficientnets_give_their_logits_on_real_photos(folder, name, mean):
     """The fixture's small tf_efficientnet, tf_efficientnetv2, timm's own (PyTorch-padded) efficientnet and
     torchvision's EfficientNet (width 0.25, depth 0.34 of B0; every block kind) read by tfdp's reader into
-    keras.applications' builder at the same width and depth (the last two padded as PyTorch pads): on 4 real
-    photos, normalised as each file's pretrained cfg says (V2's: mean and std 0.5; torchvision's, which has none:
-    ImageNet's), the logits are timm's and torchvision's."""
+    keras.applications' builder at the same width and depth (the last two padded as PyTorch pads), and torchvision's
+    EfficientNetV2 of a small table (fused blocks with and without expansion, squeeze-excite blocks; epsilon 1e-3,
+    folded) into Keras' V2 builder of the same table padded as PyTorch pads: on 4 real photos, normalised as each
+    file's pretrained cfg says (V2's: mean and std 0.5; torchvision's, which has none: ImageNet's), the logits are
+    timm's and torchvision's."""
     path = (os.path.join(FIXTURES, f"{folder}.safetensors") if folder.endswith("torchvision")
             else os.path.join(FIXTURES, folder, "model.safetensors"))
     model = keras_small(folder, fixture()["small"]["num_classes"])
@@ -77,7 +86,9 @@ def test_timm_and_torchvision_efficientnets_give_their_logits_on_real_photos(fol
                                                    ("tf_efficientnetv2_b0", "efficientnetv2_b0", None),
                                                    ("tf_efficientnetv2_s", "efficientnetv2_s", "block1b_project_conv"),
                                                    ("torchvision_efficientnet_b3", "efficientnet_b3_torch",
-                                                    "block1b_dwconv")])
+                                                    "block1b_dwconv"),
+                                                   ("torchvision_efficientnet_v2_s", "efficientnetv2_s_torch",
+                                                    "block1b_project_conv")])
 def test_full_size_state_dicts_fill_every_layer_of_the_zoo_model(timm_name, name, second):
     """Every tensor of timm's (or torchvision's) full-size state dict (names and shapes; zeros here) finds its layer
     and shape in the zoo model at 1,000 classes, and every layer of the model gets its values (B3 and V2-S: a second
@@ -140,8 +151,10 @@ def test_a_timm_efficientnet_of_the_other_padding_is_one_line(folder, name, line
 @pytest.mark.parametrize("name,line", [
     ("efficientnet_b3", r"torchvision_efficientnet_b3 is in torchvision's layout, padded as PyTorch pads; model "
                         r"'efficientnet_b3' is padded as TensorFlow pads: set model.name: efficientnet_b3_torch$"),
-    ("efficientnetv2_s", r"model 'efficientnetv2_s' is padded as TensorFlow pads: no tfdp model of its size is padded "
-                         r"as it is$")])
+    ("efficientnetv2_s", r"model 'efficientnetv2_s' is padded as TensorFlow pads: set model.name: "
+                         r"efficientnetv2_s_torch$"),
+    ("efficientnetv2_b0", r"model 'efficientnetv2_b0' is padded as TensorFlow pads: no tfdp model of its size is "
+                          r"padded as it is$")])
 def test_torchvisions_efficientnet_where_it_does_not_fit_is_one_line(name, line):
     """torchvision's EfficientNets pad as PyTorch does, so they are refused by Keras' graph (TensorFlow's padding);
     the key lists stand for the files."""

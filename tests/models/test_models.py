@@ -45,6 +45,7 @@ KERAS_APPLICATIONS = {
 KERAS_APPLICATIONS.update({f"efficientnet_b{v}_torch": KERAS_APPLICATIONS[f"efficientnet_b{v}"] for v in range(8)})
 KERAS_APPLICATIONS.update({f"mobilenet_v3_{s}_torch": KERAS_APPLICATIONS[f"mobilenet_v3_{s}"]
                            for s in ("large", "small")})
+KERAS_APPLICATIONS.update({f"efficientnetv2_{s}_torch": KERAS_APPLICATIONS[f"efficientnetv2_{s}"] for s in "sml"})
 # Weights of keras.applications' built-in preprocessing that tfdp leaves out (it normalises on the device): EfficientNet
 # (V1)'s Normalization layer, its mean and variance per channel and its count.
 LEFT_OUT = {f"efficientnet_b{v}{torch}": 3 + 3 + 1 for v in range(8) for torch in ("", "_torch")}
@@ -57,7 +58,7 @@ COUNTED_FROM_SPEC = {f"convnext_{s}" for s in ("femto", "pico", "nano", "small",
     f"resnet{d}d" for d in (18, 34, 50, 101, 152)}
 # Built for their count at the smallest and largest size only: the others are the same rebuild (`torch_padded`) of
 # graphs counted here
-COUNTED_AT_THE_ENDS_ONLY = {f"efficientnet_b{v}_torch" for v in range(1, 7)}
+COUNTED_AT_THE_ENDS_ONLY = {f"efficientnet_b{v}_torch" for v in range(1, 7)} | {"efficientnetv2_m_torch"}
 # timm's counts checked in tests/models/test_vit.py from the variables' shapes, without allocating ViT-L's 300M
 # (and vit_mini_patch4_small, for 16-32 px inputs)
 VIT = {*(f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (16, 32)), "vit_tiny_patch16_224",
@@ -141,6 +142,7 @@ ONE_PER_BUILDER = {
     **{f"efficientnet_b{v}": "efficientnet_b0" for v in range(8)},
     # the same layers with other paddings and epsilons (their outputs: tests/models/test_efficientnet.py)
     **{f"efficientnet_b{v}_torch": "efficientnet_b0" for v in range(8)},
+    **{f"efficientnetv2_{s}_torch": "efficientnetv2_b0" for s in "sml"},
     **{f"vgg{d}": "vgg11" for d in (11, 13, 16, 19)}, **{f"vgg{d}_bn": "vgg11_bn" for d in (11, 13, 16, 19)},
     "squeezenet1_1": "squeezenet1_1", "simple_cnn": "simple_cnn",
     **{f"convnext_{s}": "convnext_atto"

@@ -172,12 +172,13 @@ LAYER_GROUPS = {"resnet50": RESNET_GROUPS, "resnet101": RESNET_GROUPS, "resnet15
                 **{name: EFFICIENTNET_GROUPS for name in APPS if name.startswith("efficientnet")},
                 **{name: MOBILENETV3_GROUPS for name in APPS if name.startswith("mobilenet_v3")}}
 
-# timm's own EfficientNets (`efficientnet_b0` ... `b7`, padded as PyTorch pads): Keras' graph of the same size with
-# PyTorch's padding and epsilon (`torch_padded`). No Keras file fits them, so they stay out of APPS (the models of
-# `init_from: imagenet`).
+# timm's own EfficientNets (`efficientnet_b0` ... `b7`, padded as PyTorch pads), its and torchvision's MobileNetV3s and
+# torchvision's EfficientNetV2-S, M and L: Keras' graph of the same size with PyTorch's padding and epsilon
+# (`torch_padded`). No Keras file fits them, so they stay out of APPS (the models of `init_from: imagenet`).
+TORCHVISION_V2 = ("efficientnetv2_s", "efficientnetv2_m", "efficientnetv2_l")
 TORCH_PADDED = {f"{name}_torch": (torch_padded(constructor), dropout_arg, extra, dropout)
                 for name, (constructor, dropout_arg, extra, dropout) in APPS.items()
-                if name.startswith(("efficientnet_b", "mobilenet_v3"))}
+                if name.startswith(("efficientnet_b", "mobilenet_v3")) or name in TORCHVISION_V2}
 
 for _name, (_constructor, _dropout_arg, _extra, _dropout) in {**APPS, **TORCH_PADDED}.items():
     register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout, head=HEAD,
@@ -240,11 +241,13 @@ def efficientnet_layers(modules, depthwise: str) -> dict[str, str | None]:
     return builder_layers(modules, EFFICIENTNET_TOP, block_layer)
 
 
-# torchvision's EfficientNet (V1) in timm's names: `features.0` is the stem, `features.S` (S = 1 ... 7) stage S's
-# blocks, the last `features` the head's convolution; a block's modules are numbered in order (`block.I.0`/`.1`: a
-# convolution and its batch norm, `block.I.fc1`/`.fc2`: squeeze-excite), three of them without expansion (stage 1)
-# and four with it.
+# torchvision's EfficientNet (V1 and V2) in timm's names: `features.0` is the stem, `features.S` stage S's blocks, the
+# last `features` the head's convolution; a block's modules are numbered in order (`block.I.0`/`.1`: a convolution and
+# its batch norm, `block.I.fc1`/`.fc2`: squeeze-excite): V2's fused blocks one (without expansion) or two (with it),
+# squeeze-excite blocks three (V1's without expansion) or four (with it).
 TORCHVISION_BLOCKS = {
+    1: {"0.0": "conv", "0.1": "bn1"},
+    2: {"0.0": "conv_exp", "0.1": "bn1", "1.0": "conv_pwl", "1.1": "bn2"},
     3: {"0.0": "conv_dw", "0.1": "bn1", "1.fc1": "se.conv_reduce", "1.fc2": "se.conv_expand", "2.0": "conv_pw",
         "2.1": "bn2"},
     4: {"0.0": "conv_pw", "0.1": "bn1", "1.0": "conv_dw", "1.1": "bn2", "2.fc1": "se.conv_reduce",
@@ -285,9 +288,9 @@ def torchvision_refusal(model: str, what: str) -> str | None:
             f"padded as TensorFlow pads: {fix}")
 
 
-# torchvision builds its EfficientNet-B5, B6 and B7 with `BatchNorm2d(eps=0.001)` (B0-B4 with torch's 1e-5): read into
-# `efficientnet_b5_torch` ... `b7_torch` (epsilon 1e-5) with the difference folded in (`with_epsilon`)
-TORCHVISION_EPSILON_1E3 = {f"efficientnet_b{v}_torch" for v in (5, 6, 7)}
+# torchvision builds its EfficientNet-B5, B6 and B7 and its V2s with epsilon 1e-3 (B0-B4 with torch's 1e-5): read into
+# `efficientnet_b5_torch` ... `b7_torch` and `efficientnetv2_*_torch` (epsilon 1e-5) with the difference folded in
+TORCHVISION_EPSILON_1E3 = {*(f"efficientnet_b{v}_torch" for v in (5, 6, 7)), *(f"{v}_torch" for v in TORCHVISION_V2)}
 
 
 # timm's EfficientNet architectures: its TensorFlow ports (`tf_`, padded "same": Keras' graph, tfdp's `efficientnet_b*`
@@ -314,7 +317,8 @@ def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelC
     """A reader of timm's EfficientNets: its TensorFlow ports, `tf_efficientnet_b0` ... `b7` and `tf_efficientnetv2_b0`
     ... `l` (padding "same", batch-norm epsilon 1e-3: the graph keras.applications builds), into `efficientnet_b*` and
     `efficientnetv2_*`, and its own `efficientnet_b0` ... `b7` into `efficientnet_b*_torch`, as torchvision's
-    `efficientnet_b0` ... `b7` (`torchvision_as_timm`; B5-B7's epsilon 1e-3 folded into the moving variances:
+    `efficientnet_b0` ... `b7` and `efficientnet_v2_s`, `_m`, `_l` into `efficientnetv2_*_torch`
+    (`torchvision_as_timm`; the epsilon 1e-3 of its B5-B7 and V2s folded into the moving variances:
     `with_epsilon`); depthwise kernels (C, 1, H, W) → (H, W, C, 1). A file of the
     other padding is one line (`padding_refusal`, `torchvision_refusal`); a timm file that does not name its
     architecture is taken at its shapes. (timm's own EfficientNetV2s, `*_rw_*`, are other architectures, which
@@ -341,7 +345,8 @@ def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelC
 
 register_torch_layout(*(f"efficientnet_{v}{torch}" for v in EFFICIENTNET for torch in ("", "_torch")))(
     timm_efficientnet("dwconv"))
-register_torch_layout(*(name for name in APPS if name.startswith("efficientnetv2_")))(timm_efficientnet("dwconv2"))
+register_torch_layout(*(name for name in {**APPS, **TORCH_PADDED} if name.startswith("efficientnetv2_")))(
+    timm_efficientnet("dwconv2"))
 
 
 # ---------------------------------------------------------------- timm's and torchvision's MobileNetV3
