@@ -76,15 +76,15 @@ def from_the_stem(constructor):
 
 
 def torch_padded(constructor):
-    """timm's own EfficientNet and MobileNetV3 graphs (`efficientnet_b*`, `mobilenetv3_*`, PyTorch-padded) from
+    """timm's own (and torchvision's) EfficientNet, EfficientNetV2 and MobileNetV3 graphs (PyTorch-padded) from
     keras.applications': Keras pads a strided convolution "same" (on an even side one row and column fewer above
     and left than below and right), PyTorch's `padding=k // 2` pads k // 2 on every side, and torch's batch norm
     divides by sqrt(var + 1e-5) where Keras' adds 1e-3. All are layer settings, so the graph is Keras' rebuilt from
     its config with every `ZeroPadding2D` made symmetric (the larger of each pair on both sides), every strided
     "same" convolution given a symmetric `ZeroPadding2D` of its own (`{name}_pad`) and made "valid" (MobileNetV3's
-    stem), and every batch norm torch's (`TORCH_BATCH_NORM`): the same layers, names and weights, whose outputs
-    differ at every border and in every normalisation. (torch's momentum too, which timm trained these at: what
-    `model.bn_momentum: auto` keeps when fine-tuning from its weights.)"""
+    stem, EfficientNetV2's strided convolutions), and every batch norm torch's (`TORCH_BATCH_NORM`): the same
+    layers, names and weights, whose outputs differ at every border and in every normalisation. (torch's momentum
+    too, which timm trained these at: what `model.bn_momentum: auto` keeps when fine-tuning from its weights.)"""
     def build(**kwargs) -> keras.Model:
         config = constructor(**kwargs).get_config()
         layers = []
@@ -131,7 +131,7 @@ def with_epsilon(values: list, epsilon: float) -> list:
     return [*values[:3], values[3] + (epsilon - TORCH_BATCH_NORM["epsilon"])]
 
 
-# the batch-norm epsilon torchvision builds its MobileNetV3s and EfficientNet-B5, B6 and B7 with (`eps=0.001`)
+# the batch-norm epsilon torchvision builds its MobileNetV3s, EfficientNet-B5, B6, B7 and EfficientNetV2s with
 TORCHVISION_EPSILON = 1e-3
 NO_PREPROCESSING = {"include_preprocessing": False}
 # EfficientNet-B0 ... B7: width and depth coefficients, default size and classifier dropout, as keras.applications'
