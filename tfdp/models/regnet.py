@@ -12,13 +12,15 @@ blocks, as timm's `drop_path_rate`.
 
 The stage depths, widths and group widths are those timm derives from each model's (w0, wa, wm, depth, group
 size) parameters (`generate_regnet`, then its adjustment of widths to the groups): read from timm 1.0.31 and
-written out below. torchvision's RegNets (another layout, and configurations of their own for some sizes) are not
-read; timm holds the same SWAG and SEER weights.
+written out below. torchvision's RegNets are the same architecture in another layout (`torchvision_as_timm`); 11
+of its sizes have timm's tables (`regnet_y_400mf` is `regnety_004`, ...: docs/pretrained-weights.md), its
+`regnet_y_800mf`, `_y_8gf` and `_x_400mf` widths of their own, which the shapes refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import keras
 from keras import layers
@@ -124,5 +126,27 @@ for _name, _spec in SPECS.items():
 @register_torch_layout(*SPECS)
 def timm_regnet(tensors, model_cfg: ModelConfig, what: str) -> Weights:
     """timm's RegNet state dict: each module is the layer of its name with `_` for `.` (`s2.b1.conv2.conv` →
-    `s2_b1_conv2_conv`, `head.fc` → `head_fc`)."""
-    return renamed_modules(torch_modules(tensors), lambda module: module.replace(".", "_"), model_cfg, what)
+    `s2_b1_conv2_conv`, `head.fc` → `head_fc`); torchvision's in timm's names first (`torchvision_as_timm`)."""
+    modules = torch_modules(tensors)
+    timm_name = torchvision_as_timm if "stem.0" in modules else (lambda module: module)
+    return renamed_modules(modules, lambda module: (name := timm_name(module)) and name.replace(".", "_"),
+                           model_cfg, what)
+
+
+# torchvision's RegNet: `stem.0`/`.1` the stem's convolution and batch norm, `trunk_output.blockS.blockS-B` stage S's
+# block B (from 0), its `proj` the strided shortcut, `f.a`, `f.b`, `f.c` the three convolutions (`.0`, their batch
+# norms `.1`), `f.se.fc1`/`fc2` the squeeze-excite; `fc` the classifier
+TORCHVISION_TOP = {"stem.0": "stem.conv", "stem.1": "stem.bn", "fc": "head.fc"}
+TORCHVISION_BLOCK = {"proj.0": "downsample.conv", "proj.1": "downsample.bn", "f.a.0": "conv1.conv", "f.a.1": "conv1.bn",
+                     "f.b.0": "conv2.conv", "f.b.1": "conv2.bn", "f.se.fc1": "se.fc1", "f.se.fc2": "se.fc2",
+                     "f.c.0": "conv3.conv", "f.c.1": "conv3.bn"}
+_TORCHVISION_BLOCK = re.compile(r"trunk_output\.block(\d)\.block\d-(\d+)\.(.+)")
+
+
+def torchvision_as_timm(module: str) -> str | None:
+    """A torchvision RegNet module's timm name (`trunk_output.block2.block2-0.f.b.0` → `s2.b1.conv2.conv`); None
+    where it has none."""
+    if found := _TORCHVISION_BLOCK.fullmatch(module):
+        part = TORCHVISION_BLOCK.get(found[3])
+        return f"s{found[1]}.b{int(found[2]) + 1}.{part}" if part else None
+    return TORCHVISION_TOP.get(module)
