@@ -128,9 +128,12 @@ def timm_regnet(tensors, model_cfg: ModelConfig, what: str) -> Weights:
     """timm's RegNet state dict: each module is the layer of its name with `_` for `.` (`s2.b1.conv2.conv` →
     `s2_b1_conv2_conv`, `head.fc` → `head_fc`); torchvision's in timm's names first (`torchvision_as_timm`)."""
     modules = torch_modules(tensors)
-    timm_name = torchvision_as_timm if "stem.0" in modules else (lambda module: module)
-    return renamed_modules(modules, lambda module: (name := timm_name(module)) and name.replace(".", "_"),
-                           model_cfg, what)
+    torchvision = "stem.0" in modules
+
+    def layer(module: str) -> str | None:
+        timm_name = torchvision_as_timm(module) if torchvision else module
+        return timm_name.replace(".", "_") if timm_name else None
+    return renamed_modules(modules, layer, model_cfg, what)
 
 
 # torchvision's RegNet: `stem.0`/`.1` the stem's convolution and batch norm, `trunk_output.blockS.blockS-B` stage S's
