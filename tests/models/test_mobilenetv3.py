@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from support.timm_checks import assert_logits_are
+from support.timm_checks import assert_logits_are, photo_logits
 from tfdp.config import validate
 from tfdp.errors import UserError
 from tfdp.models import build_model
@@ -53,13 +53,6 @@ def keras_small(torch: bool) -> keras.Model:
     return torch_padded(build)() if torch else build()
 
 
-def small_logits(model: keras.Model, data_cfg) -> np.ndarray:
-    """The model's logits on the fixture's photos (every 3rd row and column, cut to 64 px), normalised as the run's
-    config says."""
-    photos = np.load(os.path.join(FIXTURES, "photos.npy"))[:, ::3, ::3][:, :64, :64].astype(np.float32)
-    return model.predict((photos - np.float32(data_cfg.mean)) / np.float32(data_cfg.std), verbose=0)
-
-
 def cfg_for(name: str, init_from: str = "", num_classes: int = 10):
     return validate({"model": {"name": name, "num_classes": num_classes, "init_from": init_from},
                      "data": {"image_size": 64}})
@@ -76,7 +69,8 @@ def test_timm_and_torchvision_mobilenetv3s_give_their_logits_on_real_photos(file
     cfg = cfg_for(SMALL[file], init_from=path)
     loaded, new = load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
     assert new == [] and len(loaded) == len(layers_with_weights(model))
-    assert_logits_are(small_logits(model, cfg.data), np.load(os.path.join(FIXTURES, "mobilenetv3_logits.npz"))[file])
+    theirs = np.load(os.path.join(FIXTURES, "mobilenetv3_logits.npz"))[file]
+    assert_logits_are(photo_logits(model, cfg.data, every=3, size=fixture()["small"]["size"]), theirs)
 
 
 @pytest.mark.parametrize("file,torch", [("mobilenetv3_timm_mini", False), ("mobilenetv3_tf_timm_mini", True)])
@@ -88,7 +82,8 @@ def test_the_other_padding_gives_other_logits(file, torch):
     cfg = cfg_for(SMALL[file], init_from=path)
     load_into(model, read_source(path, cfg.model, cfg.data), cfg.model)
     theirs = np.load(os.path.join(FIXTURES, "mobilenetv3_logits.npz"))[file]
-    assert np.abs(small_logits(model, cfg.data) - theirs).max() > 0.05 * np.abs(theirs).max()
+    ours = photo_logits(model, cfg.data, every=3, size=fixture()["small"]["size"])
+    assert np.abs(ours - theirs).max() > 0.05 * np.abs(theirs).max()
 
 
 @pytest.mark.parametrize("source,name", [("mobilenetv3_large_100", "mobilenet_v3_large_torch"),

@@ -17,11 +17,12 @@ from tfdp.models.weights import layers_with_weights, load_into, torch_weights
 from tfdp.optim.finetune import layer_ids
 
 
-def photo_logits(model: keras.Model, data_cfg, every: int = 1) -> np.ndarray:
-    """The model's logits on tests/fixtures/photos.npy (4 real photos, 224 px; every `every`th row and column),
-    normalised as the run's config says."""
+def photo_logits(model: keras.Model, data_cfg, every: int = 1, size: int | None = None) -> np.ndarray:
+    """The model's logits on tests/fixtures/photos.npy (4 real photos, 224 px; every `every`th row and column, cut
+    to `size` where given), normalised as the run's config says."""
     from conftest import REPO
-    photos = np.load(os.path.join(REPO, "tests", "fixtures", "photos.npy"))[:, ::every, ::every].astype(np.float32)
+    photos = np.load(os.path.join(REPO, "tests", "fixtures", "photos.npy"))[:, ::every, ::every][:, :size, :size]
+    photos = photos.astype(np.float32)
     return model.predict((photos - np.float32(data_cfg.mean)) / np.float32(data_cfg.std), verbose=0)
 
 

@@ -277,15 +277,22 @@ def torchvision_as_timm(modules) -> dict[str, str]:
     return names
 
 
+def other_padding(what: str, source: str, file_tf_padded: bool, model: str, counterpart: str) -> str:
+    """The line for a weights file (`source`: what it is, "holds timm's efficientnet_b0") padded the other way than
+    `model`, naming `counterpart`, the zoo model padded as it is, where there is one."""
+    pads = ("TensorFlow", "PyTorch") if file_tf_padded else ("PyTorch", "TensorFlow")
+    fix = (f"set model.name: {counterpart}" if counterpart in APPS or counterpart in TORCH_PADDED
+           else "no tfdp model of its size is padded as it is")
+    return (f"model.init_from: {what} {source}, padded as {pads[0]} pads; model '{model}' is padded as {pads[1]} "
+            f"pads: {fix}")
+
+
 def torchvision_refusal(model: str, what: str) -> str | None:
     """The line for torchvision's EfficientNet in a model its weights do not fit, else None: torchvision pads as
     PyTorch does (`efficientnet_b*_torch`)."""
     if model.endswith("_torch"):
         return None
-    fix = (f"set model.name: {model}_torch" if f"{model}_torch" in TORCH_PADDED
-           else "no tfdp model of its size is padded as it is")
-    return (f"model.init_from: {what} is in torchvision's layout, padded as PyTorch pads; model '{model}' is "
-            f"padded as TensorFlow pads: {fix}")
+    return other_padding(what, "is in torchvision's layout", False, model, f"{model}_torch")
 
 
 # torchvision builds its EfficientNet-B5, B6 and B7 and its V2s with epsilon 1e-3 (B0-B4 with torch's 1e-5): read into
@@ -305,12 +312,8 @@ def padding_refusal(architecture: str, model: str, what: str) -> str | None:
     found = TIMM_EFFICIENTNET.fullmatch(architecture)
     if not found or bool(found[1]) != model.endswith("_torch"):
         return None
-    pads = ("PyTorch", "TensorFlow") if found[1] else ("TensorFlow", "PyTorch")
     counterpart = found[2] if found[1] else f"{architecture}_torch"
-    fix = (f"set model.name: {counterpart}" if counterpart in APPS or counterpart in TORCH_PADDED
-           else "no tfdp model of its size is padded as it is")
-    return (f"model.init_from: {what} holds timm's {architecture}, padded as {pads[1]} pads; model '{model}' is "
-            f"padded as {pads[0]} pads: {fix}")
+    return other_padding(what, f"holds timm's {architecture}", bool(found[1]), model, counterpart)
 
 
 def timm_efficientnet(depthwise: str) -> Callable[[dict[str, np.ndarray], ModelConfig, str], Weights]:
@@ -434,11 +437,8 @@ def mobilenetv3_refusal(architecture: str, torchvision: bool, model: str, what: 
         return None
     if tf_padded != model.endswith("_torch"):
         return None
-    counterpart = f"mobilenet_v3_{kind}" + ("" if tf_padded else "_torch")
-    source = "torchvision's layout" if torchvision else f"timm's {architecture}"
-    pads = "TensorFlow" if tf_padded else "PyTorch"
-    return (f"model.init_from: {what} holds {source}, padded as {pads} pads; model '{model}' is padded as "
-            f"{'PyTorch' if tf_padded else 'TensorFlow'} pads: set model.name: {counterpart}")
+    source = "holds torchvision's layout" if torchvision else f"holds timm's {architecture}"
+    return other_padding(what, source, tf_padded, model, f"mobilenet_v3_{kind}" + ("" if tf_padded else "_torch"))
 
 
 @register_torch_layout(*(name for name in {**APPS, **TORCH_PADDED} if name.startswith("mobilenet_v3")))
