@@ -32,6 +32,44 @@ def test_ints_are_accepted_for_float_fields():
     assert config_lib.validate({"optimizer": {"lr": 1}}).optimizer.lr == 1.0
 
 
+# YAML 1.2's floats, as recipes and papers write them (PyYAML's YAML 1.1 reads all but the last two as strings).
+WRITTEN_FLOATS = {"1e-3": 1e-3, "5e-5": 5e-5, "1E-12": 1e-12, "+1e3": 1e3, "1.0e3": 1e3, ".5e-2": 0.005,
+                  ".5": 0.5, "2.": 2.0}
+
+
+@pytest.mark.parametrize("text, number", WRITTEN_FLOATS.items())
+def test_floats_read_as_yaml_1_2_reads_them_in_files_and_set(tmp_path, text, number):
+    path = write(tmp_path, f"optimizer:\n  lr: {text}\n")
+    assert config_lib.load_config(path).optimizer.lr == number
+    cfg = config_lib.load_config(None, dict([config_lib.parse_assignment(f"optimizer.lr={text}")]))
+    assert cfg.optimizer.lr == number and type(cfg.optimizer.lr) is float   # a plain float: it dumps as YAML
+    assert yaml.safe_load(config_lib.dump_yaml(cfg))["optimizer"]["lr"] == number
+
+
+def test_a_string_field_takes_a_bare_number_as_written(tmp_path):
+    """A folder named 1e3 (or 2024) stays that folder where the field is a string."""
+    path = write(tmp_path, "model_dir: 1e3\ndata:\n  train_split: 2024\n  val_split: 0x10\n  cache_limit: 1000\n")
+    cfg = config_lib.load_config(path, dict([config_lib.parse_assignment("data.tfds_name=1.50")]))
+    assert (cfg.model_dir, cfg.data.train_split, cfg.data.val_split) == ("1e3", "2024", "0x10")
+    assert cfg.data.tfds_name == "1.50"
+    assert cfg.data.cache_limit == 1000 and type(cfg.data.cache_limit) is int   # int | str: the number stays one
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1e-3x", "config field 'optimizer.lr': input should be a valid number (got '1e-3x')"),
+    ("1e", "config field 'optimizer.lr': input should be a valid number (got '1e')"),
+    ("e-3", "config field 'optimizer.lr': input should be a valid number (got 'e-3')"),
+])
+def test_what_is_no_number_still_fails_in_one_line(tmp_path, value, message):
+    for overrides, path in (({"optimizer.lr": config_lib.parse_assignment(f"x={value}")[1]}, None),
+                            ({}, write(tmp_path, f"optimizer:\n  lr: {value}\n"))):
+        with pytest.raises(UserError) as e:
+            config_lib.load_config(path, overrides)
+        assert str(e.value) == message
+    with pytest.raises(UserError, match=r"^config field 'train.epochs': input should be a valid integer \(got 1000.0\)$"):
+        config_lib.load_config(None, dict([config_lib.parse_assignment("train.epochs=1e3")]))
+
+
 @pytest.mark.parametrize("raw, message", [
     ({"data": {"imge_size": 32}}, "unknown config key 'data.imge_size'; did you mean 'data.image_size'?"),
     ({"trian": {}}, "unknown config key 'trian'; did you mean 'train'?"),

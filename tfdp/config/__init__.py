@@ -19,13 +19,15 @@ from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
-from pydantic import ConfigDict, Field, Strict
+from pydantic import BeforeValidator, ConfigDict, Field, Strict
 
 from tfdp.config.rand_augment import RAND_AUGMENT_OP_NAMES, parse_rand_augment
 from tfdp.config.model_dir import DEFAULT_SCRATCH_DIR, check_model_dir
+from tfdp.config.schedule_rules import check_schedule_rules
 from tfdp.errors import UserError
 from tfdp.config.image_sizes import ramp_sizes
 from tfdp.config.imagenet_stats import IMAGENET_MEAN, IMAGENET_STD  # noqa: F401  (public here too)
+from tfdp.config import yaml_floats
 
 _FORBID = ConfigDict(extra="forbid")
 
@@ -35,7 +37,7 @@ PosFloat = Annotated[float, Strict(), Field(gt=0)]
 NonNegFloat = Annotated[float, Strict(), Field(ge=0)]
 Fraction = Annotated[float, Strict(), Field(ge=0, le=1)]
 Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
+Str = Annotated[str, Strict(), BeforeValidator(yaml_floats.scalar_text)]   # a bare number: its text as written
 
 
 DEFAULT_CACHE_DIR = "~/.cache/tfdp/remote"
@@ -64,7 +66,7 @@ class DataConfig:
     # a number of bytes. A share that fits is copied once, as a whole; a larger one is streamed, each file
     # fetched ahead of the reader and deleted once read (docs/data.md, bounded cache). auto: half the free
     # space of data.cache_dir at start.
-    cache_limit: Annotated[int, Strict()] | Str = "auto"
+    cache_limit: Annotated[Annotated[int, Strict()] | Str, Field(union_mode="left_to_right")] = "auto"
     # Through the tf.data service, where its workers keep their copies of a bucket's training files
     # (`tfdp data-service worker --mirror=URL --cache_dir=DIR`): the trainer sends these paths and reads
     # none of the training data itself. "": the same as data.cache_dir.
@@ -84,6 +86,11 @@ class DataConfig:
     eval_crop_fraction: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.875
     # Test-time crop side (FixRes: evaluate above the training size, e.g. train 176, test 224); 0 = image_size.
     eval_image_size: NonNegInt = 0
+    # How evaluation, prediction and export resize: fast (the central crop decoded alone, then resized bilinearly
+    # without antialiasing: the cheapest), or bilinear | bicubic (timm's and torchvision's evaluation: the shorter
+    # side resized to the crop side / eval_crop_fraction, antialiased as Pillow's, then the central crop). Unset,
+    # with model.init_from: the weights' own (a timm pretrained cfg's interpolation; torchvision's bilinear).
+    eval_interpolation: Literal["fast", "bilinear", "bicubic"] = "fast"
     # Progressive resizing (FFCV): train at progressive_min_size up to progressive_start_epoch (0-based), then
     # at sizes rising to image_size at progressive_end_epoch, rounded to multiples of progressive_step
     # (FFCV's get_resolution, tfdp/config/image_sizes.py); 0 = off, every epoch at image_size.
@@ -171,23 +178,40 @@ class ModelConfig:
 class OptimizerConfig:
     __pydantic_config__ = _FORBID
     # sgd (momentum) | adamw | lamb | lars (layer-wise trust ratio, for very large batches) | rmsprop (TensorFlow 1's,
-    # as the EfficientNet recipes); see tfdp/optim/optimizers.py
-    name: Literal["sgd", "adamw", "lamb", "lars", "rmsprop"] = "sgd"
-    # Learning rate per 256 images; scaled linearly with the global batch.
+    # as the EfficientNet recipes) | muon | lion | schedule_free_adamw | adafactor (Keras' own); under rules timm
+    # and torchvision sgd, adamw and lamb take torch's and timm's forms; see tfdp/optim/optimizers.py
+    name: Literal["sgd", "adamw", "lamb", "lars", "rmsprop", "muon", "lion", "schedule_free_adamw",
+                  "adafactor"] = "sgd"
+    # The learning rate, scaled with the global batch as optimizer.lr_scale says: under rules keras the rate per
+    # 256 images; under rules timm and torchvision the rate as given (their --lr).
     lr: PosFloat = 0.1
-    momentum: Fraction = 0.9               # sgd, lars, rmsprop
-    nesterov: Bool = False                 # sgd
+    # How optimizer.lr scales with the global batch G: linear (lr x G / lr_base_size), sqrt (lr x sqrt(G /
+    # lr_base_size)) or none (as given). auto: linear under rules keras, none under timm and torchvision.
+    # timm's --lr-base X: optimizer.lr X with linear (its default for SGD-like optimizers) or sqrt (its default
+    # for names holding "ada" or "lamb"), as its --lr-base-scale says.
+    lr_scale: Literal["auto", "linear", "sqrt", "none"] = "auto"
+    # The batch optimizer.lr is given for, with lr_scale linear or sqrt (timm's --lr-base-size). None: 256.
+    lr_base_size: PosInt | None = None
+    momentum: Fraction = 0.9               # sgd, lars, rmsprop, muon
+    nesterov: Bool = False                 # sgd, muon
     rho: Fraction = 0.9                    # rmsprop: decay of the mean squared gradient
-    beta1: Fraction = 0.9                  # adamw, lamb
-    beta2: Fraction = 0.999                # adamw, lamb
-    epsilon: PosFloat = 1e-8               # adamw, lamb, rmsprop (EfficientNet: 1e-3)
+    beta1: Fraction = 0.9                  # adamw, lamb, lion, schedule_free_adamw, muon (its adam steps)
+    beta2: Fraction = 0.999                # adamw, lamb, lion (Lion's paper: 0.99), schedule_free_adamw, muon
+    epsilon: PosFloat = 1e-8               # adamw, lamb, rmsprop (EfficientNet: 1e-3), schedule_free_adamw, muon
     weight_decay: NonNegFloat = 0.0   # sgd/lars: L2 through the gradient; adamw/lamb: decoupled
     # Most ImageNet recipes decay only conv/dense kernels, not batch-norm scale/shift or biases.
     decay_norm_and_bias: Bool = True
     # Clip the global gradient norm to this (0: off).
     clip_norm: NonNegFloat = 0.0
-    # Exponential moving average of the weights with this decay (0: off), warmed up as (1 + t) / (10 + t).
+    # Exponential moving average of the weights with this decay (0: off). rules keras: warmed up as
+    # (1 + t) / (10 + t), trainable weights only; timm: ModelEmaV3 (--model-ema-decay), torchvision:
+    # ExponentialMovingAverage (--model-ema-decay), both averaging the batch-norm statistics too.
     ema_decay: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
+    # rules timm only: ModelEmaV3's decay warmup (--model-ema-warmup), min(decay, 1 - (1 + t) ** (-2/3)).
+    ema_warmup: Bool = False
+    # rules torchvision only: update the average every this many steps (--model-ema-steps; 0: its default, 32),
+    # with the decay adjusted as torchvision does for the global batch and the epochs.
+    ema_every_steps: NonNegInt = 0
     # Layer-wise learning-rate decay (timm's --layer-decay): a variable in layer group i of n (the stem 0, one per
     # block, the head n-1) trains at lr * layer_decay ** (n - 1 - i), its decoupled weight decay scaled alike;
     # 0 or 1 = off. Needs a model with a layer grouping (the ResNet family, VGG, simple_cnn, the transformers,
@@ -200,13 +224,39 @@ class OptimizerConfig:
 @dataclasses.dataclass
 class ScheduleConfig:
     __pydantic_config__ = _FORBID
-    # linear: from the peak straight down to 0 at the last step (with warmup, FFCV's triangular "cyclic" schedule).
-    name: Literal["cosine", "linear", "step", "exponential", "constant", "one_cycle"] = "cosine"
-    warmup_epochs: NonNegFloat = 0.0   # linear warmup from 0 to the peak rate
-    # For `step`: epochs at which the rate is multiplied by `decay_rate`.
-    decay_epochs: tuple[PosInt, ...] = (30, 60, 80)
-    # `step`: factor at each decay epoch; `exponential`: factor per epoch.
+    # The rate's shape after the warmup. rules keras: cosine, linear (from the peak straight down to 0 at the last
+    # step; with warmup, FFCV's triangular "cyclic" schedule), step, exponential, constant or one_cycle; rules timm
+    # (its --sched): cosine, step, multistep or constant; rules torchvision (its --lr-scheduler): cosine
+    # (cosineannealinglr), step (steplr) or exponential (exponentiallr). None: the rule set's default (cosine;
+    # torchvision: step). docs/recipes.md.
+    name: Literal["cosine", "linear", "step", "multistep", "exponential", "constant", "one_cycle"] | None = None
+    # Epochs of warmup (timm's --warmup-epochs, torchvision's --lr-warmup-epochs; whole epochs for both). keras:
+    # per step from peak/W to the peak. None: the rule set's default (0; timm: 5).
+    warmup_epochs: NonNegFloat | None = None
+    # step and multistep decay. A list: the epochs at which the rate is multiplied by decay_rate (keras step, timm
+    # multistep's --decay-milestones); a number: decay every this many epochs (timm step's --decay-epochs,
+    # torchvision's --lr-step-size). None: the rule set's default (keras [30, 60, 80]; timm 90 or [90, 180, 270];
+    # torchvision 30).
+    decay_epochs: tuple[PosInt, ...] | PosFloat | None = None
+    # step, multistep: factor at each decay; exponential: factor per epoch (timm's --decay-rate, torchvision's
+    # --lr-gamma).
     decay_rate: Annotated[float, Strict(), Field(gt=0, le=1)] = 0.1
+    # rules timm and torchvision: the rate cosine ends at (timm's --min-lr, torchvision's --lr-min). None: 0.
+    min_lr: NonNegFloat | None = None
+    # rules timm: the rate warmup starts from (--warmup-lr). None: timm's 1e-5.
+    warmup_lr: NonNegFloat | None = None
+    # rules timm: warmup before the schedule rather than inside its epochs (--warmup-prefix). None: false.
+    warmup_prefix: Bool | None = None
+    # rules timm: the rate changes every optimizer update, not once an epoch (--sched-on-updates). None: false.
+    on_updates: Bool | None = None
+    # rules timm, cosine: last epochs held at min_lr after the cosine (--cooldown-epochs); train.epochs counts
+    # them. None: 0.
+    cooldown_epochs: NonNegInt | None = None
+    # rules torchvision: warmup linear (rising from lr x warmup_decay) or constant (lr x warmup_decay)
+    # (--lr-warmup-method). None: torchvision's constant.
+    warmup_method: Literal["linear", "constant"] | None = None
+    # rules torchvision: the warmup's factor on the rate (--lr-warmup-decay). None: torchvision's 0.01.
+    warmup_decay: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None
     # `one_cycle` (Smith & Topin 2019, as torch's OneCycleLR): rise from peak/div_factor over
     # pct_start of the run, then cosine down to peak/(div_factor*final_div_factor).
     pct_start: Annotated[float, Strict(), Field(gt=0, lt=1)] = 0.3
@@ -361,6 +411,11 @@ class Config:
     model_dir: Str = "runs/default"
     # A bucket model_dir's local working copy (the newest checkpoints and the logs, uploaded as written).
     scratch_dir: Str = DEFAULT_SCRATCH_DIR
+    # Whose training rules the run follows, so a recipe trains step for step as the trainer it quotes:
+    # keras (Keras' optimizers and tfdp's per-step schedules: Model Garden, google/automl), timm (timm's
+    # train.py: its schedulers, torch's SGD momentum and Adam epsilon, ModelEmaV3) or torchvision (its
+    # references/classification/train.py). docs/recipes.md lists what each changes.
+    rules: Literal["keras", "timm", "torchvision"] = "keras"
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -380,7 +435,7 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise UserError(f"config file not found: {path}")
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+            raw = yaml_floats.load_config_text(f)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
@@ -414,7 +469,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise UserError(f"--set expects KEY=VALUE (for example optimizer.lr=0.2), got {text!r}")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = yaml_floats.load_config_text(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     return key.strip(), parsed
@@ -436,8 +491,9 @@ FLAG_FIELDS = {
 }
 
 
-def validate(raw: dict[str, Any]) -> Config:
-    """Turns a merged dict into a `Config`, or raises a one-line `UserError`."""
+def validate(raw: dict[str, Any], from_run: bool = True) -> Config:
+    """Turns a merged dict into a `Config`, or raises a one-line `UserError`. `from_run` False: a command that
+    starts from model.init_from's weights, not the run in model_dir, takes their preprocessing, not the run's."""
     try:
         cfg = _ADAPTER.validate_python(raw)
     except pydantic.ValidationError as e:
@@ -447,17 +503,17 @@ def validate(raw: dict[str, Any]) -> Config:
     # the weights' preprocessing (their image size too), where the user set none (a DataConfig given whole counts
     # as set); before the cross-field checks, which read the image size
     resolve(cfg, set_by_user=set(data) if isinstance(data, dict)
-            else {f.name for f in dataclasses.fields(cfg.data)})
+            else {f.name for f in dataclasses.fields(cfg.data)}, from_run=from_run)
     _check_cross_field(cfg)
     return cfg
 
 
-def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> Config:
-    """The edge of the program: file + overrides → validated `Config`."""
+def load_config(path: str | None, overrides: dict[str, Any] | None = None, from_run: bool = True) -> Config:
+    """The edge of the program: file + overrides → validated `Config` (`from_run`: see `validate`)."""
     raw = read_yaml(path) if path else {}
     for dotted, value in (overrides or {}).items():
         apply_override(raw, dotted, value)
-    return validate(raw)
+    return validate(raw, from_run)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -486,13 +542,10 @@ def _check_cross_field(cfg: Config) -> None:
     if len(d.mean) != 3 or len(d.std) != 3:
         raise UserError("data.mean and data.std must each have 3 values (R, G, B)")
     _check_progressive(d)
-    if cfg.schedule.name == "step" and list(cfg.schedule.decay_epochs) != sorted(cfg.schedule.decay_epochs):
-        raise UserError("schedule.decay_epochs must be in increasing order")
+    check_schedule_rules(cfg)   # schedule and LR-scaling fields against cfg.rules, the rule set's defaults filled in
     first, last = cfg.log.profile_steps
     if (first or last) and not 0 < first <= last:
         raise UserError("log.profile_steps must be [first, last] with 0 < first <= last, or [0, 0] for off")
-    if cfg.schedule.warmup_epochs >= cfg.train.epochs:
-        raise UserError("schedule.warmup_epochs must be smaller than train.epochs")
     if cfg.model.sync_bn and cfg.train.jit_compile is True:
         raise UserError("model.sync_bn needs train.jit_compile: false (its all-reduce cannot run inside the "
                         "per-replica XLA step)")
@@ -500,6 +553,7 @@ def _check_cross_field(cfg: Config) -> None:
     if t.global_batch and t.global_batch % t.grad_accum_steps:
         raise UserError(f"train.global_batch ({t.global_batch}) is not a multiple of train.grad_accum_steps "
                         f"({t.grad_accum_steps})")
+    _check_ema_rules(cfg)
     if cfg.train.best_metric.startswith("val_ema_") and not cfg.optimizer.ema_decay:
         raise UserError(f"train.best_metric {cfg.train.best_metric} needs optimizer.ema_decay above 0")
     if cfg.train.best_metric.startswith("val_ema_") and cfg.train.validate == "never":
@@ -520,6 +574,17 @@ def _check_cross_field(cfg: Config) -> None:
         _check_dali(cfg)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run
+
+
+# EMA fields that only one rule set has: (field, the rules that have it).
+_EMA_RULE_FIELDS = (("ema_warmup", "timm"), ("ema_every_steps", "torchvision"))
+
+
+def _check_ema_rules(cfg: Config) -> None:
+    """An EMA setting of one trainer's rules, set under another's: one line naming both."""
+    for field, rules in _EMA_RULE_FIELDS:
+        if getattr(cfg.optimizer, field) and cfg.rules != rules:
+            raise UserError(f"optimizer.{field} is a rules: {rules} setting (this config has rules: {cfg.rules})")
 
 
 def _check_fine_tuning(cfg: Config) -> None:
@@ -584,6 +649,9 @@ def _check_dali(cfg: Config) -> None:
                         f"seeded ones, so runs would not repeat (use data.decoder: tf)")
     if d.format == "synthetic":
         raise UserError("data.decoder: dali has nothing to decode in data.format: synthetic (use data.decoder: tf)")
+    if d.eval_interpolation != "fast":
+        raise UserError(f"data.decoder: dali crops evaluation images as data.eval_interpolation fast, not "
+                        f"{d.eval_interpolation} (use data.decoder: tf, or data.eval_interpolation: fast)")
 
 
 def _check_service(cfg: Config) -> None:

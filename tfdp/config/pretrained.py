@@ -37,11 +37,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
 from typing import TYPE_CHECKING, Callable, Collection
 
 import yaml
 
+from tfdp.config import yaml_floats
 from tfdp.config.imagenet_stats import IMAGENET_MEAN, IMAGENET_STD
 from tfdp.errors import UserError
 
@@ -49,9 +51,11 @@ if TYPE_CHECKING:
     from tfdp.config import Config, DataConfig, ModelConfig
 
 # The data config's fields that belong to the weights.
-PREPROCESSING = ("mean", "std", "channel_order", "eval_crop_fraction", "image_size")
+PREPROCESSING = ("mean", "std", "channel_order", "eval_crop_fraction", "eval_interpolation", "image_size")
 # ... those a run started from another run's weights takes from it
-FROM_ANOTHER_RUN = ("mean", "std", "channel_order", "eval_crop_fraction")
+FROM_ANOTHER_RUN = ("mean", "std", "channel_order", "eval_crop_fraction", "eval_interpolation")
+# timm's (and torchvision's) interpolation names that data.eval_interpolation reproduces
+INTERPOLATIONS = ("bilinear", "bicubic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +66,10 @@ class Preprocessing:
     std: tuple[float, ...] | None = None
     channel_order: str | None = None            # rgb | bgr: what the model's first layer sees
     eval_crop_fraction: float | None = None     # timm's crop_pct
-    interpolation: str | None = None            # timm's; reported, tfdp resizes bilinearly
+    eval_interpolation: str | None = None       # how evaluation resizes (timm's interpolation, a run's own)
     image_size: int | None = None               # the side the weights were trained at (timm's input_size)
+    interpolation: str | None = None            # the source's own word for it (reported where tfdp has no match)
+    assumed: str = ""                           # what tfdp assumed for weights that say nothing, and why
 
     def values(self) -> dict[str, object]:
         return {f: getattr(self, f) for f in PREPROCESSING if getattr(self, f) is not None}
@@ -94,8 +100,9 @@ KERAS_IMAGENET: dict[str, str] = {
     **{f"efficientnet_b{v}": "torch" for v in range(8)},
     **{f"efficientnetv2_{v}": "x/128-1" for v in ("s", "m", "l")},
 }
-# torchvision's ImageNet weights (its transforms' Normalize); timm's default where a file says nothing
-TORCHVISION = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, "channel_order": "rgb"}
+# torchvision's ImageNet weights (its transforms' Normalize, after Resize(256, bilinear, antialias) and
+# CenterCrop(224)); timm's default where a file says nothing
+TORCHVISION = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, "channel_order": "rgb", "eval_interpolation": "bilinear"}
 
 
 def keras_imagenet(model_cfg: ModelConfig) -> Preprocessing | None:
@@ -120,7 +127,7 @@ def run_config(run_dir: str, what: str, fields: tuple[str, ...] = PREPROCESSING)
     """The preprocessing a tfdp run trained with, from its resolved config.yaml (older runs: rgb): `fields` of it."""
     try:
         with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
-            data = (yaml.safe_load(f) or {}).get("data") or {}
+            data = (yaml_floats.load(f) or {}).get("data") or {}
     except (OSError, yaml.YAMLError, AttributeError):
         return None
     found = {k: data[k] for k in fields if k in data}
@@ -183,7 +190,10 @@ def timm_architecture(path: str) -> str | None:
 def torch_file(spec: str, model_cfg: ModelConfig) -> Preprocessing:
     cfg = _timm_cfg(spec)
     if cfg is None:
-        return Preprocessing(f"{os.path.basename(spec)} (torchvision's ImageNet normalisation)", **TORCHVISION)
+        return Preprocessing(f"{os.path.basename(spec)} (torchvision's ImageNet normalisation)", **TORCHVISION,
+                             assumed=f"{os.path.basename(spec)} carries no pretrained cfg (no metadata, no "
+                                     f"config.json beside it): torchvision's ImageNet mean/std and bilinear resize "
+                                     f"are assumed, as timm assumes for such a file")
     try:
         found = {"mean": tuple(255 * float(m) for m in cfg["mean"]), "std": tuple(255 * float(s) for s in cfg["std"]),
                  "channel_order": "rgb"}
@@ -191,6 +201,8 @@ def torch_file(spec: str, model_cfg: ModelConfig) -> Preprocessing:
             found["eval_crop_fraction"] = float(cfg["crop_pct"])
         if cfg.get("input_size"):   # (channels, height, width)
             found["image_size"] = int(cfg["input_size"][-1])
+        if cfg.get("interpolation") in INTERPOLATIONS:
+            found["eval_interpolation"] = cfg["interpolation"]
     except (KeyError, TypeError, ValueError, IndexError):
         raise UserError(f"model.init_from: {spec}: its pretrained cfg has no usable mean and std "
                         f"(got {str(cfg)[:120]})") from None
@@ -209,7 +221,8 @@ def checked(p: Preprocessing, where: str) -> Preprocessing:
                                                                   for s in p.std)))
            or p.channel_order not in (None, "rgb", "bgr")
            or (p.eval_crop_fraction is not None and not 0 < p.eval_crop_fraction <= 1)
-           or (p.image_size is not None and not (isinstance(p.image_size, int) and p.image_size > 0)))
+           or (p.image_size is not None and not (isinstance(p.image_size, int) and p.image_size > 0))
+           or p.eval_interpolation not in (None, "fast", *INTERPOLATIONS))
     if bad:
         raise UserError(f"model.init_from: {where}: its preprocessing (mean {p.mean}, std {p.std}, channel order "
                         f"{p.channel_order}, crop {p.eval_crop_fraction}, image size {p.image_size}) is not 3 means, "
@@ -303,14 +316,31 @@ def own_run(model_dir: str) -> Preprocessing | None:
         os.path.join(path, "config.yaml")) else None
 
 
-def resolve(cfg: Config, set_by_user: Collection[str]) -> None:
-    """Fills `cfg.data`'s preprocessing fields not in `set_by_user` from the weights the run starts from."""
-    found = own_run(cfg.model_dir) or from_weights(cfg.model)
-    if found is None:
-        return
-    for field, value in found.values().items():
+# A model's native image size in its name, as timm names them: the last number after the patch or window size
+# (vit_small_patch16_224, swin_base_patch4_window12_384, vit_mediumd_patch16_reg4_gap_384); a RegNet's or
+# EfficientNet's trailing number is its width or variant, not a size.
+NATIVE_SIZE = re.compile(r"(?:patch|window)\d+(?:_[a-z0-9]+)*?_(\d{2,4})$")
+
+
+def native_size(name: str) -> int | None:
+    """The side `name` was designed for, where its name says (timm's `_224`), else None."""
+    found = NATIVE_SIZE.search(name)
+    return int(found.group(1)) if found else None
+
+
+def resolve(cfg: Config, set_by_user: Collection[str], from_run: bool = True) -> None:
+    """Fills `cfg.data`'s preprocessing fields not in `set_by_user` from the weights the run starts from (`from_run`:
+    the run's own checkpoints in model_dir first; False where a command starts from model.init_from alone), then
+    the image size from the model's name where nothing else gave one."""
+    found = (own_run(cfg.model_dir) if from_run else None) or from_weights(cfg.model)
+    values = found.values() if found is not None else {}
+    for field, value in values.items():
         if field not in set_by_user:
             setattr(cfg.data, field, value)
+    size = native_size(cfg.model.name)
+    if size and "image_size" not in set_by_user and "image_size" not in values and not (
+            found is not None and found.what.startswith("the run's own")):
+        cfg.data.image_size = size
 
 
 def _numbers(values) -> str:
@@ -337,8 +367,11 @@ def line(model_cfg: ModelConfig, data_cfg: DataConfig) -> str | None:
         parts.append(f"image size {taken['image_size']}")
     own = [f"data.{f}" for f in found.values() if f not in taken]
     kept = f"; {', '.join(own)} from the config" if own else ""
-    interpolation = (f"; the weights' {found.interpolation} interpolation is not applied (tfdp resizes bilinearly)"
-                     if found.interpolation and found.interpolation != "bilinear" else "")
+    if "eval_interpolation" in taken:
+        parts.append(f"{taken['eval_interpolation']} resize")
+    interpolation = (f"; the weights' {found.interpolation} interpolation has no match in data.eval_interpolation "
+                     f"(fast, bilinear, bicubic): fast is used" if found.interpolation and not found.eval_interpolation
+                     and found.interpolation not in INTERPOLATIONS else "")
     fields = "/".join(f for f in PREPROCESSING if f in found.values())
     return (f"tfdp: preprocessing from {found.what}: {', '.join(parts)}{kept}{interpolation}; "
             f"set data.{fields} to override")

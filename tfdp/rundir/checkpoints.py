@@ -41,7 +41,7 @@ import keras
 import numpy as np
 import yaml
 
-from tfdp.config import Config
+from tfdp.config import Config, yaml_floats
 from tfdp.config.pretrained import run_dir_of
 from tfdp.errors import UserError, atomic_write_text, first_line, write_errors
 
@@ -289,7 +289,7 @@ def trained_as(path: str, cfg: Config) -> str | None:
     run = run_dir_of(path)
     try:
         with open(os.path.join(run, "config.yaml"), encoding="utf-8") as f:
-            found = yaml.safe_load(f) or {}
+            found = yaml_floats.load(f) or {}
         theirs = {"model.name": found["model"]["name"], "model.num_classes": found["model"]["num_classes"],
                   "data.image_size": found["data"]["image_size"]}
     except (TypeError, OSError, KeyError, yaml.YAMLError):   # no run around it, or an unreadable config

@@ -52,12 +52,13 @@ def keep_recorded(model_dir: str, spec: str) -> None:
     repository at the commit its weights came from, which the handle as given again (a branch) may no longer be."""
     import yaml
 
+    from tfdp.config import yaml_floats
     from tfdp.rundir import hub
     if not hub.is_handle(spec):
         return
     try:
         with open(os.path.join(os.path.expanduser(model_dir), "config.yaml"), encoding="utf-8") as f:
-            saved = (yaml.safe_load(f) or {}).get("model", {}).get("init_from")
+            saved = (yaml_floats.load(f) or {}).get("model", {}).get("init_from")
         same = (isinstance(saved, str) and hub.is_handle(saved) and saved.split(":")[0] == spec.split(":")[0]
                 and hub.parse(saved, "")[0] == hub.parse(spec, "")[0])
     except (OSError, yaml.YAMLError, AttributeError, UserError):

@@ -37,6 +37,7 @@ import tarfile
 import numpy as np
 import yaml
 
+from tfdp.config import yaml_floats
 from tfdp.data.layouts import IMAGE_EXTENSIONS, Source, Split, file_names, read_text
 from tfdp.data.layouts.records import SPLIT_PREFIXES, read_synsets
 from tfdp.data.storage import filesystem, is_remote, localize, url
@@ -109,7 +110,7 @@ def read_info(fs, root: str) -> dict:
         if not fs.exists(path):
             continue
         try:
-            info = (json.loads if name.endswith(".json") else yaml.safe_load)(read_text(fs, path))
+            info = (json.loads if name.endswith(".json") else yaml_floats.load)(read_text(fs, path))
         except (ValueError, yaml.YAMLError) as e:
             raise UserError(f"{url(fs, path)} is not {name.rpartition('.')[2].upper()}: {first_line(e, 80)}") from None
         if not isinstance(info, dict) or not isinstance(info.get("splits"), dict):
