@@ -122,7 +122,7 @@ def test_recipes_read_imagenet_shards(tmp_path):
 # 16-24 px, 64 training images (`tiny_dir`), 2 epochs of 4 steps, the progressive ramp squeezed into them. What the
 # runs prove (every switch trains, evaluates and is read back) needs no more images than that. In float32, not
 # the recipes' bfloat16: on a CPU without bfloat16 instructions TensorFlow emulates bfloat16 kernels, which made
-# these runs minutes long (docs/benchmarks.md, test suite); bfloat16 training is proven by
+# these runs minutes long (docs/benchmarks.md, models: precision and XLA); bfloat16 training is proven by
 # tests/test_cli.py::test_mixed_bfloat16_matches_float32_accuracy.
 # In this process, with the flags `tfdp train` and `tfdp evaluate` would get (resolved to the config as the CLI
 # resolves them, then the commands' own functions): what is tested is each recipe's switches, not the process

@@ -418,7 +418,7 @@ def pipeline_threads(cfg: DataConfig, on_gpu: bool, replicas: int = 1) -> int:
     decoders, and more of them cost more than they give: on one H200 (16
     cores) ResNet-18 trained at 0.98x its synthetic rate with 3, 0.92x with
     4, 0.91x with 6 and 0.82x with 8, DALI's own threads taking 0.12, 0.19,
-    0.40 and 0.66 ms of host CPU per image (docs/benchmarks.md, third lease).
+    0.40 and 0.66 ms of host CPU per image (docs/benchmarks.md, DALI on one H200).
     """
     if cfg.dali_threads:
         return cfg.dali_threads
