@@ -32,7 +32,9 @@ class EpochStats(keras.callbacks.Callback):
     With a live progress bar the per-batch logs get `lr` and a running
     `images_per_sec` too (Keras runs the bar after every other callback).
     Throughput counts the steps this process ran, so the partial first epoch
-    of a resumed run is timed correctly.
+    of a resumed run is timed correctly. `images_per_sec_after_first_step`
+    leaves out the epoch's first step (its tracing): a run of one epoch has no
+    later epoch to time, and a short one spends most of its epoch tracing.
     """
 
     def __init__(self, global_batch: int, corrupt=None, live: bool = False,
@@ -42,16 +44,18 @@ class EpochStats(keras.callbacks.Callback):
         self.image_size = image_size  # progressive resizing: the side of the images this epoch trains on
         self.global_batch = global_batch
         self.live = live  # a progress bar shows per-batch values (a terminal); otherwise none are computed
-        self._start = self._train_end = 0.0
-        self._steps = 0
+        self._start = self._train_end = self._first_end = 0.0
+        self._steps = self._first_steps = 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()
-        self._train_end = 0.0
-        self._steps = 0
+        self._train_end = self._first_end = 0.0
+        self._steps = self._first_steps = 0
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps = batch + 1
+        if not self._first_steps:   # the first call (of train.steps_per_execution steps): tracing ends here
+            self._first_end, self._first_steps = time.perf_counter(), self._steps
         # Reading the learning rate waits for the step in flight; without a progress bar to show it, that
         # wait would only keep the host from queueing the next step.
         if self.live and logs is not None:
@@ -70,6 +74,9 @@ class EpochStats(keras.callbacks.Callback):
         logs["lr"] = self._lr()
         logs["seconds"] = seconds
         logs["images_per_sec"] = self._steps * self.global_batch / seconds
+        if self._steps > self._first_steps > 0:
+            after = (self._train_end or time.perf_counter()) - self._first_end
+            logs["images_per_sec_after_first_step"] = (self._steps - self._first_steps) * self.global_batch / after
         if self.corrupt is not None:
             logs["corrupt_images"] = self.corrupt.value()
         if self.image_size is not None:
@@ -128,8 +135,10 @@ class EmaEvaluation(keras.callbacks.Callback):
     The averages are swapped into the model for one more pass over the
     validation split and swapped out again, as timm's `--model-ema` evaluates
     both; `train.best_metric: val_ema_top1` then picks the best checkpoint by
-    them. Batch-norm statistics are the raw model's (replica-averaged): Keras
-    averages trainable weights only. Every worker runs it (a collective).
+    them. Batch-norm statistics: under rules timm and torchvision the EMA's own
+    (their averages, as timm's and torchvision's EMA models hold them); under
+    keras rules the raw model's (replica-averaged), Keras averaging trainable
+    weights only. Every worker runs it (a collective).
     """
 
     def __init__(self, validation):
@@ -145,10 +154,14 @@ class EmaEvaluation(keras.callbacks.Callback):
 
 @contextlib.contextmanager
 def ema_weights(model: keras.Model):
-    """The optimizer's moving averages in place of the trained weights, which are put back after."""
-    averaged = model.optimizer._trainable_variables  # all, frozen ones too (train.freeze): what the averages follow
+    """The optimizer's moving averages in place of the trained weights (and, under rules timm and
+    torchvision, of the batch-norm statistics), which are put back after."""
+    optimizer = model.optimizer
+    # All trained variables, frozen ones too (train.freeze): what the averages follow; then the buffers.
+    averaged = [*optimizer._trainable_variables, *getattr(optimizer, "tfdp_buffers", ())]
+    averages = [*optimizer._model_variables_moving_average, *getattr(optimizer, "tfdp_buffer_averages", ())]
     raw = [keras.ops.convert_to_numpy(v) for v in averaged]
-    for variable, average in zip(averaged, model.optimizer._model_variables_moving_average):
+    for variable, average in zip(averaged, averages):
         variable.assign(average)
     try:
         yield

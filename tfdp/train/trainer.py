@@ -347,7 +347,7 @@ def save_config(cfg: Config, model_dir: str, shown: str | None = None) -> None:
 
 
 def summarize(rows: list[dict], runtime: Runtime, plan: Plan, best_metric: str = "val_top1") -> dict:
-    """Final numbers from the metrics log; throughput skips the first epoch (tracing) when it can.
+    """Final numbers from the metrics log; throughput skips the first epoch (tracing) when it can (`throughput`).
 
     The best epoch is the one `train.best_metric` picks, as for the best checkpoint.
     """
@@ -355,6 +355,7 @@ def summarize(rows: list[dict], runtime: Runtime, plan: Plan, best_metric: str =
         raise UserError("no epochs recorded in the metrics log")
     last = rows[-1]
     timed = rows[1:] if len(rows) > 1 else rows
+    rate, window = throughput(rows)
     if best_metric.endswith("loss"):
         best = min(rows, key=lambda r: r.get(best_metric, float("inf")))
     else:
@@ -366,13 +367,32 @@ def summarize(rows: list[dict], runtime: Runtime, plan: Plan, best_metric: str =
         "best_val_top1": best.get("val_top1"),
         "best_epoch": best["epoch"],
         "seconds_per_epoch": sum(r["seconds"] for r in timed) / len(timed),
-        "images_per_sec": sum(r["images_per_sec"] for r in timed) / len(timed),
+        "images_per_sec": rate,
+        "rate_window": window,
         "replicas": runtime.num_replicas,
         "global_batch": plan.global_batch,
         "corrupt_images": int(last.get("corrupt_images", 0)),
         "lost_records": plan.lost_records,
         "damaged_shards": [os.path.basename(f) for f in plan.damaged],
     }
+
+
+def throughput(rows: list[dict]) -> tuple[float, str]:
+    """Training images/s, and what it leaves out where that is not the first epoch: the mean over the epochs after
+    the first (whose steps include tracing); a run of one epoch has none, so its steps after its first; a run of one
+    step (or rows without that column), that step, tracing included. A short run's rate is then its model's, not
+    its tracing's: a one-epoch fine-tune on a few images spends most of its epoch tracing."""
+    if len(rows) > 1:
+        return sum(r["images_per_sec"] for r in rows[1:]) / (len(rows) - 1), ""
+    if rows[0].get("images_per_sec_after_first_step"):
+        return rows[0]["images_per_sec_after_first_step"], "after the first step, whose tracing it leaves out"
+    return rows[0]["images_per_sec"], "over the one step, tracing included"
+
+
+def rate_words(rate: float, window: str = "") -> str:
+    """`rate` images/s to two significant digits or more (a slow model's 0.27 is not 0), and its window."""
+    number = f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
+    return f"{number} images/s" + (f" ({window})" if window else "")
 
 
 def validation_words(s: dict) -> str:
@@ -385,7 +405,7 @@ def validation_words(s: dict) -> str:
 
 def format_summary(s: dict) -> str:
     return (f"tfdp: done: {s['epochs']} epochs, {validation_words(s)}, "
-            f"{s['seconds_per_epoch']:.1f} s/epoch, {s['images_per_sec']:.0f} images/s "
+            f"{s['seconds_per_epoch']:.1f} s/epoch, {rate_words(s['images_per_sec'], s.get('rate_window', ''))} "
             f"on {s['replicas']} replica(s), global batch {s['global_batch']}"
             + (f"; skipped {s['corrupt_images']} corrupt training image(s)" if s.get("corrupt_images") else "")
             + (f"; {s['lost_records']} record(s) lost from cut-short shard(s) {', '.join(s['damaged_shards'])}"
