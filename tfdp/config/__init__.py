@@ -49,7 +49,8 @@ class DataConfig:
     __pydantic_config__ = _FORBID
     # digits | image_folder | csv (DIR/<split>.csv or .jsonl: image paths and labels) | imagenet (raw ILSVRC2012
     # or Kaggle tree) | tfrecord | wds (WebDataset tar shards: an image and its .cls per sample) | parquet (the
-    # Hugging Face Hub's datasets: an image and a label column) | tfds | synthetic
+    # Hugging Face Hub's datasets: an image and a label column) | tfds | idx (MNIST-family IDX files:
+    # <split>-images-idx3-ubyte[.gz] and its labels, read as pixels; docs/data.md) | synthetic
     format: Str = "digits"
     # a local path, a bucket (gs://bucket/prefix, s3://bucket/prefix) or a Hub dataset (hf://datasets/ORG/NAME)
     dir: Str = "~/.cache/tfdp/digits"

@@ -57,6 +57,12 @@ def _tfds(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     return tfds_source(cfg.dir, cfg.tfds_name, splits, cfg.cache_dir, cfg.tfds_manual_dir)
 
 
+def _idx(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
+    """MNIST-family IDX files (`<prefix>-images-idx3-ubyte[.gz]` and its labels), read as pixels, no decoding."""
+    from tfdp.data.layouts.idx import idx_source
+    return idx_source(cfg.dir, splits)
+
+
 def _synthetic(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
     """Random images made in the pipeline: measures compute without input cost. Classes: the model's."""
     sizes = {cfg.train_split: cfg.synthetic_examples, cfg.val_split: max(cfg.synthetic_examples // 25, 1)}
@@ -80,6 +86,7 @@ SOURCES: dict[str, Callable[[DataConfig, tuple[str, ...]], Source]] = {
     "wds": _wds,
     "parquet": _parquet,
     "tfds": _tfds,
+    "idx": _idx,
     "synthetic": _synthetic,
 }
 

@@ -78,6 +78,10 @@ def available() -> str:
     return ""
 
 
+# data.format's whose examples reach the pipeline as pixels, not encoded images: nothing for DALI to decode
+PIXEL_FORMATS = ("idx",)
+
+
 def choose(cfg: DataConfig, devices: list[str]) -> str:
     """The decoder a run uses: data.decoder, with auto resolved on the run's replica devices (this worker's).
 
@@ -86,7 +90,10 @@ def choose(cfg: DataConfig, devices: list[str]) -> str:
     else tf: DALI's CPU operators decode no faster than TensorFlow's
     (docs/benchmarks.md), so its worth is the GPU.
     """
-    if cfg.decoder == "tf" or cfg.format == "synthetic":
+    if cfg.decoder == "dali" and cfg.format in PIXEL_FORMATS:
+        raise UserError(f"data.decoder: dali decodes encoded images, and data.format {cfg.format} holds pixels "
+                        f"that need no decoding: use data.decoder tf")
+    if cfg.decoder == "tf" or cfg.format == "synthetic" or cfg.format in PIXEL_FORMATS:
         return "tf"
     gpus = bool(devices) and all("GPU" in d.upper() for d in devices)
     if cfg.decoder == "auto":

@@ -1,4 +1,4 @@
-"""Per-image preprocessing on the host: encoded bytes → a cropped, resized uint8 image.
+"""Per-image preprocessing on the host: encoded bytes (or decoded pixels) → a cropped, resized uint8 image.
 
 This is the pipeline's `preprocess_fn` (big_vision's term; Model Garden's
 Parser): `tfdp.data.pipeline` passes one of these functions in and never
@@ -79,8 +79,13 @@ def _decode_window(data: tf.Tensor, window) -> tf.Tensor:
 
     A JPEG's shape comes from its header and only the window is decoded, with
     the exact IDCT (the inexact INTEGER_FAST gains next to nothing: docs/benchmarks.md);
-    other formats (PNG, GIF, BMP) are decoded whole and sliced.
+    other formats (PNG, GIF, BMP) are decoded whole and sliced. Pixels already decoded (uint8 [h, w, 3], an
+    IDX file's: `tfdp.data.layouts.idx`) are only sliced.
     """
+    if data.dtype == tf.uint8:
+        box = window(tf.shape(data))
+        return tf.slice(data, [box[0], box[1], 0], [box[2], box[3], 3])
+
     def jpeg():
         return tf.io.decode_and_crop_jpeg(data, window(tf.io.extract_jpeg_shape(data)), channels=3,
                                           dct_method="INTEGER_ACCURATE")

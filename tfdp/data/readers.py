@@ -241,6 +241,31 @@ def _image_example(share, cfg, num_classes):
     return example
 
 
+# --- IDX files (MNIST's family): pixels in memory --------------------------
+
+def _idx_payloads(share, cfg, ctx, data_shard, order_seed):
+    """Image numbers, in the stateless order `order_seed` draws: the pixels are in memory (`_idx_example`), so
+    a payload is only a number, what a resumed stream skips and the shuffle buffer holds."""
+    numbers = _permuted(tf.range(sum(share.counts), dtype=tf.int64), order_seed)
+    ds = tf.data.Dataset.from_tensor_slices(numbers)
+    return ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) if data_shard else ds
+
+
+def _idx_example(share, cfg, num_classes):
+    """Image n of the split's IDX file: its greyscale pixels, replicated to the pipeline's three channels and
+    handed to the transform as pixels (it crops and resizes them; nothing is decoded). The arrays are made
+    eagerly, so the stream's functions capture them as inputs (see `_shard_records`)."""
+    from tfdp.data.layouts.idx import read_images, read_labels
+    with tf.init_scope():
+        images = tf.constant(read_images(share.idx.images, cfg.cache_dir))
+        labels = tf.constant(read_labels(share.idx.labels).astype(np.int32))
+
+    def example(element, index, transform):
+        grey = tf.gather(images, element)[..., None]
+        return transform(tf.tile(grey, [1, 1, 3]), index), tf.gather(labels, element)
+    return example
+
+
 # --- synthetic --------------------------------------------------------------
 
 def _synthetic_payloads(share, cfg, ctx, data_shard, order_seed):
@@ -284,5 +309,6 @@ READERS: dict[str, Reader] = {
     "parquet": Reader(_parquet_payloads, _tar_example, fetched=_fetched_samples),
     "images": Reader(_image_payloads, _image_example, _image_files, fetched=lambda ds: ds.map(
         lambda path, label: (tf.io.read_file(path), label), num_parallel_calls=AUTOTUNE)),
+    "idx": Reader(_idx_payloads, _idx_example, _synthetic_files, cacheable=False),
     "synthetic": Reader(_synthetic_payloads, _synthetic_example, _synthetic_files, cacheable=False),
 }

@@ -89,6 +89,7 @@ class Split:
     lost: tuple[int, ...] = ()  # per file: records counts.json lists beyond the readable ones
     tar: bool = False   # each file a WebDataset tar shard, `counts` its samples (`layouts.webdataset`)
     parquet: Any = None   # each file a Parquet file, `counts` its rows; its columns (`layouts.parquet.Columns`)
+    idx: Any = None   # an IDX image file (`files`) and its label file, `counts` its images (`layouts.idx.IdxPair`)
 
     @property
     def num_examples(self) -> int:
@@ -104,14 +105,15 @@ class Split:
                          for f, c, n in zip(self.files, self.counts, self.lost) if n)
 
     def file_counts(self) -> tuple[int, ...]:
-        return self.counts if self.records or self.synthetic or self.tar or self.parquet else (1,) * len(self.files)
+        return (self.counts if self.records or self.synthetic or self.tar or self.parquet or self.idx
+                else (1,) * len(self.files))
 
     @property
     def kind(self) -> str:
         """Which reader turns the files into examples (see `tfdp.data.readers`)."""
         if self.synthetic or self.records:
             return "synthetic" if self.synthetic else "records"
-        return "tar" if self.tar else "parquet" if self.parquet else "images"
+        return "tar" if self.tar else "parquet" if self.parquet else "idx" if self.idx else "images"
 
     def subset(self, indices) -> "Split":
         """The same split restricted to the files at `indices` (one input pipeline's share)."""
