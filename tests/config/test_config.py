@@ -78,7 +78,7 @@ def test_what_is_no_number_still_fails_in_one_line(tmp_path, value, message):
     ({"data": {"hflip": "yes"}}, "config field 'data.hflip': input should be a valid boolean"),
     ({"train": {"batch_size_per_replica": 0}}, "config field 'train.batch_size_per_replica': input should be greater than 0"),
     ({"optimizer": {"lr": -0.1}}, "config field 'optimizer.lr': input should be greater than 0"),
-    ({"schedule": {"name": "cos"}}, "config field 'schedule.name': input should be 'cosine', 'linear', 'step', 'exponential', 'constant' or 'one_cycle'"),
+    ({"schedule": {"name": "cos"}}, "config field 'schedule.name': input should be 'cosine', 'linear', 'step', 'multistep', 'exponential', 'constant' or 'one_cycle'"),
     ({"data": 5}, "config section 'data' must be a mapping"),
     ({"data": {"min_crop_area": 0.9, "max_crop_area": 0.5}}, "data.min_crop_area must not exceed data.max_crop_area"),
     ({"schedule": {"warmup_epochs": 20}, "train": {"epochs": 10}}, "warmup_epochs must be smaller than train.epochs"),

@@ -167,7 +167,8 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
 
     Call inside `strategy.scope()` so variables are mirrored.
     """
-    schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs)
+    schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs,
+                              cfg.rules, cfg.optimizer)
     optimizer = build_optimizer(cfg.optimizer, schedule)
     model = _compiled(cfg, optimizer)
     jit = (plan.xla or use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn))[0]
