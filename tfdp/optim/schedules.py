@@ -1,4 +1,4 @@
-"""Learning-rate schedules: each rule set's (`rules: keras | timm | torchvision`), as a function of the optimizer's step.
+"""Learning-rate schedules by rule set (`rules: keras | timm | torchvision`), functions of the optimizer's step.
 
 keras (tfdp's own): linear warmup per step, then cosine, linear, step, exponential, constant or one-cycle; the
 rate given per 256 images and scaled linearly with the global batch (Goyal et al. 2017), so changing the replica
@@ -164,7 +164,8 @@ class TorchvisionSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     def rate(self, epoch):
         w = self.warmup
-        main = TORCHVISION_DECAYS[self.kind](self, epoch - w["epochs"])  # SequentialLR restarts it at the milestone
+        # SequentialLR restarts the main scheduler at its milestone: epoch W is the main schedule's epoch 0
+        main = TORCHVISION_DECAYS[self.kind](self, epoch - w["epochs"])
         if not w["epochs"]:
             return main
         return ops.where(epoch < w["epochs"], TORCHVISION_WARMUPS[w["method"]](self, epoch), main)
