@@ -7,7 +7,7 @@ import tensorflow as tf
 from tfdp.config import OptimizerConfig, validate
 from tfdp.errors import UserError
 from tfdp.keras_patches.train_step import compile_train_step
-from tfdp.optim.optimizers import LARS, build_optimizer
+from tfdp.optim.optimizers import LARS, build_optimizer, track_buffers
 from tfdp.distribute.strategy import make_runtime
 from tfdp.config import DistributeConfig
 
@@ -19,13 +19,15 @@ def seeded(seed: int):
     return keras.initializers.GlorotUniform(seed=seed)
 
 
-def toy_fit(name: str, replicas: int, jit: bool, precision: str = "float32", **opt):
+def toy_fit(name: str, replicas: int, jit: bool, precision: str = "float32", rules: str = "keras", on_step=None,
+            **opt):
     """A small conv net with batch norm trained STEPS steps on fixed data; returns (model, the classifier's kernel
     after each step). No bias before batch norm (as in ResNets): its gradient is rounding noise, which Adam's
     normalisation would amplify into the update. The initializers carry their own seeds: runs compared with each
     other must start from the same weights, and the global seed alone does not guarantee it in a test process,
     where a thread left by an earlier test (an fsspec event loop, say) may draw from Python's global random
-    generator between the seed and the initializers."""
+    generator between the seed and the initializers. `rules` picks the update rules (Config.rules); `on_step(model)`
+    runs after every step."""
     import keras
     strategy = make_runtime(DistributeConfig(strategy="mirrored", cpu_replicas=replicas)).strategy
     keras.utils.set_random_seed(0)
@@ -35,10 +37,12 @@ def toy_fit(name: str, replicas: int, jit: bool, precision: str = "float32", **o
         model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, use_bias=False, kernel_initializer=seeded(1)),
                                   keras.layers.BatchNormalization(), keras.layers.ReLU(),
                                   keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5, kernel_initializer=seeded(2))])
-        model.compile(optimizer=build_optimizer(OptimizerConfig(name=name, **opt), 0.05),
+        model.compile(optimizer=build_optimizer(OptimizerConfig(name=name, **opt), 0.05, rules),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         if jit:
             compile_train_step(model)
+        model.optimizer.build(model.trainable_variables)
+        track_buffers(model.optimizer, model)
     keras.mixed_precision.set_global_policy(previous)
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(BATCH * STEPS, 8, 8, 3)).astype("float32"), rng.integers(0, 5, BATCH * STEPS)
@@ -50,6 +54,8 @@ def toy_fit(name: str, replicas: int, jit: bool, precision: str = "float32", **o
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             kernels.append(model.layers[-1].kernel.numpy().copy())
+            if on_step is not None:
+                on_step(model)
 
     model.fit(ds, epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[Record()])
     return model, kernels
@@ -57,6 +63,10 @@ def toy_fit(name: str, replicas: int, jit: bool, precision: str = "float32", **o
 
 @pytest.mark.parametrize("name, opt", [
     ("sgd", {"momentum": 0.9, "nesterov": True, "clip_norm": 0.5}),
+    *[pytest.param(name, opt, marks=pytest.mark.full(reason="torch's forms: 20-50 s each on 2 cores"))
+      for name, opt in (("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-4, "rules": "torchvision"}),
+                        ("adamw", {"weight_decay": 0.05, "clip_norm": 1.0, "rules": "timm", "ema_decay": 0.9}),
+                        ("lamb", {"weight_decay": 0.02, "rules": "timm"}))],
     ("adamw", {"weight_decay": 0.05, "ema_decay": 0.9}),
     ("lamb", {"weight_decay": 0.01}),
     ("lars", {"weight_decay": 1e-4, "momentum": 0.9}),

@@ -56,6 +56,18 @@ RELIED_ON = {
         "keras.src.optimizers.base_optimizer.BaseOptimizer._use_weight_decay",
         "keras.src.optimizers.base_optimizer.BaseOptimizer._model_variables_moving_average",
     ),
+    # torch's and timm's update rules: timm's Lamb clips inside the optimizer, after Keras' own clipping.
+    "optim/torch_forms": (
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._clip_gradients",
+        "keras.src.optimizers.base_optimizer.global_norm",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._get_variable_index",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._use_weight_decay",
+    ),
+    # timm's and torchvision's EMA override the hook Keras' apply calls after each update, over its averages.
+    "optim/ema": (
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._update_model_variables_moving_average",
+        "keras.src.optimizers.base_optimizer.BaseOptimizer._model_variables_moving_average",
+    ),
     "callbacks": (
         "keras.src.optimizers.base_optimizer.BaseOptimizer._model_variables_moving_average",  # set by build()
         "keras.src.optimizers.base_optimizer.BaseOptimizer._trainable_variables",

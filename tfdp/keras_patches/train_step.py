@@ -92,11 +92,12 @@ def compile_train_step(model: keras.Model, jit_compile: bool = True, accum_steps
 
     def whole_step(trainable, non_trainable, optimizer_values, built, x, y, sample_weight):
         loss, gradients, y_pred, new_non_trainable = forward_backward(trainable, non_trainable, x, y, sample_weight)
-        new_built, new_optimizer = stateless_update(optimizer, optimizer_values, spread(gradients), built)
+        new_built, new_optimizer = stateless_update(optimizer, optimizer_values, spread(gradients), built,
+                                                    fresh_buffers(model, new_non_trainable))
         return loss, y_pred, new_non_trainable, new_built, new_optimizer
 
-    def optimizer_update(built, optimizer_values, gradients):
-        return stateless_update(optimizer, optimizer_values, spread(gradients), built)
+    def optimizer_update(built, optimizer_values, gradients, buffers):
+        return stateless_update(optimizer, optimizer_values, spread(gradients), built, buffers)
 
     forward_backward_c, whole_step_c, update_c = jit(forward_backward), jit(whole_step), jit(optimizer_update)
 
@@ -118,7 +119,8 @@ def compile_train_step(model: keras.Model, jit_compile: bool = True, accum_steps
                 new_trainable = new_optimizer = None
             else:
                 gradients = all_reduce_sum(gradients)
-                new_trainable, new_optimizer = update_c(values(built), values(optimizer.variables), gradients)
+                buffers = all_reduce_mean(fresh_buffers(model, new_non_trainable))
+                new_trainable, new_optimizer = update_c(values(built), values(optimizer.variables), gradients, buffers)
         write_local(non_trainable, new_non_trainable)
         write_local(built, new_trainable)
         write_local(optimizer.variables, new_optimizer)
@@ -139,6 +141,24 @@ def all_reduce_sum(gradients: list) -> list:
     for i, g in zip(present, reduced):
         out[i] = g
     return out
+
+
+def fresh_buffers(model: keras.Model, new_non_trainable: list) -> dict:
+    """{id(variable): value after this step's forward pass} for the buffers the optimizer's EMA averages
+    (rules timm/torchvision, tfdp/optim/ema.py): the step has not written them yet when it updates the EMA."""
+    tracked = {id(v) for v in getattr(model.optimizer, "tfdp_buffers", ())}
+    return {id(v): value for v, value in zip(model.non_trainable_variables, new_non_trainable) if id(v) in tracked}
+
+
+def all_reduce_mean(values: dict) -> dict:
+    """`values` averaged over all replicas (one batched collective): the EMA of the replicas' mean statistics
+    is the mean of their EMAs, so every replica keeps the same average."""
+    if not values:
+        return values
+    keys = list(values)
+    context = tf.distribute.get_replica_context()
+    summed = context.all_reduce(tf.distribute.ReduceOp.MEAN, [values[k] for k in keys])
+    return dict(zip(keys, summed))
 
 
 def write_local(variables, new_values) -> None:
@@ -176,7 +196,7 @@ def _var_key_in_stateless_scope(optimizer, variable):
 
 
 def stateless_update(optimizer: keras.optimizers.Optimizer, optimizer_values: list, gradients: list,
-                     trainable_values: list) -> tuple[list, list]:
+                     trainable_values: list, buffers: dict | None = None) -> tuple[list, list]:
     """(new trainable values, new optimizer values): Keras' own `optimizer.apply`, on values only.
 
     Must run while tracing (inside a tf.function): the neutral methods are
@@ -188,10 +208,11 @@ def stateless_update(optimizer: keras.optimizers.Optimizer, optimizer_values: li
         for name in overridden:
             setattr(optimizer, name, types.MethodType(getattr(BaseOptimizer, name), optimizer))
         optimizer._var_key = types.MethodType(_var_key_in_stateless_scope, optimizer)
+        optimizer.tfdp_fresh_buffers = buffers   # the EMA's batch-norm statistics, as this step's forward left them
         try:
             new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_values, gradients, trainable_values)
         finally:
-            for name in [*overridden, "_var_key"]:
+            for name in [*overridden, "_var_key", "tfdp_fresh_buffers"]:
                 delattr(optimizer, name)
     # stateless_apply hands back the very input for a value it did not change: None says so to `write_local`.
     unchanged = lambda new, old: [None if n is o else n for n, o in zip(new, old)]  # noqa: E731

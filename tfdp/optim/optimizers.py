@@ -3,13 +3,20 @@
 SGD with momentum is the classic ImageNet recipe, its weight decay L2 through
 the gradient as in torch.optim.SGD (`SGD`); AdamW and LAMB are Keras' own
 (decoupled weight decay, as in PyTorch's AdamW); LARS, which Keras lacks, is
-here (`LARS`), and so is TensorFlow 1's RMSProp (`RMSPropTF`), the EfficientNet optimizer. Every one takes the learning-rate
+here (`LARS`), and so is TensorFlow 1's RMSProp (`RMSPropTF`), the EfficientNet optimizer; Muon, Lion,
+ScheduleFreeAdamW and Adafactor are Keras' own. Every one takes the learning-rate
 schedule, weight decay (optionally sparing batch-norm scale/shift and
-biases), global gradient-norm clipping (`optimizer.clip_norm`) and an
-exponential moving average of the weights (`optimizer.ema_decay`) with the
-warm-up of TensorFlow's `ExponentialMovingAverage(num_updates=...)`, which
-Model Garden and the EfficientNet recipes use: decay_t = min(decay, (1 + t) / (10 + t))
-(the first update copies the weights).
+biases, `NO_DECAY`), global gradient-norm clipping (`optimizer.clip_norm`) and an
+exponential moving average of the weights (`optimizer.ema_decay`).
+
+`rules` (Config.rules) picks whose update rules they follow. keras: Keras'
+forms, and the EMA with the warm-up of TensorFlow's
+`ExponentialMovingAverage(num_updates=...)`, which Model Garden and the
+EfficientNet recipes use: decay_t = min(decay, (1 + t) / (10 + t)) (the first
+update copies the weights). timm and torchvision: torch's forms of SGD,
+AdamW and timm's LAMB (tfdp/optim/torch_forms.py), and the EMA of timm's
+ModelEmaV3 or torchvision's ExponentialMovingAverage, batch-norm statistics
+included (tfdp/optim/ema.py).
 All of them run inside tfdp's whole-step XLA update (their maths is Keras'
 backend-neutral `update_step`).
 """
@@ -22,11 +29,14 @@ import keras
 from keras import ops
 
 from tfdp.config import OptimizerConfig
+from tfdp.optim.ema import EmaTiming, TimmEma, TorchEma, TorchvisionEma
+from tfdp.optim.torch_forms import TimmLamb, TorchAdamW, TorchSGD
 
 # Variable names (Keras: BatchNormalization's and LayerNormalization's gamma/beta, layers' bias, layer scale's
 # gamma; a ViT's position embeddings, class, distillation and register tokens, a Swin's relative position bias
 # tables, as timm's `no_weight_decay`) left undecayed on request. Matched as substrings of the variable's name.
 NO_DECAY = ("gamma", "beta", "bias", "pos_embed", "cls_token", "dist_token", "reg_token")
+TORCHVISION_EMA_STEPS = 32   # torchvision's --model-ema-steps default
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -163,50 +173,101 @@ class EmaWarmup:
         """
 
 
-def _sgd(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
-    return _with_ema(SGD)(momentum=cfg.momentum, nesterov=cfg.nesterov, l2=cfg.weight_decay, **common)
+def _sgd(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
+    return (TorchSGD if torch_form else SGD), {"momentum": cfg.momentum, "nesterov": cfg.nesterov,
+                                                "l2": cfg.weight_decay}
 
 
-def _adamw(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
-    return _with_ema(keras.optimizers.AdamW)(beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon,
-                                             weight_decay=cfg.weight_decay, **common)
+def _adamw(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
+    return (TorchAdamW if torch_form else keras.optimizers.AdamW), {
+        "beta_1": cfg.beta1, "beta_2": cfg.beta2, "epsilon": cfg.epsilon, "weight_decay": cfg.weight_decay}
 
 
-def _lamb(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
-    return _with_ema(keras.optimizers.Lamb)(beta_1=cfg.beta1, beta_2=cfg.beta2, epsilon=cfg.epsilon,
-                                            weight_decay=cfg.weight_decay or None, **common)
+def _lamb(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
+    if torch_form:
+        return TimmLamb, {"beta_1": cfg.beta1, "beta_2": cfg.beta2, "epsilon": cfg.epsilon,
+                          "lamb_weight_decay": cfg.weight_decay}
+    return keras.optimizers.Lamb, {"beta_1": cfg.beta1, "beta_2": cfg.beta2, "epsilon": cfg.epsilon,
+                                   "weight_decay": cfg.weight_decay or None}
 
 
-def _rmsprop(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
-    return _with_ema(RMSPropTF)(rho=cfg.rho, momentum=cfg.momentum, epsilon=cfg.epsilon, l2=cfg.weight_decay,
-                                **common)
+def _rmsprop(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
+    # timm's `rmsproptf` is this optimizer under every rule set.
+    return RMSPropTF, {"rho": cfg.rho, "momentum": cfg.momentum, "epsilon": cfg.epsilon, "l2": cfg.weight_decay}
 
 
-def _lars(cfg: OptimizerConfig, common: dict) -> keras.optimizers.Optimizer:
+def _lars(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
     exclude = () if cfg.decay_norm_and_bias else NO_DECAY
-    return _with_ema(LARS)(momentum=cfg.momentum, weight_decay_rate=cfg.weight_decay, exclude=exclude, **common)
+    return LARS, {"momentum": cfg.momentum, "weight_decay_rate": cfg.weight_decay, "exclude": exclude}
 
 
-OPTIMIZERS: dict[str, Callable[[OptimizerConfig, dict], keras.optimizers.Optimizer]] = {
+def _muon(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
+    """Keras' Muon: the orthogonalised momentum step (5 Newton-Schulz iterations, the update scaled by
+    0.2 * sqrt(max(rows, columns))) for 2-D variables only: every variable that is not 2-D (conv kernels,
+    biases, norms) and every one whose path holds "embedding" takes Keras' AdamW step instead (beta1, beta2,
+    epsilon, Keras' epsilon form) at the same learning rate. Decoupled weight decay on both (the one value)."""
+    return keras.optimizers.Muon, {"adam_beta_1": cfg.beta1, "adam_beta_2": cfg.beta2, "epsilon": cfg.epsilon,
+                                   "momentum": cfg.momentum, "nesterov": cfg.nesterov,
+                                   "weight_decay": cfg.weight_decay or None,
+                                   "adam_weight_decay": cfg.weight_decay or None}
+
+
+def _lion(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
+    """Keras' Lion (Chen et al., 2023): w -= lr * sign(b1 m + (1 - b1) g); m = b2 m + (1 - b2) g."""
+    return keras.optimizers.Lion, {"beta_1": cfg.beta1, "beta_2": cfg.beta2, "weight_decay": cfg.weight_decay or None}
+
+
+def _schedule_free_adamw(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
+    """Keras' ScheduleFreeAdamW (Defazio et al., 2024). The model holds its gradient point y, which is what
+    tfdp evaluates and saves (the averaged point x is not swapped in); `schedule.name: constant` is its use."""
+    return keras.optimizers.ScheduleFreeAdamW, {"beta_1": cfg.beta1, "beta_2": cfg.beta2, "epsilon": cfg.epsilon,
+                                                "weight_decay": cfg.weight_decay or None}
+
+
+def _adafactor(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
+    """Keras' Adafactor (factored second moments for variables of 2 or more dimensions, updates clipped to
+    RMS 1, step size scaled by the weights' RMS); with a schedule the learning rate is the schedule's."""
+    return keras.optimizers.Adafactor, {"weight_decay": cfg.weight_decay or None}
+
+
+OPTIMIZERS: dict[str, Callable[[OptimizerConfig, bool], tuple[type, dict]]] = {
     "sgd": _sgd, "adamw": _adamw, "lamb": _lamb, "lars": _lars, "rmsprop": _rmsprop,
+    "muon": _muon, "lion": _lion, "schedule_free_adamw": _schedule_free_adamw, "adafactor": _adafactor,
 }
 
+# Whose moving average each rule set keeps (tfdp/optim/ema.py); whether it takes torch's update rules.
+EMA_FORMS: dict[str, type] = {"keras": EmaWarmup, "timm": TimmEma, "torchvision": TorchvisionEma}
+TORCH_RULES = ("timm", "torchvision")
 
-def build_optimizer(cfg: OptimizerConfig, schedule) -> keras.optimizers.Optimizer:
-    """The configured optimizer on `schedule`; LARS handles its exclusions itself."""
+
+def build_optimizer(cfg: OptimizerConfig, schedule, rules: str = "keras",
+                    timing: EmaTiming | None = None) -> keras.optimizers.Optimizer:
+    """The configured optimizer on `schedule`, in the update rules of `rules` (Config.rules), with its EMA
+    (`timing`: what torchvision's EMA reads from the run); LARS handles its exclusions itself."""
     common = {"learning_rate": schedule, "global_clipnorm": cfg.clip_norm or None,
               "use_ema": bool(cfg.ema_decay), "ema_momentum": cfg.ema_decay or 0.99}
-    optimizer = OPTIMIZERS[cfg.name](cfg, common)
+    cls, kwargs = OPTIMIZERS[cfg.name](cfg, rules in TORCH_RULES)
+    optimizer = _with_ema(cls, EMA_FORMS[rules])(**kwargs, **common)
+    optimizer.tfdp_ema_warmup = cfg.ema_warmup
+    optimizer.tfdp_ema_every = cfg.ema_every_steps or TORCHVISION_EMA_STEPS
+    optimizer.tfdp_ema_timing = timing or EmaTiming()
     if cfg.weight_decay and not cfg.decay_norm_and_bias and cfg.name != "lars":
         optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
     return optimizer
 
 
-_EMA_CLASSES: dict[type, type] = {}
+def track_buffers(optimizer: keras.optimizers.Optimizer, model: keras.Model) -> None:
+    """Under timm's and torchvision's EMA, also averages the model's float non-trainable variables (batch-norm
+    statistics). Call after `optimizer.build`, before the model is frozen or a checkpoint restored."""
+    if optimizer.use_ema and isinstance(optimizer, TorchEma):
+        optimizer.track_buffers([v for v in model.non_trainable_variables if "float" in str(v.dtype)])
 
 
-def _with_ema(cls: type) -> type:
-    """`cls` with `EmaWarmup` mixed in (one class per optimizer, made once)."""
-    if cls not in _EMA_CLASSES:
-        _EMA_CLASSES[cls] = type(cls.__name__, (EmaWarmup, cls), {})
-    return _EMA_CLASSES[cls]
+_EMA_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _with_ema(cls: type, ema: type) -> type:
+    """`cls` with the moving average `ema` mixed in (one class per pair, made once)."""
+    if (cls, ema) not in _EMA_CLASSES:
+        _EMA_CLASSES[cls, ema] = type(cls.__name__, (ema, cls), {})
+    return _EMA_CLASSES[cls, ema]

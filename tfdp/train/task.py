@@ -38,7 +38,8 @@ from tfdp.keras_patches.train_step import augment_before_step, compile_train_ste
 from tfdp.optim.losses import BinaryCrossEntropy, SparseSmoothedCrossentropy, Top1, TopK
 from tfdp.models import build_model
 from tfdp.models.weights import init_from
-from tfdp.optim.optimizers import build_optimizer
+from tfdp.optim.ema import EmaTiming
+from tfdp.optim.optimizers import build_optimizer, track_buffers
 from tfdp.distribute.replica_state import WorkerGather
 from tfdp.optim.schedules import build_schedule
 from tfdp.distribute.strategy import Runtime
@@ -169,7 +170,8 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     """
     schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, plan.global_batch, plan.steps_per_epoch, cfg.train.epochs,
                               cfg.rules, cfg.optimizer)
-    optimizer = build_optimizer(cfg.optimizer, schedule)
+    optimizer = build_optimizer(cfg.optimizer, schedule, cfg.rules, EmaTiming(
+        plan.global_batch, plan.steps_per_epoch, cfg.train.epochs, cfg.schedule.warmup_epochs or 0.0))
     model = _compiled(cfg, optimizer)
     jit = (plan.xla or use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn))[0]
     if jit or plan.accum_steps > 1:
@@ -182,6 +184,7 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     # Built now, not lazily in the first step, so a checkpoint can restore its state; over every variable, before
     # train.freeze freezes any (tfdp/optim/finetune.py), so its state has one shape in every phase.
     optimizer.build(model.trainable_variables)
+    track_buffers(optimizer, model)   # rules timm/torchvision: the EMA averages batch-norm statistics too
     scales = scale_learning_rates(cfg, model, optimizer)  # optimizer.layer_decay, optimizer.head_lr_multiplier
     if scales:
         say(scales)
