@@ -241,3 +241,30 @@ def test_mixed_float16_keeps_keras_update_inside_the_compiled_step():
     assert int(xla.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == STEPS
     for a, b in zip(plain.trainable_weights, xla.trainable_weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=2e-2, atol=2e-3, err_msg=a.path)
+
+
+@pytest.mark.parametrize("name, lr", [("muon", 0.01), ("lion", 0.01), ("schedule_free_adamw", 0.1), ("adafactor", 0.01)])
+def test_keras_newer_optimizers_by_name_train_and_spare_the_no_decay_set(name, lr):
+    """Muon, Lion, ScheduleFreeAdamW and Adafactor (Keras' own) from a config: with zero gradients the decoupled
+    weight decay shrinks a kernel and leaves a bias (NO_DECAY) as it was; a small classifier's loss falls in 20
+    steps."""
+    import keras
+    cfg = validate({"optimizer": {"name": name, "weight_decay": 0.1, "decay_norm_and_bias": False}}).optimizer
+    kernel = keras.Variable(np.ones((4, 3), "float32"), name="kernel")
+    bias = keras.Variable(np.ones(3, "float32"), name="bias")
+    optimizer = build_optimizer(cfg, 0.01)
+    optimizer.build([kernel, bias])
+    for _ in range(3):   # ScheduleFreeAdamW's first step (averaging weight 1) returns to its momentum point
+        optimizer.apply([tf.zeros((4, 3)), tf.zeros(3)], [kernel, bias])
+    assert np.all(kernel.numpy() < 1 - 1e-4)
+    np.testing.assert_allclose(bias.numpy(), 1.0, rtol=1e-6)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = np.argmax(x @ rng.normal(size=(4, 3)), axis=1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer=build_optimizer(cfg, lr), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = model.evaluate(x, y, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=5, verbose=0)
+    assert model.evaluate(x, y, verbose=0) < 0.9 * before
