@@ -14,7 +14,7 @@ import pytest
 
 from tfdp.config import DataConfig, ModelConfig, validate
 from tfdp.distribute.strategy import make_runtime
-from tfdp.models import build_model
+from tfdp.models import MODELS, build_model
 from tfdp.train.trainer import Trainer
 
 
@@ -43,7 +43,24 @@ def test_the_momentum_reaches_every_batch_norm_layer(name):
         assert {layer.momentum for layer in batch_norms(scratch)} == {0.9}
         fine_tuned = build_model(ModelConfig(name=name, init_from="imagenet"), data)   # auto: the architecture's own
         assert {layer.momentum for layer in batch_norms(fine_tuned)} == {0.99 if name == "resnet50" else 0.9}
+        # and every batch norm its family's running-variance rule (tfdp.models.batch_norm), synchronized on demand
+        synced = build_model(ModelConfig(name=name, sync_bn=True), data)
+        rule = "keras" if name == "resnet50" else "torch"
+        assert {(layer.running_variance, layer.synchronized) for layer in batch_norms(synced)} == {(rule, True)}
+        assert {(layer.running_variance, layer.synchronized) for layer in batch_norms(scratch)} == {(rule, False)}
     keras.backend.clear_session()
+
+
+def test_keras_applications_keep_keras_rule_and_every_other_family_takes_torchs():
+    """The registry says each family's batch-norm rule by where the architecture comes from: keras.applications'
+    graphs as Keras builds them train by Keras' rule; the families built from timm's and torchvision's layouts
+    (tfdp's ResNets, ResNet-D, RegNets, VGG, the `_torch` EfficientNets and MobileNetV3s, ...) by torch's."""
+    from tfdp.models.keras_apps import APPS, TORCH_PADDED
+    from tfdp.models.registry import BATCH_NORM
+    assert {name for name, rule in BATCH_NORM.items() if rule == "keras"} == set(APPS)
+    assert set(BATCH_NORM) == set(MODELS) and set(BATCH_NORM.values()) == {"keras", "torch"}
+    assert {BATCH_NORM[name] for name in (*TORCH_PADDED, "resnet50_v1_5", "resnet18d", "regnety_040", "vgg11_bn",
+                                          "resnet10_small")} == {"torch"}
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import keras
 
 from tfdp.config import DataConfig, ModelConfig
 from tfdp.errors import UserError
-from tfdp.models.registry import DROP_PATH, FIXED_SIZE, MIN_INPUT_SIZE, MODELS
+from tfdp.models.batch_norm import batch_norm_layers, use_batch_norm_rule
+from tfdp.models.registry import BATCH_NORM, DROP_PATH, FIXED_SIZE, MIN_INPUT_SIZE, MODELS
 from tfdp.config.image_sizes import image_sizes, variable_size
 
 
@@ -67,8 +68,7 @@ def build_model(model_cfg: ModelConfig, data_cfg: DataConfig) -> keras.Model:
         backbone = any_size(backbone)
     inputs = keras.Input(backbone.input_shape[1:], dtype="uint8", name="image")
     x = keras.layers.RandomFlip("horizontal", name="hflip")(inputs) if data_cfg.hflip else inputs
-    if model_cfg.sync_bn:
-        synchronize_batch_norm(backbone)
+    use_batch_norm_rule(backbone, BATCH_NORM[model_cfg.name], synchronized=model_cfg.sync_bn)
     if (momentum := bn_momentum(model_cfg)) is not None:
         set_bn_momentum(backbone, momentum)
     logits = backbone(Standardize(data_cfg.mean, data_cfg.std, data_cfg.channel_order, name="standardize")(x))
@@ -128,27 +128,7 @@ def set_bn_momentum(model: keras.Model, momentum: float) -> int:
     construction, before the training step is traced, reaches every family,
     keras.applications included (they take no momentum argument).
     """
-    layers = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
+    layers = batch_norm_layers(model)
     for layer in layers:
         layer.momentum = momentum
     return len(layers)
-
-
-def synchronize_batch_norm(model: keras.Model) -> int:
-    """Makes every BatchNormalization layer compute its statistics over the global batch.
-
-    Keras 3's `synchronized=True` all-reduces the per-replica sums of x and x^2
-    and their counts (exact global mean and variance, and gradients through
-    the all-reduce); it is read at call time, so switching it on after
-    construction works for every registry model. Returns how many layers.
-    """
-    layers = [layer for layer in _all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
-    for layer in layers:
-        layer.synchronized = True
-    return len(layers)
-
-
-def _all_layers(layer):
-    for child in getattr(layer, "layers", ()):
-        yield child
-        yield from _all_layers(child)

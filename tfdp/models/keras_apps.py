@@ -183,7 +183,8 @@ TORCH_PADDED = {f"{name}_torch": (torch_padded(constructor), dropout_arg, extra,
 for _name, (_constructor, _dropout_arg, _extra, _dropout) in {**APPS, **TORCH_PADDED}.items():
     register(_name, min_size=MIN_SIZE.get(_name, 32), dropout=_dropout, head=HEAD,
              drop_path=_name.startswith("efficientnet"),   # Keras' drop_connect_rate (`scaled`)
-             layer_groups=LAYER_GROUPS.get(_name.removesuffix("_torch")))(_app(_constructor, _dropout_arg, **_extra))
+             layer_groups=LAYER_GROUPS.get(_name.removesuffix("_torch")),
+             batch_norm="torch" if _name in TORCH_PADDED else "keras")(_app(_constructor, _dropout_arg, **_extra))
 
 
 # ---------------------------------------------------------------- timm's and torchvision's EfficientNets

@@ -37,14 +37,18 @@ HEAD_LAYERS: dict[str, tuple[str, ...]] = {}
 # one cannot take `optimizer.layer_decay`.
 LAYER_GROUPS: dict[str, dict[str, str]] = {}
 WITH_PREVIOUS = "with_previous"
+# name → the batch-norm rule its family trains by (`batch_norm.RUNNING_VARIANCE`), from where the architecture comes:
+# "torch" (the moving variance follows the unbiased batch variance) for the families built from timm's and
+# torchvision's layouts, tfdp's default; "keras" (the biased one) for keras.applications' graphs as Keras builds them.
+BATCH_NORM: dict[str, str] = {}
 
 
 def register(name: str, min_size: int = 32, dropout: float = 0.0, drop_path: bool = False, fixed_size: bool = False,
-             head: tuple[str, ...] = ("logits",), layer_groups: dict[str, str] | None = None
-             ) -> Callable[[Builder], Builder]:
+             head: tuple[str, ...] = ("logits",), layer_groups: dict[str, str] | None = None,
+             batch_norm: str = "torch") -> Callable[[Builder], Builder]:
     """Adds a builder under `name`, with its smallest input side, its default dropout, whether it takes
     a stochastic-depth rate, whether it takes only the input size it was built for, its head's layer
-    names and its layer grouping (see `HEAD_LAYERS`, `LAYER_GROUPS`)."""
+    names, its layer grouping and its batch-norm rule (see `HEAD_LAYERS`, `LAYER_GROUPS`, `BATCH_NORM`)."""
     def add(fn: Builder) -> Builder:
         if name in MODELS:
             raise ValueError(f"model '{name}' registered twice")
@@ -64,6 +68,7 @@ def register(name: str, min_size: int = 32, dropout: float = 0.0, drop_path: boo
         HEAD_LAYERS[name] = tuple(head)
         if layer_groups:
             LAYER_GROUPS[name] = dict(layer_groups)
+        BATCH_NORM[name] = batch_norm
         return fn
     return add
 
