@@ -118,18 +118,18 @@ def config_and_runtime(args: list[str], training: bool = False):
     return cfg, started_runtime(cfg)
 
 
-def with_local_init_from(cfg: config_lib.Config) -> config_lib.Config:
+def with_local_init_from(cfg: config_lib.Config, from_run: bool = True) -> config_lib.Config:
     """`model.init_from` on the Hugging Face Hub (fetched into its cache, `tfdp.rundir.hub`) or in a bucket (copied
     into data.cache_dir, `tfdp.rundir.init_from`), and the config resolved again from the local copy, so the
     weights' own preprocessing applies as from a local path; the run's config.yaml records the bucket URL or the
     handle at its commit, not the copy (`tfdp.rundir.init_from.recorded`). A run that resumes reads neither (its
     checkpoints hold the weights, its config.yaml the preprocessing), so it fetches nothing: a host without a network
-    resumes."""
+    resumes. `from_run` False (evaluate, export, predict from the weights alone): no run is looked for."""
     from tfdp.data.storage import is_remote_url
     from tfdp.rundir import hub
     from tfdp.rundir.init_from import STANDS_FOR, keep_recorded, local_copy, resumes
     spec = cfg.model.init_from
-    if resumes(cfg.model_dir):
+    if from_run and resumes(cfg.model_dir):
         keep_recorded(cfg.model_dir, spec)
         return cfg
     if hub.is_handle(spec):
@@ -145,7 +145,7 @@ def with_local_init_from(cfg: config_lib.Config) -> config_lib.Config:
         STANDS_FOR[local] = spec
     else:
         return cfg
-    return config_lib.load_config(FLAGS.config, {**overrides_from_flags(), "model.init_from": local})
+    return config_lib.load_config(FLAGS.config, {**overrides_from_flags(), "model.init_from": local}, from_run)
 
 
 def local_checkpoint_flag(cfg: config_lib.Config) -> None:
@@ -259,9 +259,57 @@ def run_copy(cfg: config_lib.Config, outputs: tuple[str, ...] = ()):
         place.close()
 
 
+def init_from_flag() -> bool:
+    """--init_from (or --set=model.init_from=...) on the command line."""
+    return bool(FLAGS.init_from) or any(s.split("=", 1)[0].strip() == "model.init_from" for s in FLAGS.set)
+
+
+def from_weights_alone(cfg: config_lib.Config) -> bool:
+    """evaluate, export and predict start from model.init_from's weights, with no run, when --init_from is given
+    (and no --checkpoint), or when the config names weights and model_dir holds no best checkpoint to use."""
+    if FLAGS.checkpoint or not cfg.model.init_from:
+        return False
+    if init_from_flag():
+        return True
+    from tfdp.rundir.checkpoints import CheckpointStore
+    return "://" not in cfg.model_dir and not os.path.exists(CheckpointStore(os.path.expanduser(cfg.model_dir)
+                                                                            ).best_weights)
+
+
+def set_in_config(dotted: str) -> bool:
+    """Whether the user set `dotted` (section.field): in --config's file or by a flag."""
+    if dotted in overrides_from_flags():
+        return True
+    section, field = dotted.split(".", 1)
+    raw = config_lib.read_yaml(FLAGS.config) if FLAGS.config else {}
+    return isinstance(raw.get(section), dict) and field in raw[section]
+
+
+def weights_alone_config() -> config_lib.Config:
+    """--config with the flags over it, its preprocessing resolved from model.init_from's weights, not a run."""
+    return config_lib.load_config(FLAGS.config, overrides_from_flags(), from_run=False)
+
+
+def weights_config_and_runtime():
+    """The config resolved from the weights alone (not a run in model_dir), fetched first from a bucket or the
+    Hub, the runtime, and the weights read (`tfdp.commands.from_weights`)."""
+    cfg = with_local_init_from(weights_alone_config(), from_run=False)
+    runtime = started_runtime(cfg)
+    from tfdp.commands.from_weights import read_pretrained
+    return cfg, runtime, read_pretrained(cfg, classes_set=set_in_config("model.num_classes"))
+
+
 def cmd_evaluate(args: list[str]) -> None:
     if FLAGS.continuous:
         run_evaluator(args, evaluator_in_cluster=False)
+        return
+    _no_positional(args)
+    if from_weights_alone(weights_alone_config()):
+        from tfdp.data import check_reachable
+        check_reachable(weights_alone_config().data)
+        cfg, runtime, weights = weights_config_and_runtime()
+        from tfdp.commands.evaluate import evaluate
+        evaluate(cfg, runtime, pretrained=weights)
         return
     cfg, runtime = config_and_runtime(args)
     from tfdp.commands.evaluate import evaluate
@@ -270,20 +318,32 @@ def cmd_evaluate(args: list[str]) -> None:
 
 
 def cmd_export(args: list[str]) -> None:
+    _no_positional(args)
+    verify_images = FLAGS.verify_images if FLAGS.verify else None
+    if from_weights_alone(weights_alone_config()):
+        cfg, runtime, weights = weights_config_and_runtime()
+        from tfdp.commands.export import export_checkpoint, parse_formats  # imports TensorFlow: after the runtime
+        export_checkpoint(cfg, runtime, None, FLAGS.export_dir, parse_formats(FLAGS.format), verify_images,
+                          pretrained=weights)
+        return
     cfg, runtime = config_and_runtime(args)
-    from tfdp.commands.export import export_checkpoint
-    from tfdp.commands.export import parse_formats
+    from tfdp.commands.export import export_checkpoint, parse_formats
     formats = parse_formats(FLAGS.format)
     with run_copy(cfg, () if FLAGS.export_dir else ("export",)) as (cfg, shown):
-        export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir, formats,
-                          FLAGS.verify_images if FLAGS.verify else None, shown=shown)
+        export_checkpoint(cfg, runtime, FLAGS.checkpoint, FLAGS.export_dir, formats, verify_images, shown=shown)
 
 
 def cmd_predict(args: list[str]) -> None:
     _no_positional(args)
     cfg = resolved_config(of_run=True)  # the training data need not be here: it only names the classes
     from tfdp.commands.predict import predict, request
-    job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k)  # before TensorFlow: a bad request fails at once
+    alone = from_weights_alone(cfg)
+    # before TensorFlow: a bad request fails at once (the weights' classes, to check --top_k by, come with them)
+    job = request(cfg, FLAGS.input, FLAGS.output, FLAGS.top_k, classes_known=not alone)
+    if alone:
+        cfg, runtime, weights = weights_config_and_runtime()
+        predict(cfg, runtime, None, job, pretrained=weights)
+        return
     local_checkpoint_flag(cfg)
     runtime = started_runtime(cfg)
     with run_copy(cfg) as (cfg, _):

@@ -241,7 +241,15 @@ def test_torch_files_take_imagenet_rgb_or_their_timm_pretrained_cfg(tmp_path):
     plain = write_safetensors(tmp_path / "tv.safetensors")
     cfg = validate({"model": {"name": "resnet18", "init_from": plain}})
     assert (cfg.data.mean, cfg.data.std, cfg.data.channel_order) == (IMAGENET_MEAN, IMAGENET_STD, "rgb")
-    assert pretrained.line(cfg.model, cfg.data) is None  # tfdp's defaults: nothing to say
+    # torchvision's evaluation resize (bilinear, antialiased), and that nothing in the file said so
+    assert pretrained.line(cfg.model, cfg.data).endswith(
+        "(R,G,B), bilinear resize; set data.mean/std/channel_order/eval_interpolation to override")
+    assert cfg.data.eval_interpolation == "bilinear"
+    assert pretrained.assumed_line(cfg.model) == (
+        "tfdp: assumed: tv.safetensors carries no pretrained cfg (no metadata, no config.json beside it): "
+        "torchvision's ImageNet mean/std and bilinear resize are assumed, as timm assumes for such a file; weights "
+        "trained otherwise (many ViTs: mean and std 0.5) are misread without a word: set data.mean, data.std and "
+        "data.eval_interpolation to theirs")
     timm = {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.5, 1.0], "crop_pct": 0.95, "interpolation": "bicubic"}
     inside = write_safetensors(tmp_path / "timm.safetensors", {"pretrained_cfg": json.dumps(timm)})
     os.makedirs(tmp_path / "hub")
@@ -253,8 +261,9 @@ def test_torch_files_take_imagenet_rgb_or_their_timm_pretrained_cfg(tmp_path):
             (127.5,) * 3, (63.75, 127.5, 255.0), 0.95), path
     assert pretrained.line(cfg.model, cfg.data) == (
         "tfdp: preprocessing from model.safetensors (its timm pretrained cfg): RGB, mean 127.5,127.5,127.5, "
-        "std 63.75,127.5,255 (R,G,B), eval crop 0.95; the weights' bicubic interpolation is not applied (tfdp "
-        "resizes bilinearly); set data.mean/std/channel_order/eval_crop_fraction to override")
+        "std 63.75,127.5,255 (R,G,B), eval crop 0.95, bicubic resize; set "
+        "data.mean/std/channel_order/eval_crop_fraction/eval_interpolation to override")
+    assert cfg.data.eval_interpolation == "bicubic" and pretrained.assumed_line(cfg.model) is None
     # a recipe's own normalisation: the same values as a recipe writes them say nothing, others one line
     same = validate({"model": {"name": "resnet18", "init_from": inside}, "data": {"mean": [127.5] * 3,
                                                                                "std": [63.75, 127.5, 255.0]}})
@@ -300,3 +309,41 @@ def test_bgr_survives_saving_the_model(tmp_path):
     np.testing.assert_array_equal(again.predict(x, verbose=0), model.predict(x, verbose=0))
     assert again.layers[-1].channel_order == "bgr"
 
+
+
+def test_a_model_named_for_its_size_builds_at_it():
+    """timm's names end in the side the model was made for (vit_small_patch16_224): unless the config or the weights
+    say another, it is data.image_size (the demo's 32 would resample a ViT's position embeddings to a 2x2 grid)."""
+    assert validate({"model": {"name": "vit_small_patch16_224"}}).data.image_size == 224
+    assert validate({"model": {"name": "swin_base_patch4_window12_384"}}).data.image_size == 384
+    assert validate({"model": {"name": "vit_mediumd_patch16_reg4_gap_384"}}).data.image_size == 384
+    assert validate({"model": {"name": "vit_small_patch16_224"}, "data": {"image_size": 64}}).data.image_size == 64
+    # a torchvision file carries no size: the name's; a timm file's pretrained cfg says its own (16 px)
+    torchvision = os.path.join(FIXTURES, "vit_torchvision_mini.safetensors")
+    assert validate({"model": {"name": "vit_base_patch16_224", "init_from": torchvision}}).data.image_size == 224
+    timm = os.path.join(FIXTURES, "vit_timm_mini.safetensors")
+    assert validate({"model": {"name": "vit_base_patch16_224", "init_from": timm}}).data.image_size == 16
+    # a number that names a width or a variant is no size
+    for name in ("regnety_320", "regnetx_016", "efficientnet_b0", "resnet50", "vit_base_patch14_dinov2"):
+        assert validate({"model": {"name": name}}).data.image_size == 32, name
+
+
+def test_what_a_command_from_weights_assumes_is_said_with_how_to_change_it(tmp_path):
+    """A timm state dict saved without its pretrained cfg: ImageNet's mean/std and a bilinear resize are assumed,
+    and said so (a ViT trained with 0.5/0.5 fed them is 47 % off with no other sign); the size from the name."""
+    bare = write_safetensors(tmp_path / "vit.safetensors")
+    cfg = validate({"model": {"name": "vit_small_patch16_224", "init_from": bare}}, from_run=False)
+    assert pretrained.assumptions(cfg) == [
+        "tfdp: assumed: RGB, mean 123.7,116.3,103.5, std 58.4,57.12,57.38 (R,G,B, 0..255 units), from vit.safetensors "
+        "(torchvision's ImageNet normalisation) (vit.safetensors carries no pretrained cfg (no metadata, no "
+        "config.json beside it): torchvision's ImageNet mean/std and bilinear resize are assumed, as timm assumes for "
+        "such a file); set data.mean, data.std, data.channel_order to change",
+        "tfdp: assumed: image size 224 px, the one model vit_small_patch16_224's name says; set data.image_size to "
+        "change",
+        "tfdp: assumed: evaluation crop 0.875 of the shorter side at 224 px, after a bilinear resize of the shorter "
+        "side to 256 px antialiased as Pillow's; set data.eval_crop_fraction, data.eval_interpolation (fast, "
+        "bilinear, bicubic) to change"]
+    told = validate({"model": {"name": "vit_small_patch16_224", "init_from": bare},
+                     "data": {"mean": [127.5] * 3, "std": [127.5] * 3, "image_size": 256}}, from_run=False)
+    assert pretrained.assumptions(told)[1] == ("tfdp: assumed: image size 256 px, the config's; set data.image_size "
+                                               "to change")

@@ -17,8 +17,11 @@ from tfdp.train.task import ClassificationTask
 from tfdp.startup.console import say
 
 
-def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None) -> dict:
-    """Top-1/top-5 over the whole validation split, spread over the replicas, each image once."""
+def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None, pretrained=None) -> dict:
+    """Top-1/top-5 over the whole validation split, spread over the replicas, each image once. `pretrained`
+    (`tfdp.commands.from_weights.Pretrained`): model.init_from's weights as they are, with their class count."""
+    if pretrained is not None:
+        return Evaluator(pretrained.cfg, runtime).evaluate(pretrained)
     path = checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights
     if not os.path.exists(path):   # before the data is listed: a run without a best checkpoint is one line at once
         raise UserError(f"no checkpoint at {path}")
@@ -44,9 +47,14 @@ class Evaluator:
             self.model = task.build_model("evaluate")
         self.inputs = task.build_validation_inputs()
 
-    def evaluate(self, weights: str, label: str = "") -> dict:
-        """Loads `weights` and evaluates them; prints one line (after `label`, what was evaluated, if given)."""
-        load_checkpoint(self.model, weights, self.cfg)
+    def evaluate(self, weights, label: str = "") -> dict:
+        """Loads `weights` (a checkpoint's path, or read pretrained weights) and evaluates them; prints one line
+        (after `label`, what was evaluated, if given)."""
+        if isinstance(weights, str):
+            load_checkpoint(self.model, weights, self.cfg)
+        else:
+            with self.runtime.strategy.scope():
+                weights.load(self.model)
         with data_errors():
             result = self.model.evaluate(self.inputs, verbose=0, return_dict=True)
         result["examples"] = evaluated_images(self.model)

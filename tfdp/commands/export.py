@@ -56,7 +56,7 @@ from tfdp.distribute.strategy import Runtime
 from tfdp.rundir.checkpoints import CheckpointStore, load_checkpoint
 from tfdp.rundir.writable import writable_dir
 from tfdp.train.task import ClassificationTask
-from tfdp.data.preprocess import center_crop
+from tfdp.data.preprocess import EVAL_CROPS
 from tfdp.errors import UserError, first_line
 from tfdp.models.layers import split_grouped_convolutions
 from tfdp.config.image_sizes import eval_image_size
@@ -68,19 +68,22 @@ from tfdp.startup.memory import available_memory
 class DecodeImages(keras.layers.Layer):
     """Encoded bytes → uint8 images, exactly as the evaluation pipeline prepares them."""
 
-    def __init__(self, image_size: int, crop_fraction: float, **kwargs):
+    def __init__(self, image_size: int, crop_fraction: float, interpolation: str = "fast", **kwargs):
         super().__init__(**kwargs)
         self.image_size, self.crop_fraction = int(image_size), float(crop_fraction)
+        self.interpolation = interpolation   # data.eval_interpolation
 
     def call(self, data):
         spec = tf.TensorSpec([self.image_size, self.image_size, 3], tf.uint8)
-        return tf.map_fn(lambda d: center_crop(d, self.image_size, self.crop_fraction), data, fn_output_signature=spec)
+        crop = EVAL_CROPS[self.interpolation]
+        return tf.map_fn(lambda d: crop(d, self.image_size, self.crop_fraction), data, fn_output_signature=spec)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], self.image_size, self.image_size, 3)
 
     def get_config(self):
-        return {**super().get_config(), "image_size": self.image_size, "crop_fraction": self.crop_fraction}
+        return {**super().get_config(), "image_size": self.image_size, "crop_fraction": self.crop_fraction,
+                "interpolation": self.interpolation}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +153,8 @@ def inference_network(model: keras.Model, portable: bool = True) -> keras.Model:
 def bytes_model(network: keras.Model, cfg: Config) -> keras.Model:
     """Encoded JPEG/PNG bytes → the evaluation crop → the network → class probabilities."""
     inputs = keras.Input((), dtype="string", name="image_bytes")
-    images = DecodeImages(eval_image_size(cfg.data), cfg.data.eval_crop_fraction, name="decode")(inputs)
+    images = DecodeImages(eval_image_size(cfg.data), cfg.data.eval_crop_fraction, cfg.data.eval_interpolation,
+                          name="decode")(inputs)
     probabilities = keras.layers.Softmax(name="probabilities", dtype="float32")(network(images))
     return keras.Model(inputs, probabilities, name=f"{network.name}_serving")
 
@@ -646,7 +650,7 @@ class Agreement:
 def verification_batches(cfg: Config, split, limit: int, batch: int = 64):
     """(encoded bytes, evaluation crops) of the first `limit` images of `split` (0: all), in listing order.
 
-    The crops are the evaluation pipeline's (`center_crop`, the same function
+    The crops are the evaluation pipeline's (`EVAL_CROPS`, the same function
     `DecodeImages` runs); images that do not decode are left out. A synthetic
     split has no encoded bytes: its bytes are empty strings.
     """
@@ -661,7 +665,8 @@ def verification_batches(cfg: Config, split, limit: int, batch: int = 64):
         element = element if len(element) > 1 else element[0]
         if split.kind == "synthetic":
             return tf.constant(b""), example(element, 0, None)[0]
-        return example(element, 0, lambda data, index: (data, center_crop(data, size, cfg.data.eval_crop_fraction)))[0]
+        crop = EVAL_CROPS[cfg.data.eval_interpolation]
+        return example(element, 0, lambda data, index: (data, crop(data, size, cfg.data.eval_crop_fraction)))[0]
     ds = ds.map(pair).ignore_errors()
     if limit:
         ds = ds.take(limit)
@@ -741,25 +746,37 @@ def agreement_line(name: str, path: str, a: Agreement) -> str:
 
 def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out_dir: str | None,
                       formats: tuple[str, ...] | None = None, verify_images: int | None = 1000,
-                      shown=lambda text: text) -> dict:
+                      shown=lambda text: text, pretrained=None) -> dict:
     """Writes the export formats, then (`verify_images` not None; 0: the whole split) runs that many validation
     images through each, loaded back in its own runtime, and prints its agreement with the Keras model.
 
     A format that could not be written does not stop the others: they are written and checked first, then
     its reason is raised as one line naming the formats that were written. `shown`: a line with its paths
-    named as the user finds them (a bucket run's objects, where this one writes a local copy)."""
+    named as the user finds them (a bucket run's objects, where this one writes a local copy). `pretrained`
+    (`tfdp.commands.from_weights.Pretrained`): model.init_from's weights and their classes, not a checkpoint's;
+    the validation split then only checks the formats, where data.dir has one."""
+    if pretrained is not None:
+        cfg = pretrained.cfg
     formats = formats or DEFAULT_FORMATS
     if verify_images is not None and verify_images < 0:
         raise UserError(f"--verify_images must be 0 (the whole validation split) or more, got {verify_images}")
     check_packages(formats)
     model_dir = os.path.expanduser(cfg.model_dir)
     out_dir = writable_dir(out_dir or os.path.join(model_dir, "export"), "the export folder")
-    source = build_source(cfg.data, splits=(cfg.data.val_split,))  # for the class names and the verification
+    # for the class names and the verification (from weights alone: the verification only, where there is data)
+    source = build_source(cfg.data, splits=(cfg.data.val_split,)) if pretrained is None else _checking_source(
+        cfg, verify_images)
     # Exports are float32 whatever the training precision (ONNX's exporter requires it; the weights are float32).
     model = ClassificationTask(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="float32"))
                                ).build_model("serve")
-    load_checkpoint(model, checkpoint or CheckpointStore(model_dir).best_weights, cfg)
-    written = export(model, cfg, source.class_names, out_dir, formats)
+    if pretrained is None:
+        load_checkpoint(model, checkpoint or CheckpointStore(model_dir).best_weights, cfg)
+    else:
+        pretrained.load(model)
+        if source is None:
+            verify_images = None
+    written = export(model, cfg, pretrained.names if pretrained is not None else source.class_names, out_dir,
+                     formats)
     paths = written.paths
     made = [f for f in formats if f in paths]
     if made:
@@ -776,3 +793,16 @@ def export_checkpoint(cfg: Config, runtime: Runtime, checkpoint: str | None, out
     if written.failed:  # after the others are written and checked: one line, exit status 2
         raise UserError(written.failure_line())
     return paths
+
+
+def _checking_source(cfg: Config, verify_images: int | None):
+    """The validation split an export from weights alone is checked on, where data.dir lists one; None (and one
+    line saying the check is skipped) where it does not."""
+    if verify_images is None:
+        return None
+    try:
+        return build_source(cfg.data, splits=(cfg.data.val_split,))
+    except UserError as e:
+        say(f"tfdp: export: not checked on images ({first_line(e)}); give --data_dir with a validation split to "
+            f"check each format against Keras")
+        return None

@@ -54,21 +54,22 @@ class Request:
     files: tuple[str, ...]   # the images, sorted: local paths or bucket URLs, as the rows name them
     output: str              # absolute path of the JSONL or CSV file
     write: Callable          # (rows, top_k) → the file's text
-    top_k: int
+    top_k: int | None        # None: min(5, the model's classes), once they are known
     sizes: tuple[int, ...] = ()   # each bucket object's bytes, from the listing (local files: none)
 
 
 DEFAULT_TOP_K = 5
 
 
-def request(cfg: Config, inputs: str | None, output: str | None, top_k: int | None = None) -> Request:
+def request(cfg: Config, inputs: str | None, output: str | None, top_k: int | None = None,
+            classes_known: bool = True) -> Request:
     """The checked request: a writable output of a known format, top_k within the classes, at least one
     image. No TensorFlow here. Without a top_k, min(5, classes), as timm's inference script: a 3-class model
-    needs no flag; a top_k the user asked for beyond the classes is still refused."""
+    needs no flag; a top_k the user asked for beyond the classes is still refused (`classes_known` False: the
+    classes are the weights', known once they are read: checked then, in `predict`)."""
     write = check_output(output)
-    if top_k is None:
-        top_k = min(DEFAULT_TOP_K, cfg.model.num_classes)
-    check_top_k(top_k, cfg.model.num_classes)
+    if classes_known:
+        top_k = resolved_top_k(top_k, cfg.model.num_classes)
     files, sizes = list_images(inputs)
     return Request(tuple(files), os.path.abspath(os.path.expanduser(output)), write, top_k, tuple(sizes))
 
@@ -97,6 +98,14 @@ def check_output(output: str | None) -> Callable[[list[dict], int], str]:
         raise UserError(f"cannot write {output}: its folder {parent} is not writable "
                         f"({os.strerror(e.errno or 0).lower()})") from None
     return WRITERS[extension]
+
+
+def resolved_top_k(top_k: int | None, num_classes: int) -> int:
+    """`top_k`, or min(5, the classes) without one; checked against the classes."""
+    if top_k is None:
+        top_k = min(DEFAULT_TOP_K, num_classes)
+    check_top_k(top_k, num_classes)
+    return top_k
 
 
 def check_top_k(top_k: int, num_classes: int) -> None:
@@ -192,8 +201,10 @@ def class_names(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
 PROBABILITIES = {"softmax": "softmax", "bce": "sigmoid"}
 
 
-def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Request) -> dict:
-    """Writes `job.output` with one row per image of `job.files`; returns a summary (images, failed, seconds)."""
+def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Request, pretrained=None) -> dict:
+    """Writes `job.output` with one row per image of `job.files`; returns a summary (images, failed, seconds).
+    `pretrained` (`tfdp.commands.from_weights.Pretrained`): the model and its classes from model.init_from's
+    weights, not from a checkpoint, and no training data listed."""
     import tensorflow as tf
 
     from tfdp.errors import atomic_write_text
@@ -206,13 +217,19 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
 
     if runtime.num_workers > 1:
         raise UserError("predict runs on one host's replicas: use distribute.strategy mirrored or one_device")
-    files, top_k = list(job.files), job.top_k
-    names, text = class_names(cfg)
+    if pretrained is not None:
+        cfg, names, text = pretrained.cfg, pretrained.names, pretrained.text
+    else:
+        names, text = class_names(cfg)
+    files, top_k = list(job.files), resolved_top_k(job.top_k, cfg.model.num_classes)
     parts = chunks(job.sizes, len(files), limit_bytes(cfg.data))
     task = ClassificationTask(cfg, runtime)
     with runtime.strategy.scope():
         model = task.build_model("serve")
-    load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
+        if pretrained is not None:
+            pretrained.load(model)
+    if pretrained is None:
+        load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     probabilities = getattr(tf.math, PROBABILITIES[cfg.train.loss])

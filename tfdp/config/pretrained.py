@@ -404,3 +404,77 @@ def differing_line(model_cfg: ModelConfig, data_cfg: DataConfig) -> str | None:
     want = ", ".join(f"{f} {shown(theirs[f])}" for f in differ)
     return (f"tfdp: preprocessing: the config's {ours} differ from what the weights were trained with ({found.what}: "
             f"{want}); the config's are used (leave them out of it to take the weights')")
+
+
+def _hub_config(path: str) -> dict:
+    """The `config.json` beside a timm .safetensors file (the Hugging Face Hub layout timm saves), or {}."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(path)), "config.json"), encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def label_names(spec: str, num_classes: int) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(names, descriptions) of a timm file's classes, in label order, where it carries them (`label_names`, a
+    list or an {index: name} map, and `label_descriptions` {name: text}, at the top of its config.json or in its
+    pretrained cfg); None where it has none or not one per class."""
+    path = os.path.expanduser(spec)
+    if not (os.path.isfile(path) and path.lower().endswith(".safetensors")):
+        return None
+    beside = _hub_config(path)
+    timm_cfg = _timm_cfg(path) or {}
+    names = beside.get("label_names") or timm_cfg.get("label_names")
+    if isinstance(names, dict):
+        try:
+            names = [names.get(str(k), names.get(k)) for k in range(num_classes)]
+        except TypeError:
+            return None
+    if not isinstance(names, list) or len(names) != num_classes or not all(isinstance(n, str) for n in names):
+        return None
+    described = beside.get("label_descriptions") or timm_cfg.get("label_descriptions") or {}
+    text = tuple(str(described.get(n, n)) for n in names) if isinstance(described, dict) and described else ()
+    return tuple(names), text
+
+
+def _shown_size(cfg: Config, found: Preprocessing | None) -> str:
+    """Where data.image_size came from."""
+    size = cfg.data.image_size
+    if found is not None and found.image_size == size:
+        return f"image size {size} px, from {found.what}"
+    if native_size(cfg.model.name) == size:
+        return f"image size {size} px, the one model {cfg.model.name}'s name says"
+    return f"image size {size} px, the config's"
+
+
+def assumed_line(model_cfg: ModelConfig) -> str | None:
+    """The console line saying what tfdp assumed for weights that carry no preprocessing of their own (a timm
+    state dict saved without its pretrained cfg), and how to change it; None where they carry theirs."""
+    found = from_weights(model_cfg)
+    if found is None or not found.assumed:
+        return None
+    return (f"tfdp: assumed: {found.assumed}; weights trained otherwise (many ViTs: mean and std 0.5) are misread "
+            f"without a word: set data.mean, data.std and data.eval_interpolation to theirs")
+
+
+def assumptions(cfg: Config) -> list[str]:
+    """What a command that starts from model.init_from's weights alone feeds them, each with where it comes from
+    and how to change it: said once, so that weights misread (a ViT trained with mean/std 0.5 fed ImageNet's
+    statistics is 47 % off, with no other sign) are seen at once."""
+    found = from_weights(cfg.model)
+    d = cfg.data
+    source = found.what if found is not None else "tfdp's defaults (the weights say nothing)"
+    norm = (f"tfdp: assumed: {d.channel_order.upper()}, mean {_numbers(d.mean)}, std {_numbers(d.std)} (R,G,B, "
+            f"0..255 units), from {source}")
+    if found is not None and found.assumed:
+        norm += f" ({found.assumed})"
+    eval_size = d.eval_image_size or d.image_size
+    crop = (f"tfdp: assumed: evaluation crop {d.eval_crop_fraction:.4g} of the shorter side at {eval_size} px, "
+            + ("decoded alone and resized bilinearly (fast)" if d.eval_interpolation == "fast" else
+               f"after a {d.eval_interpolation} resize of the shorter side to {int(eval_size / d.eval_crop_fraction)} "
+               f"px antialiased as Pillow's")
+            + "; set data.eval_crop_fraction, data.eval_interpolation (fast, bilinear, bicubic) to change")
+    return [norm + "; set data.mean, data.std, data.channel_order to change",
+            f"tfdp: assumed: {_shown_size(cfg, found)}; set data.image_size to change",
+            crop]

@@ -95,6 +95,8 @@ def choose(cfg: DataConfig, devices: list[str]) -> str:
                         f"that need no decoding: use data.decoder tf")
     if cfg.decoder == "tf" or cfg.format == "synthetic" or cfg.format in PIXEL_FORMATS:
         return "tf"
+    if cfg.decoder == "auto" and cfg.eval_interpolation != "fast":   # DALI's evaluation crop is the fast one
+        return "tf"
     gpus = bool(devices) and all("GPU" in d.upper() for d in devices)
     if cfg.decoder == "auto":
         physical = len(tf.config.list_physical_devices("GPU"))

@@ -11,6 +11,7 @@ the model's first layers, so the host stays at JPEG-decode speed.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import tensorflow as tf
@@ -41,9 +42,9 @@ def train_transform(cfg: DataConfig, seed: int):
 
 def eval_transform(cfg: DataConfig):
     """`(encoded, record index) → image` for evaluation: the central crop, at `data.eval_image_size` (0: the
-    training size)."""
-    size = eval_image_size(cfg)
-    return lambda data, index: center_crop(data, size, cfg.eval_crop_fraction)
+    training size), resized as `data.eval_interpolation` says (`EVAL_CROPS`)."""
+    size, crop = eval_image_size(cfg), EVAL_CROPS[cfg.eval_interpolation]
+    return lambda data, index: crop(data, size, cfg.eval_crop_fraction)
 
 
 def random_crop(data: tf.Tensor, cfg: DataConfig, seed: tf.Tensor | None = None) -> tf.Tensor:
@@ -72,6 +73,46 @@ def center_crop(data: tf.Tensor, image_size: int, crop_fraction: float) -> tf.Te
         side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
         return tf.stack([(shape[0] - side) // 2, (shape[1] - side) // 2, side, side])
     return _resize(_decode_window(data, window), image_size)
+
+
+def resize_then_crop(data: tf.Tensor, image_size: int, crop_fraction: float, method: str) -> tf.Tensor:
+    """timm's evaluation transform (`transforms_imagenet_eval`, crop_mode center): the shorter side resized to
+    floor(image_size / crop_fraction), the longer one in proportion (torchvision's `Resize(int)`: truncated), with
+    `method` antialiased as Pillow resizes, then torchvision's `CenterCrop` (offsets rounded half to even).
+
+    TensorFlow's antialiased kernels are Pillow's (bilinear: the triangle, bicubic: Keys' cubic with a = -0.5,
+    both widened by the scale when shrinking, on half-pixel centres), computed in float; Pillow rounds to uint8
+    between its horizontal and vertical passes, so a pixel may differ by a unit or two (docs/pretrained-weights.md
+    measures it). The whole image is decoded: the resize reads every pixel its kernel reaches."""
+    image = tf.cast(_decode_whole(data), tf.float32)
+    shape = tf.shape(image)
+    height, width = tf.cast(shape[0], tf.float64), tf.cast(shape[1], tf.float64)
+    short_side = float(math.floor(image_size / crop_fraction))
+    shorter = tf.minimum(height, width)
+    new_height = tf.cast(tf.floor(short_side * height / shorter), tf.int32)   # the short side: exactly short_side
+    new_width = tf.cast(tf.floor(short_side * width / shorter), tf.int32)
+    resized = tf.image.resize(image, tf.stack([new_height, new_width]), method=method, antialias=True)
+    pixels = tf.cast(tf.clip_by_value(tf.round(resized), 0.0, 255.0), tf.uint8)   # bicubic overshoots: clipped
+    top = tf.cast(tf.round(tf.cast(new_height - image_size, tf.float64) / 2), tf.int32)
+    left = tf.cast(tf.round(tf.cast(new_width - image_size, tf.float64) / 2), tf.int32)
+    out = tf.slice(pixels, tf.stack([top, left, 0]), [image_size, image_size, 3])
+    out.set_shape([image_size, image_size, 3])
+    return out
+
+
+def _decode_whole(data: tf.Tensor) -> tf.Tensor:
+    """Every pixel of an encoded image, RGB; a JPEG with the exact IDCT, as Pillow's libjpeg decodes it."""
+    return tf.cond(tf.io.is_jpeg(data),
+                   lambda: tf.io.decode_jpeg(data, channels=3, dct_method="INTEGER_ACCURATE"),
+                   lambda: tf.io.decode_image(data, channels=3, expand_animations=False))
+
+
+# data.eval_interpolation → the evaluation crop: (encoded, side, crop fraction) → uint8 image
+EVAL_CROPS = {
+    "fast": center_crop,
+    "bilinear": functools.partial(resize_then_crop, method="bilinear"),
+    "bicubic": functools.partial(resize_then_crop, method="bicubic"),
+}
 
 
 def _decode_window(data: tf.Tensor, window) -> tf.Tensor:

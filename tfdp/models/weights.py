@@ -744,6 +744,7 @@ def init_from(model: keras.Model, model_cfg: ModelConfig, data_cfg: DataConfig, 
     loaded, new = load_into(model, weights, model_cfg)
     say(f"tfdp: init_from: loaded {len(loaded)} of {len(loaded) + len(new)} layers from {weights.what}; "
         f"new: {', '.join(new) if new else 'none'}")
-    for said in (pretrained.line(model_cfg, data_cfg), pretrained.differing_line(model_cfg, data_cfg)):
+    for said in (pretrained.line(model_cfg, data_cfg), pretrained.differing_line(model_cfg, data_cfg),
+                 pretrained.assumed_line(model_cfg)):
         if said:   # resolved with the config (tfdp/config/pretrained.py); said here, once
             say(said)
