@@ -3,7 +3,7 @@
 Re-exports the public names, so `from tfdp.models import build_model` etc. work.
 """
 
-from tfdp.models import convnext, eva, keras_apps, regnet, resnet, simple, squeezenet, swin, vgg, vit  # noqa: F401
+from tfdp.models import convnext, d2l, eva, keras_apps, regnet, resnet, simple, squeezenet, swin, vgg, vit  # noqa: F401
 from tfdp.models.batch_norm import use_batch_norm_rule
 from tfdp.models.build import Standardize, build_model
 from tfdp.models.registry import DEFAULT_DROPOUT, FIXED_SIZE, MIN_INPUT_SIZE, MODELS, check_model_name, register
