@@ -56,6 +56,13 @@ class DataConfig:
     dir: Str = "~/.cache/tfdp/digits"
     train_split: Str = "train"   # name of the training split (folder, shard prefix or TFDS split)
     val_split: Str = "val"   # name of the validation split
+    # data.format image_folder: the share of each class's images held out for validation from one tree of class
+    # folders (data.dir/<class>/<image>, or data.dir/<train_split>/<class>/<image> with no validation folder beside
+    # it), decided per image by a hash of its path and data.val_seed, so adding images moves none. 0: off (the
+    # train_split and val_split folders).
+    val_fraction: Annotated[float, Strict(), Field(ge=0, lt=1)] = 0.0
+    # ... the seed of that hash: its own, so that runs of another train.seed validate on the same images
+    val_seed: NonNegInt = 0
     # data.format wds: the field of each sample's .json member that holds its class number, a '/' separating
     # nested keys (timm's --target-key); a sample whose number is negative is left out, as timm skips it. "": the
     # sample's .cls member.
@@ -566,6 +573,9 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.model.init_exclude and not cfg.model.init_from:
         raise UserError("model.init_exclude needs model.init_from (the weights it leaves out)")
     _check_augment(cfg.augment)
+    if d.val_fraction and d.format != "image_folder":
+        raise UserError(f"data.val_fraction splits one tree of class folders (data.format image_folder), not "
+                        f"data.format {d.format}'s splits")
     if d.label_key and d.format != "wds":
         raise UserError(f"data.label_key names a field of WebDataset samples' .json (data.format wds), not of "
                         f"data.format {d.format}'s labels")

@@ -21,6 +21,10 @@ def _digits(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
 
 
 def _image_folder(cfg: DataConfig, splits: tuple[str, ...]) -> Source:
+    """`DIR/<split>/<class>/<image>`; with data.val_fraction, one tree `DIR/<class>/<image>` split by it."""
+    if cfg.val_fraction:
+        from tfdp.data.layouts.holdout import held_out
+        return held_out(cfg.dir, splits, cfg.train_split, cfg.val_split, cfg.val_fraction, cfg.val_seed)
     return image_folder(cfg.dir, splits)
 
 
