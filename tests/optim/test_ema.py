@@ -132,3 +132,32 @@ def test_in_the_compiled_step_the_buffers_average_is_of_this_steps_statistics(re
         for copy in replica_copies(average):
             np.testing.assert_allclose(copy, want, rtol=1e-5, atol=1e-7)
         assert np.max(np.abs(want - lagged)) > 1e-4 * np.max(np.abs(want))   # which the check tells apart
+
+
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.full(reason="2 replicas: ~30 s"))])
+def test_the_ema_evaluation_uses_the_averaged_statistics_and_a_checkpoint_holds_them(replicas, tmp_path):
+    """`ema_weights` (the val_ema_* evaluation and the best checkpoint by it) swaps in the batch-norm averages
+    with the weights' on every replica and puts the trained ones back; the weights file (optimizer state
+    included) holds the averages, so a run resumed from it continues the same average."""
+    import sys
+    sys.path.insert(0, "tests/optim")
+    from test_optimizers import toy_fit
+    from tfdp.distribute.replica_state import replica_copies
+    from tfdp.train.callbacks import ema_weights
+    model, _ = toy_fit("sgd", replicas, jit=True, rules="timm", ema_decay=0.5)
+    optimizer, bn = model.optimizer, model.layers[1]
+    averages = [a.numpy().copy() for a in optimizer.tfdp_buffer_averages]
+    trained = [v.numpy().copy() for v in (bn.moving_mean, bn.moving_variance)]
+    assert not np.allclose(averages[0], trained[0], rtol=1e-3, atol=0)
+    with ema_weights(model):
+        for variable, average in zip((bn.moving_mean, bn.moving_variance), averages):
+            for copy in replica_copies(variable):
+                np.testing.assert_array_equal(copy, average)
+    for variable, value in zip((bn.moving_mean, bn.moving_variance), trained):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    path = str(tmp_path / "run.weights.h5")
+    model.save_weights(path)
+    other, _ = toy_fit("sgd", replicas, jit=True, rules="timm", ema_decay=0.9)   # another average
+    other.load_weights(path)
+    for mine, loaded in zip(averages, other.optimizer.tfdp_buffer_averages):
+        np.testing.assert_array_equal(loaded.numpy(), mine)
