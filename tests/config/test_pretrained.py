@@ -20,7 +20,8 @@ from tfdp.errors import UserError
 from tfdp.models import build_model
 from tfdp.models.build import Standardize
 from tfdp.models.keras_apps import APPS
-from tfdp.models.weights import MIRROR_ENV, init_from, layers_with_weights
+from tfdp.models.keras_imagenet import MIRROR_ENV
+from tfdp.models.weights import init_from, layers_with_weights
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
@@ -78,8 +79,8 @@ def keras_reference(name):
 
 
 def test_every_keras_zoo_model_has_its_preprocessing():
-    from tfdp.models.weights import _imagenet_files
-    assert set(pretrained.KERAS_IMAGENET) == set(_imagenet_files()) == set(APPS)
+    from tfdp.models.keras_imagenet import imagenet_files
+    assert set(pretrained.KERAS_IMAGENET) == set(imagenet_files()) == set(APPS)
 
 
 @pytest.mark.parametrize("name", sorted(pretrained.KERAS_IMAGENET))

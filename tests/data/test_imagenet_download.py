@@ -22,8 +22,9 @@ from conftest import assert_one_line_error, run_tfdp
 from tfdp.config import validate
 from tfdp.errors import UserError
 from tfdp.models import build_model
-from tfdp.models import weights as weights_lib
-from tfdp.models.weights import MIRROR_ENV, layers_with_weights, load_into, read_source
+from tfdp.models import keras_imagenet
+from tfdp.models.keras_imagenet import MIRROR_ENV
+from tfdp.models.weights import layers_with_weights, load_into, read_source
 
 MOBILENET_V3 = "mobilenet_v3/weights_mobilenet_v3_large_224_1.0_float.h5"
 RESNET50 = "resnet/resnet50_weights_tf_dim_ordering_tf_kernels.h5"
@@ -117,7 +118,7 @@ def test_an_unreachable_server_is_the_offline_line_within_seconds(tmp_path, monk
         start = time.monotonic()
         with pytest.raises(UserError) as error:
             read_source("imagenet", cfg.model, cfg.data)
-        assert time.monotonic() - start < weights_lib.CONNECT_TIMEOUT + 2, host
+        assert time.monotonic() - start < keras_imagenet.CONNECT_TIMEOUT + 2, host
         message = str(error.value)
         assert message.startswith(f"model.init_from: imagenet weights for 'resnet50' are not in Keras' cache and "
                                   f"{host} cannot be reached: " if host.startswith("127.") else
@@ -133,7 +134,7 @@ def test_an_unreachable_server_is_the_offline_line_within_seconds(tmp_path, monk
 def test_a_server_that_stalls_is_one_line_not_a_hang(tmp_path, monkeypatch):
     """Accepts the connection, never answers: the read timeout ends the download."""
     monkeypatch.setenv("KERAS_HOME", str(tmp_path))
-    monkeypatch.setattr(weights_lib, "READ_TIMEOUT", 1.0)
+    monkeypatch.setattr(keras_imagenet, "READ_TIMEOUT", 1.0)
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -160,11 +161,11 @@ def test_the_mirror_must_be_http(monkeypatch, tmp_path):
 def test_the_mirror_holds_both_of_keras_buckets_files_at_their_paths(monkeypatch):
     """keras.applications downloads EfficientNet (V1)'s files from another bucket than the rest, at its top: the
     mirror keeps each file at its path under its bucket."""
-    files = weights_lib._imagenet_files()
+    files = keras_imagenet.imagenet_files()
     urls = {name: files[name](224)[1] for name in ("resnet50", "efficientnet_b3", "mobilenet_v3_small")}
     assert urls["efficientnet_b3"] == "https://storage.googleapis.com/keras-applications/efficientnetb3.h5"
     monkeypatch.setenv(MIRROR_ENV, "http://127.0.0.1:8/keras/")
-    assert {name: weights_lib.weights_url(url) for name, url in urls.items()} == {
+    assert {name: keras_imagenet.weights_url(url) for name, url in urls.items()} == {
         "resnet50": f"http://127.0.0.1:8/keras/{RESNET50}",
         "efficientnet_b3": "http://127.0.0.1:8/keras/efficientnetb3.h5",
         "mobilenet_v3_small": "http://127.0.0.1:8/keras/mobilenet_v3/weights_mobilenet_v3_small_224_1.0_float.h5"}

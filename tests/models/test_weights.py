@@ -26,8 +26,8 @@ from tfdp.config import IMAGENET_MEAN, IMAGENET_STD, validate
 from tfdp.errors import UserError
 from tfdp.models import MODELS, build_model
 from tfdp.models.resnet import check_keras_hub_resnet, keras_hub_resnet_layer
-from tfdp.models.weights import (MIRROR_ENV, SOURCES, init_from, keras_cache_dir, layers_with_weights, load_into,
-                                 read_source)
+from tfdp.models.keras_imagenet import MIRROR_ENV, keras_cache_dir
+from tfdp.models.weights import SOURCES, init_from, layers_with_weights, load_into, read_source
 from tfdp.distribute.strategy import make_runtime
 from tfdp.train.task import model_in_precision
 

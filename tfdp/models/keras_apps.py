@@ -30,7 +30,9 @@ from keras.src.applications import efficientnet, efficientnet_v2
 from tfdp.config import ModelConfig, pretrained
 from tfdp.errors import UserError
 from tfdp.models.registry import WITH_PREVIOUS, register
-from tfdp.models.weights import Weights, register_torch_layout, renamed_modules, torch_module_values, torch_modules
+from tfdp.models import keras_imagenet  # noqa: F401  (registers `init_from: imagenet`: Keras' own files of these models)
+from tfdp.models.weights import (Weights, add_origins, register_torch_layout, renamed_modules, torch_module_values,
+                                 torch_modules)
 
 
 def _app(constructor, dropout_arg: str | None = None, **extra):
@@ -351,6 +353,12 @@ register_torch_layout(*(f"efficientnet_{v}{torch}" for v in EFFICIENTNET for tor
     timm_efficientnet("dwconv"))
 register_torch_layout(*(name for name in {**APPS, **TORCH_PADDED} if name.startswith("efficientnetv2_")))(
     timm_efficientnet("dwconv2"))
+# Whose files (`tfdp models`): timm's TensorFlow ports (tf_efficientnet*, tf_mobilenetv3*) into Keras' graphs; timm's
+# own and torchvision's into the graphs padded as PyTorch pads (torchvision's alone for EfficientNetV2).
+add_origins([name for name in APPS if name.startswith(("efficientnet", "mobilenet_v3"))], ("timm",))
+add_origins([name for name in TORCH_PADDED if name.startswith(("efficientnet_b", "mobilenet_v3"))],
+            ("timm", "torchvision"))
+add_origins([name for name in TORCH_PADDED if name.startswith("efficientnetv2_")], ("torchvision",))
 
 
 # ---------------------------------------------------------------- timm's and torchvision's MobileNetV3

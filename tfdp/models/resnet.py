@@ -41,7 +41,7 @@ from tfdp.config import ModelConfig
 from tfdp.errors import UserError
 from tfdp.models.registry import register
 from tfdp.models.weights import (Weights, h5_groups, keras_hub_head, register_keras_hub_layout, register_torch_layout,
-                                 renamed_modules, resnet_d_layer, torch_modules)
+                                 renamed_modules, torch_modules)
 
 BN = dict(momentum=0.9, epsilon=1e-5)
 # timm's ResNet group_matcher (coarse=False) on tfdp's layer names: the stem, then one group per block.
@@ -210,7 +210,43 @@ for _name in RESNET_D:
     _register_resnet_d(_name)
 
 
-@register_torch_layout(*RESNET_D)
+# ---------------------------------------------------------------- torchvision's and timm's state dicts
+
+
+def torchvision_layer(key: str) -> str | None:
+    """torchvision's (and timm's) ResNet module names → this file's layers."""
+    fixed = {"conv1": "stem_conv", "bn1": "stem_bn", "fc": "logits"}
+    if key in fixed:
+        return fixed[key]
+    m = re.fullmatch(r"layer(\d)\.(\d+)\.(conv|bn)(\d)", key)
+    if m:
+        return f"stage{m[1]}_block{int(m[2]) + 1}_{'abc'[int(m[4]) - 1]}_{m[3]}"
+    m = re.fullmatch(r"layer(\d)\.(\d+)\.downsample\.([01])", key)
+    if m:
+        return f"stage{m[1]}_block{int(m[2]) + 1}_down_{('conv', 'bn')[int(m[3])]}"
+    return None
+
+
+def resnet_d_layer(key: str) -> str | None:
+    """timm's ResNet-D module names → this file's layers: the deep stem `conv1.0`/`.1`, `.3`/`.4`, `.6` and
+    `bn1`, the average-pool shortcut's `downsample.1` (convolution) and `.2` (batch norm); the rest as torchvision's."""
+    fixed = {"conv1.0": "stem_a_conv", "conv1.1": "stem_a_bn", "conv1.3": "stem_b_conv", "conv1.4": "stem_b_bn",
+             "conv1.6": "stem_conv"}
+    if key in fixed:
+        return fixed[key]
+    m = re.fullmatch(r"layer(\d)\.(\d+)\.downsample\.([12])", key)
+    if m:
+        return f"stage{m[1]}_block{int(m[2]) + 1}_down_{('conv', 'bn')[int(m[3]) - 1]}"
+    return None if key == "conv1" or re.fullmatch(r"layer\d\.\d+\.downsample\.0", key) else torchvision_layer(key)
+
+
+@register_torch_layout("resnet18", "resnet34", "resnet50_v1_5", "resnext50_32x4d", origins=("torchvision", "timm"))
+def torchvision_resnet(tensors, model_cfg: ModelConfig, what: str) -> Weights:
+    """torchvision's (and timm's) ResNet state dict: its modules renamed to this file's layers."""
+    return renamed_modules(torch_modules(tensors), torchvision_layer, model_cfg, what)
+
+
+@register_torch_layout(*RESNET_D, origins=("timm",))
 def timm_resnet_d(tensors, model_cfg: ModelConfig, what: str) -> Weights:
     """timm's ResNet-D state dict: torchvision's names but for the deep stem and the average-pool shortcut."""
     return renamed_modules(torch_modules(tensors), resnet_d_layer, model_cfg, what)
@@ -274,7 +310,7 @@ def keras_hub_resnet_layer(name: str) -> str | None:
     return f"stage{int(m[1]) + 1}_block{int(m[2]) + 1}_{part}_{m[4]}"
 
 
-@register_keras_hub_layout("ResNetBackbone")
+@register_keras_hub_layout("ResNetBackbone", models=KERAS_HUB_RESNETS)
 def keras_hub_resnet(preset: str, backbone: dict, task: dict | None, model_cfg: ModelConfig, what: str) -> Weights:
     """A keras-hub ResNet preset (ResNetBackbone, with ResNetImageClassifier's head when it holds the task) as
     `Weights`: its values are in Keras' layouts already, so only the layer names change."""

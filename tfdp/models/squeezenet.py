@@ -8,10 +8,14 @@ torchvision's (`ceil_mode=True`), so its weights give the same logits.
 
 from __future__ import annotations
 
+import re
+
 import keras
 from keras import layers
 
+from tfdp.config import ModelConfig
 from tfdp.models.registry import register
+from tfdp.models.weights import Weights, register_torch_layout, renamed_modules, torch_modules
 
 
 def ceil_max_pool(x, name: str):
@@ -46,3 +50,25 @@ def squeezenet1_1(input_shape, num_classes: int, dropout: float) -> keras.Model:
     x = layers.Conv2D(num_classes, 1, activation="relu", name="classifier")(x)
     logits = layers.GlobalAveragePooling2D(name="pool")(x)
     return keras.Model(inputs, logits, name="squeezenet1_1_backbone")
+
+
+# ---------------------------------------------------------------- torchvision's state dict
+
+
+def torchvision_layer(key: str) -> str | None:
+    """torchvision's SqueezeNet 1.1 `features.N` / `classifier.1` → this file's layers."""
+    fires = {3: 2, 4: 3, 6: 4, 7: 5, 9: 6, 10: 7, 11: 8, 12: 9}  # features index → fire module number
+    if key == "features.0":
+        return "conv1"
+    if key == "classifier.1":
+        return "classifier"
+    m = re.fullmatch(r"features\.(\d+)\.(squeeze|expand1x1|expand3x3)", key)
+    if m and int(m[1]) in fires:
+        return f"fire{fires[int(m[1])]}_{m[2]}"
+    return None
+
+
+@register_torch_layout("squeezenet1_1", origins=("torchvision",))
+def torchvision_squeezenet(tensors, model_cfg: ModelConfig, what: str) -> Weights:
+    """torchvision's SqueezeNet 1.1 state dict: its modules renamed to this file's layers."""
+    return renamed_modules(torch_modules(tensors), torchvision_layer, model_cfg, what)

@@ -8,10 +8,15 @@ torchvision's (VGG-16 138,357,544; VGG-16-BN 138,365,992 at 1,000 classes).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import keras
+import numpy as np
 from keras import layers
 
+from tfdp.config import ModelConfig
 from tfdp.models.registry import register
+from tfdp.models.weights import Weights, register_torch_layout, renamed_modules, torch_module_values, torch_modules
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
@@ -86,3 +91,49 @@ def _add(name: str, batch_norm: bool) -> None:
 for _name in PLANS:
     for _bn in (False, True):
         _add(_name, _bn)
+
+
+# ---------------------------------------------------------------- torchvision's state dicts
+
+
+def torchvision_layers(plan, batch_norm: bool) -> Callable[[str], str | None]:
+    """torchvision's VGG `features.N` (conv, [bn], relu, ..., maxpool) and `classifier.{0,3,6}` → this file's layers."""
+    names, index = {}, 0
+    for i, item in enumerate(plan):
+        if item == "M":
+            index += 1
+            continue
+        names[f"features.{index}"] = f"conv{i}"
+        if batch_norm:
+            names[f"features.{index + 1}"] = f"bn{i}"
+        index += 3 if batch_norm else 2
+    names.update({"classifier.0": "fc1", "classifier.3": "fc2", "classifier.6": "logits"})
+    return names.get
+
+
+# the (channels, height, width) of fc1's flattened input in PyTorch (NCHW), reordered to Keras' (H, W, C)
+FLATTENED_INPUT = (512, 7, 7)
+
+
+def torchvision_values(params: dict[str, np.ndarray], layer: str) -> tuple[list[np.ndarray], list[str]]:
+    """One torch module's tensors in Keras' layouts; the first fully connected layer's kernel also from PyTorch's
+    channels-first flattening of the pooled 7x7 map to Keras' channels-last."""
+    values, order = torch_module_values(params, layer)
+    c, h, w = FLATTENED_INPUT
+    if layer == "fc1" and values[0].shape[0] == c * h * w:
+        values[0] = params["weight"].reshape(-1, c, h, w).transpose(2, 3, 1, 0).reshape(h * w * c, -1)
+    return values, order
+
+
+def torchvision_reader(name: str, batch_norm: bool) -> Callable[..., Weights]:
+    rename = torchvision_layers(PLANS[name], batch_norm)
+
+    def read(tensors, model_cfg: ModelConfig, what: str) -> Weights:
+        """torchvision's VGG state dict: its modules renamed to this file's layers."""
+        return renamed_modules(torch_modules(tensors), rename, model_cfg, what, convert=torchvision_values)
+    return read
+
+
+for _name in PLANS:
+    register_torch_layout(_name, origins=("torchvision",))(torchvision_reader(_name, False))
+    register_torch_layout(f"{_name}_bn", origins=("torchvision",))(torchvision_reader(_name, True))

@@ -4,17 +4,14 @@ A source is read into one common form, `Weights` (layer name → that layer's
 values in Keras' variable order), by the reader its kind names in `SOURCES`;
 `load_into` then copies it onto the model, layer by layer, by name:
 
-- imagenet: Keras' own ImageNet files for the keras.applications models, read
-  from Keras' cache (`$KERAS_HOME/models`, default `~/.keras/models`) under the
-  names Keras itself gives them, downloaded there first (keras.utils.get_file,
-  keras.applications' hash checked) where the network allows; where it does
-  not, one line names the file, its URL and the folder, within seconds.
+- imagenet: Keras' own ImageNet files for the keras.applications models
+  (`tfdp.models.keras_imagenet`, which registers this kind of source).
 - a tfdp run directory (its best checkpoint, else its newest), a checkpoint
   folder (`checkpoints/epoch-0003`), a `.weights.h5` file (from `tfdp train`, or
   a legacy Keras `.h5`) or a `.keras` file (from `tfdp export` or `model.save`).
 - a `.safetensors` PyTorch state dict (torchvision's or timm's layout) for the
-  models in `TORCHVISION` and `TORCH_LAYOUTS`: names mapped, kernels
-  transposed, batch-norm running statistics loaded.
+  models in `TORCH_LAYOUTS`, each family's mapping registered beside it: names
+  mapped, kernels transposed, batch-norm running statistics loaded.
 - a keras-hub preset folder (what `save_to_preset` writes: config.json,
   model.weights.h5, and for a task its head in task.weights.h5) for the
   families that register a reader of its backbone class (`KERAS_HUB_LAYOUTS`).
@@ -44,12 +41,6 @@ import io
 import json
 import os
 import re
-import shutil
-import socket
-import tempfile
-import threading
-import urllib.parse
-import urllib.request
 import zipfile
 from typing import Callable
 
@@ -149,253 +140,36 @@ def read_run_dir(path: str) -> Weights:
     return read_checkpoint_folder(found[-1][2])
 
 
-# ---------------------------------------------------------------- keras.applications ImageNet files
-
-
-def _imagenet_files() -> dict[str, Callable[[int], tuple[str, str, str]]]:
-    """zoo name → (image size → (file name, download URL, md5)), from keras.applications' own constants."""
-    from keras.src.applications import efficientnet, efficientnet_v2, inception_v3, mobilenet_v2, mobilenet_v3, resnet
-
-    def resnet_file(name):
-        file = f"{name}_weights_tf_dim_ordering_tf_kernels.h5"
-        return lambda size: (file, resnet.BASE_WEIGHTS_PATH + file, resnet.WEIGHTS_HASHES[name][0])
-
-    def mobilenet_v2_file(size):
-        rows = size if size in (96, 128, 160, 192, 224) else 224  # as MobileNetV2 picks its file
-        file = f"mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_{rows}.h5"
-        return file, mobilenet_v2.BASE_WEIGHT_PATH + file, ""
-
-    def mobilenet_v3_file(kind):
-        file = f"weights_mobilenet_v3_{kind}_224_1.0_float.h5"
-        return lambda size: (file, mobilenet_v3.BASE_WEIGHT_PATH + file,
-                             mobilenet_v3.WEIGHTS_HASHES[f"{kind}_224_1.0_float"][0])
-
-    def efficientnet_file(variant):
-        file = f"efficientnetv2-{variant.lstrip('-')}.h5"
-        return lambda size: (file, efficientnet_v2.BASE_WEIGHTS_PATH + file, efficientnet_v2.WEIGHTS_HASHES[variant][0])
-
-    def efficientnet_v1_file(variant):
-        file = f"efficientnet{variant}.h5"
-        return lambda size: (file, efficientnet.BASE_WEIGHTS_PATH + file, efficientnet.WEIGHTS_HASHES[variant][0])
-
-    files = {name: resnet_file(name) for name in ("resnet50", "resnet101", "resnet152")}
-    files["inception_v3"] = lambda size: ("inception_v3_weights_tf_dim_ordering_tf_kernels.h5",
-                                          inception_v3.WEIGHTS_PATH, "9a0d58056eeedaa3f26cb7ebd46da564")
-    files["mobilenet_v2"] = mobilenet_v2_file
-    for kind in ("large", "small"):
-        files[f"mobilenet_v3_{kind}"] = mobilenet_v3_file(kind)
-    for variant in ("b0", "b1", "b2", "b3", "-s", "-m", "-l"):
-        files[f"efficientnetv2_{variant.lstrip('-')}"] = efficientnet_file(variant)
-    for variant in ("b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7"):
-        files[f"efficientnet_{variant}"] = efficientnet_v1_file(variant)
-    return files
-
-
-def keras_cache_dir() -> str:
-    """Where keras.utils.get_file keeps application weights: $KERAS_HOME/models, default ~/.keras/models."""
-    return os.path.join(os.path.expanduser(os.environ.get("KERAS_HOME") or os.path.join("~", ".keras")), "models")
-
-
-# Where keras.applications downloads every zoo model's file from (EfficientNet V1's from the second);
-# TFDP_KERAS_WEIGHTS_URL replaces both with a mirror of the same layout (an internal server; the tests' loopback
-# one): MIRROR_ENV/resnet/<file>, ..., MIRROR_ENV/efficientnetb0.h5
-KERAS_WEIGHTS_BASES = ("https://storage.googleapis.com/tensorflow/keras-applications/",
-                       "https://storage.googleapis.com/keras-applications/")
-MIRROR_ENV = "TFDP_KERAS_WEIGHTS_URL"
-# Seconds to reach the server (or proxy) before the run stops with the offline line: a machine without network
-# must not wait for TCP's own minutes-long timeout.
-CONNECT_TIMEOUT = 3.0
-# Seconds any one read of the download may stall (urllib's urlretrieve, which get_file uses, has no timeout of
-# its own; the default socket timeout bounds it).
-READ_TIMEOUT = 30.0
-
-
-def weights_url(url: str) -> str:
-    """keras.applications' URL, or the same file on the mirror TFDP_KERAS_WEIGHTS_URL names."""
-    mirror = os.environ.get(MIRROR_ENV, "")
-    if not mirror:
-        return url
-    if urllib.parse.urlsplit(mirror).scheme not in ("http", "https"):
-        raise UserError(f"{MIRROR_ENV}={mirror}: a mirror of keras.applications' weights must be an http(s) URL")
-    base = next(b for b in KERAS_WEIGHTS_BASES if url.startswith(b))
-    return mirror.rstrip("/") + "/" + url.removeprefix(base)
-
-
-def reachable(url: str, timeout: float) -> bool:
-    """Whether a TCP connection to `url`'s host (or the proxy urllib would use for it) opens within `timeout`
-    seconds, name lookup included (in a thread, since getaddrinfo takes no timeout)."""
-    parts = urllib.parse.urlsplit(url)
-    host, port = parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme, 443)
-    proxy = urllib.request.getproxies().get(parts.scheme)
-    if proxy and not urllib.request.proxy_bypass(host or ""):
-        via = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-        host, port = via.hostname, via.port or 80
-    opened = []
-
-    def probe():
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            opened.append(True)
-        except (OSError, UnicodeError):
-            pass
-    thread = threading.Thread(target=probe, name="tfdp-reachable", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return bool(opened)
-
-
-@contextlib.contextmanager
-def _download_settings():
-    """Keras' download messages off (tfdp prints its own line) and every socket read bounded, restored after."""
-    timeout, interactive = socket.getdefaulttimeout(), keras.config.is_interactive_logging_enabled()
-    socket.setdefaulttimeout(READ_TIMEOUT)
-    keras.config.disable_interactive_logging()
-    try:
-        yield
-    finally:
-        socket.setdefaulttimeout(timeout)
-        if interactive:
-            keras.config.enable_interactive_logging()
-
-
-def download(model: str, file: str, url: str, file_hash: str, where: str) -> str:
-    """keras.utils.get_file into a private folder beside the cache, then renamed in: another process (a local
-    worker of the same run) never reads a partial file, and a failed or mismatching download leaves nothing."""
-    host = urllib.parse.urlsplit(url).netloc
-    missing = f"model.init_from: imagenet weights for '{model}' are not in Keras' cache and"
-    put = f"put {file} (from {url}) into {where}/"
-    if not reachable(url, CONNECT_TIMEOUT):
-        raise UserError(f"{missing} {host} cannot be reached: {put}")
-    try:
-        os.makedirs(where, exist_ok=True)
-        scratch = tempfile.mkdtemp(prefix=f".{file}.", dir=where)
-    except OSError as e:
-        raise UserError(f"model.init_from: cannot write Keras' cache {where}/ ({e.strerror}): put {file} "
-                        f"(from {url}) into a KERAS_HOME/models/ that can be written") from None
-    checked = f"{'sha256' if len(file_hash) == 64 else 'md5'} {file_hash}" if file_hash else "no hash: Keras lists none"
-    say(f"tfdp: init_from: downloading {file} from {url} into {where}/ ({checked})")
-    try:
-        with _download_settings():
-            fetched = keras.utils.get_file(file, url, file_hash=file_hash or None, cache_subdir=scratch)
-        path = os.path.join(where, file)
-        os.replace(fetched, path)
-        return path
-    except ValueError as e:
-        if "hash" not in str(e):
-            raise
-        raise UserError(f"model.init_from: {file} downloaded from {url} does not have keras.applications' hash "
-                        f"({checked}); nothing kept in {where}/") from None
-    except Exception as e:  # get_file's "URL fetch failure on ...", a stalled read, a full disk
-        reason = first_line(e).replace(f"URL fetch failure on {url}: ", "")
-        raise UserError(f"{missing} the download from {host} failed ({reason}), nothing kept: {put}") from None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def read_imagenet(model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
-    """Keras' file from its cache (as it is: a file put there by hand is not hash-checked), else downloaded."""
-    files = _imagenet_files()
-    if model_cfg.name not in files:
-        raise UserError(f"model.init_from: imagenet weights come with the keras.applications models only "
-                        f"({', '.join(sorted(files))}), not '{model_cfg.name}'; for a torchvision-layout model "
-                        f"use a .safetensors state dict")
-    file, url, file_hash = files[model_cfg.name](data_cfg.image_size)
-    where = keras_cache_dir()
-    candidates = [os.path.join(where, file), os.path.join("/tmp", ".keras", "models", file)]  # Keras' fallback
-    path = next((p for p in candidates if os.path.exists(p)), None)
-    if path is None:
-        path = download(model_cfg.name, file, weights_url(url), file_hash, where)
-    # The preprocessing layers keras.applications builds when include_preprocessing is on; tfdp normalises itself.
-    return dataclasses.replace(read_weights_file(path, f"imagenet weights {path}"),
-                               optional=frozenset({"normalization*", "rescaling*"}))
-
-
 # ---------------------------------------------------------------- PyTorch state dicts (torchvision / timm layout)
 
 
-def _resnet_name(key: str) -> str | None:
-    """torchvision's ResNet module names → tfdp's layers (resnet.py)."""
-    fixed = {"conv1": "stem_conv", "bn1": "stem_bn", "fc": "logits"}
-    if key in fixed:
-        return fixed[key]
-    m = re.fullmatch(r"layer(\d)\.(\d+)\.(conv|bn)(\d)", key)
-    if m:
-        return f"stage{m[1]}_block{int(m[2]) + 1}_{'abc'[int(m[4]) - 1]}_{m[3]}"
-    m = re.fullmatch(r"layer(\d)\.(\d+)\.downsample\.([01])", key)
-    if m:
-        return f"stage{m[1]}_block{int(m[2]) + 1}_down_{('conv', 'bn')[int(m[3])]}"
-    return None
-
-
-def resnet_d_layer(key: str) -> str | None:
-    """timm's ResNet-D module names → tfdp's layers (resnet.py): the deep stem `conv1.0`/`.1`, `.3`/`.4`, `.6` and
-    `bn1`, the average-pool shortcut's `downsample.1` (convolution) and `.2` (batch norm); the rest as torchvision's.
-    resnet.py registers it for its ResNet-Ds (`register_torch_layout`)."""
-    fixed = {"conv1.0": "stem_a_conv", "conv1.1": "stem_a_bn", "conv1.3": "stem_b_conv", "conv1.4": "stem_b_bn",
-             "conv1.6": "stem_conv"}
-    if key in fixed:
-        return fixed[key]
-    m = re.fullmatch(r"layer(\d)\.(\d+)\.downsample\.([12])", key)
-    if m:
-        return f"stage{m[1]}_block{int(m[2]) + 1}_down_{('conv', 'bn')[int(m[3]) - 1]}"
-    return None if key == "conv1" or re.fullmatch(r"layer\d\.\d+\.downsample\.0", key) else _resnet_name(key)
-
-
-def _squeezenet_name(key: str) -> str | None:
-    """torchvision's SqueezeNet 1.1 `features.N` / `classifier.1` → tfdp's layers (squeezenet.py)."""
-    fires = {3: 2, 4: 3, 6: 4, 7: 5, 9: 6, 10: 7, 11: 8, 12: 9}  # features index → fire module number
-    if key == "features.0":
-        return "conv1"
-    if key == "classifier.1":
-        return "classifier"
-    m = re.fullmatch(r"features\.(\d+)\.(squeeze|expand1x1|expand3x3)", key)
-    if m and int(m[1]) in fires:
-        return f"fire{fires[int(m[1])]}_{m[2]}"
-    return None
-
-
-def _vgg_name(plan, batch_norm: bool) -> Callable[[str], str | None]:
-    """torchvision's VGG `features.N` (conv, [bn], relu, ..., maxpool) and `classifier.{0,3,6}` → vgg.py's layers."""
-    names, index = {}, 0
-    for i, item in enumerate(plan):
-        if item == "M":
-            index += 1
-            continue
-        names[f"features.{index}"] = f"conv{i}"
-        if batch_norm:
-            names[f"features.{index + 1}"] = f"bn{i}"
-        index += 3 if batch_norm else 2
-    names.update({"classifier.0": "fc1", "classifier.3": "fc2", "classifier.6": "logits"})
-    return names.get
-
-
-def _torchvision_names() -> dict[str, Callable[[str], str | None]]:
-    from tfdp.models.vgg import PLANS
-    names = {name: _resnet_name for name in ("resnet18", "resnet34", "resnet50_v1_5", "resnext50_32x4d")}
-    names["squeezenet1_1"] = _squeezenet_name
-    for name, plan in PLANS.items():
-        names[name] = _vgg_name(plan, False)
-        names[f"{name}_bn"] = _vgg_name(plan, True)
-    return names
-
-
-# zoo name → torch module name → tfdp layer name (None: no such layer)
-TORCHVISION = _torchvision_names()
-# zoo name → a reader of its PyTorch state dicts (tensors, model config, what) → Weights, for the families whose
-# mapping is more than renaming modules (fused attention, layer scale, position embeddings). Each family registers
-# its readers in its own file, beside its architecture (`register_torch_layout`).
+# zoo name → a reader of its PyTorch state dicts (tensors, model config, what) → Weights. Each family registers its
+# readers in its own file, beside its architecture (`register_torch_layout`): a renaming of torch modules to its
+# layers (`renamed_modules`), or more where the layouts differ (fused attention, layer scale, position embeddings).
 TORCH_LAYOUTS: dict[str, Callable[[dict[str, np.ndarray], ModelConfig, str], Weights]] = {}
 
 
-def register_torch_layout(*names: str):
-    """Registers a state-dict reader for the zoo models `names` (see `TORCH_LAYOUTS`)."""
+# zoo name → whose files its readers take ("timm", "torchvision", "keras-hub"), as `tfdp models` lists them; a model
+# whose state-dict reader registered no origins is listed as reading "PyTorch" state dicts.
+WEIGHT_ORIGINS: dict[str, tuple[str, ...]] = {}
+
+
+def add_origins(names, origins: tuple[str, ...]) -> None:
+    """Records that the models `names` read files of `origins` (see `WEIGHT_ORIGINS`)."""
+    for name in names:
+        WEIGHT_ORIGINS[name] = tuple(dict.fromkeys((*WEIGHT_ORIGINS.get(name, ()), *origins)))
+
+
+def register_torch_layout(*names: str, origins: tuple[str, ...] = ()):
+    """Registers a state-dict reader for the zoo models `names` (see `TORCH_LAYOUTS`), and whose layouts it reads
+    (`origins`: "timm", "torchvision"; see `WEIGHT_ORIGINS`)."""
     def add(fn):
         for name in names:
             TORCH_LAYOUTS[name] = fn
+        add_origins(names, origins)
         return fn
     return add
-# layer → the (channels, height, width) its flattened input has in PyTorch (NCHW), reordered to Keras' (H, W, C)
-_FLATTENED_INPUT = {"fc1": (512, 7, 7)}
+
 
 
 def torch_module_values(params: dict[str, np.ndarray], layer: str) -> tuple[list[np.ndarray], list[str]]:
@@ -406,10 +180,6 @@ def torch_module_values(params: dict[str, np.ndarray], layer: str) -> tuple[list
     weight = params["weight"]
     if weight.ndim == 4:  # convolution (grouped too): OIHW → HWIO
         kernel = weight.transpose(2, 3, 1, 0)
-    elif weight.ndim == 2 and layer in _FLATTENED_INPUT:
-        c, h, w = _FLATTENED_INPUT[layer]
-        kernel = weight.reshape(-1, c, h, w).transpose(2, 3, 1, 0).reshape(h * w * c, -1) \
-            if weight.shape[1] == c * h * w else weight.T
     elif weight.ndim == 2:  # linear: (out, in) → (in, out)
         kernel = weight.T
     else:
@@ -419,10 +189,10 @@ def torch_module_values(params: dict[str, np.ndarray], layer: str) -> tuple[list
 
 
 def read_safetensors(path: str, model_cfg: ModelConfig) -> Weights:
-    if model_cfg.name not in TORCHVISION and model_cfg.name not in TORCH_LAYOUTS:
+    if model_cfg.name not in TORCH_LAYOUTS:
         raise UserError(f"model.init_from: {path} is a PyTorch state dict, but model '{model_cfg.name}' has no "
                         f"torchvision or timm layout to map it onto (models that have one: "
-                        f"{', '.join(sorted({*TORCHVISION, *TORCH_LAYOUTS}))})")
+                        f"{', '.join(sorted(TORCH_LAYOUTS))})")
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
     try:
@@ -434,10 +204,8 @@ def read_safetensors(path: str, model_cfg: ModelConfig) -> Weights:
 
 
 def torch_weights(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
-    """A torchvision/timm state dict as `Weights` for the zoo model `model_cfg.name`."""
-    if model_cfg.name in TORCH_LAYOUTS:
-        return TORCH_LAYOUTS[model_cfg.name](tensors, model_cfg, what)
-    return renamed_modules(torch_modules(tensors), TORCHVISION[model_cfg.name], model_cfg, what)
+    """A torchvision/timm state dict as `Weights` for the zoo model `model_cfg.name`, by its family's reader."""
+    return TORCH_LAYOUTS[model_cfg.name](tensors, model_cfg, what)
 
 
 def torch_modules(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
@@ -491,11 +259,13 @@ def by_module(tensors: dict[str, np.ndarray], modules: re.Pattern, model_cfg: Mo
     return found
 
 
-def register_keras_hub_layout(*class_names: str):
-    """Registers a keras-hub preset reader for the backbone classes `class_names` (see `KERAS_HUB_LAYOUTS`)."""
+def register_keras_hub_layout(*class_names: str, models=()):
+    """Registers a keras-hub preset reader for the backbone classes `class_names` (see `KERAS_HUB_LAYOUTS`), and the
+    zoo `models` its presets fit (`WEIGHT_ORIGINS`)."""
     def add(fn):
         for name in class_names:
             KERAS_HUB_LAYOUTS[name] = fn
+        add_origins(models, ("keras-hub",))
         return fn
     return add
 
@@ -575,10 +345,9 @@ def _has_suffix(*suffixes: str) -> Callable[[str], bool]:
     return lambda spec: os.path.isfile(spec) and spec.lower().endswith(suffixes)
 
 
-# kind → source; the first that matches an `init_from` value reads it
+# kind → source; the first that matches an `init_from` value reads it. A family whose weights come from elsewhere
+# adds its own kind (`register_source`: keras.applications' `imagenet`, tfdp.models.keras_imagenet).
 SOURCES: dict[str, Source] = {
-    "imagenet": Source("imagenet", lambda spec: spec == "imagenet",
-                       lambda spec, model_cfg, data_cfg: read_imagenet(model_cfg, data_cfg)),
     "run_dir": Source("a tfdp run directory", lambda spec: os.path.isdir(os.path.join(spec, "checkpoints")),
                       lambda spec, *_: read_run_dir(spec)),
     "checkpoint": Source("a checkpoint folder", lambda spec: os.path.isfile(os.path.join(spec, WEIGHTS))
@@ -591,6 +360,13 @@ SOURCES: dict[str, Source] = {
     "keras_hub": Source("a keras-hub preset folder", is_keras_hub_preset,
                         lambda spec, model_cfg, _: read_keras_hub_preset(spec, model_cfg)),
 }
+
+
+def register_source(kind: str, source: Source) -> None:
+    """Adds a kind of `init_from` value (see `SOURCES`), tried before the files' kinds."""
+    ordered = {kind: source, **{k: s for k, s in SOURCES.items() if k != kind}}
+    SOURCES.clear()
+    SOURCES.update(ordered)
 
 
 def read_source(spec: str, model_cfg: ModelConfig, data_cfg: DataConfig) -> Weights:
