@@ -104,11 +104,12 @@ def test_an_ema_field_of_one_rule_set_under_another_is_one_line():
     assert validate({"rules": "timm", "optimizer": {"ema_decay": 0.9, "ema_warmup": True}}).optimizer.ema_warmup
 
 
-@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.full(reason="2 replicas: ~20 s"))])
-def test_in_the_compiled_step_the_buffers_average_is_of_this_steps_statistics(replicas):
-    """Inside tfdp's whole-step XLA update (and across 2 replicas) the batch-norm averages follow timm's
-    ModelEmaV3 over the statistics as each step's forward pass left them (the mean over replicas), not the
-    step before's, and every replica holds the same average."""
+@pytest.mark.parametrize("replicas, jit", [(1, True), *[pytest.param(r, j, marks=pytest.mark.full(reason="~20 s"))
+                                                         for r, j in ((2, True), (2, False))]])
+def test_in_the_compiled_step_the_buffers_average_is_of_this_steps_statistics(replicas, jit):
+    """Inside tfdp's whole-step XLA update (and across 2 replicas; and in Keras' own step) the batch-norm
+    averages follow timm's ModelEmaV3 over the statistics as each step's forward pass left them (the mean over
+    replicas), not the step before's, and every replica holds the same average."""
     import sys
     sys.path.insert(0, "tests/optim")
     from test_optimizers import toy_fit
@@ -119,7 +120,7 @@ def test_in_the_compiled_step_the_buffers_average_is_of_this_steps_statistics(re
     def record(model):
         bn = model.layers[1]
         stats.append([np.mean(replica_copies(v), axis=0) for v in (bn.moving_mean, bn.moving_variance)])
-    model, _ = toy_fit("sgd", replicas, jit=True, rules="timm", ema_decay=decay, on_step=record)
+    model, _ = toy_fit("sgd", replicas, jit=jit, rules="timm", ema_decay=decay, on_step=record)
     def ema(rows):
         out = rows[0]
         for row in rows[1:]:

@@ -28,7 +28,8 @@ continues them exactly. They average the statistics as the forward pass of
 the same step left them: the compiled step hands the new values in
 (`tfdp_fresh_buffers`, averaged over replicas: the mean of the replicas'
 averages, which is what timm's --dist-bn reduce evaluates), and Keras' own
-step has written them already.
+step has written them already (its update reads the mean of the local
+replicas' copies).
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ class TorchEma:
         self.tfdp_buffers = list(buffers)
         self.tfdp_buffer_averages = [self.add_variable_from_reference(b, name="buffer_average") for b in buffers]
 
+    def buffer_now(self, buffer):
+        """The buffer as this step's forward pass left it: the compiled step hands the value in (replica-averaged);
+        Keras' own step has written it, and under a tf.distribute strategy updates the average in cross-replica
+        context, where the mean of this worker's replicas' copies is read."""
+        fresh = self.tfdp_fresh_buffers or {}
+        if id(buffer) in fresh:
+            return fresh[id(buffer)]
+        copies = getattr(buffer.value, "values", None)
+        if copies and len(copies) > 1:
+            return ops.mean(ops.stack([ops.convert_to_tensor(c) for c in copies]), axis=0)
+        return buffer
+
     def ema_schedule(self):
         """(update this step: a bool tensor, decay: a float tensor); decay 0 copies."""
         raise NotImplementedError
@@ -73,9 +86,8 @@ class TorchEma:
         if not self.use_ema:
             return
         update, decay = self.ema_schedule()
-        fresh = self.tfdp_fresh_buffers or {}
         pairs = [(v, a) for v, a in zip(trainable_variables, self._model_variables_moving_average) if a is not None]
-        pairs += [(fresh.get(id(b), b), a) for b, a in zip(self.tfdp_buffers, self.tfdp_buffer_averages)]
+        pairs += [(self.buffer_now(b), a) for b, a in zip(self.tfdp_buffers, self.tfdp_buffer_averages)]
         for variable, average in pairs:
             value = ops.cast(variable, average.dtype)
             new = self.blend(average, value, ops.cast(decay, average.dtype))
