@@ -1,12 +1,31 @@
-"""d2l's ResNet-18 (`resnet18_d2l`, tfdp/models/d2l.py) against the book's section 13.6 network: its stem,
-its blocks and shortcuts, its feature-map sides, its parameter count and its N(0, 0.01^2) initialisation."""
+"""d2l's ResNet-18 (`resnet18_d2l`, tfdp/models/d2l.py) against the book's section 13.6 network: its logits with
+the same weights as the book's PyTorch code on real Fashion-MNIST images (tests/fixtures/make_d2l_fixture.py), its
+stem, blocks and shortcuts, its feature-map sides, its parameter count and its N(0, 0.01^2) initialisation."""
+
+import json
+import os
+import re
+import sys
 
 import keras
 import numpy as np
 import pytest
 
+from conftest import REPO
 from tfdp.config import validate
 from tfdp.models import MODELS, build_model
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+sys.path.insert(0, FIXTURES)
+from make_d2l_fixture import draw  # noqa: E402 (numpy only: the rule the fixture's torch weights were drawn by)
+
+# torch's state_dict name (the book's nn.Sequential) -> tfdp's layer name
+TORCH_NAMES = ((r"^0$", "stem_conv"), (r"^1$", "stem_bn"), (r"^fc\.1$", "logits"),
+               (r"^resnet_block(\d)\.(\d)\.(conv|bn)(\d)$",
+                lambda m: f"stage{m[1]}_block{int(m[2]) + 1}_{m[3]}{m[4]}"))
+# torch's leaf -> its place among the Keras layer's weights (conv/dense: kernel, bias; batch norm: gamma, beta,
+# moving mean, moving variance)
+LEAVES = {"weight": 0, "bias": 1, "running_mean": 2, "running_var": 3}
 
 # sum(p.numel() for p in resnet18(10).parameters()) of the book's PyTorch network (benchmarks/d2l_table.py's
 # torch_twin, after its lazy modules are materialised on a 1x1x28x28 input; torch 2.13)
@@ -22,6 +41,36 @@ def backbone():
 def test_parameter_count_is_the_books(backbone):
     """torch's parameters() are Keras' trainable weights (batch norm's moving statistics are torch's buffers)."""
     assert sum(int(np.prod(w.shape)) for w in backbone.trainable_weights) == BOOK_PARAMETERS
+
+
+def keras_layer_name(module: str) -> str:
+    for pattern, name in TORCH_NAMES:
+        if (match := re.match(pattern, module)):
+            return name if isinstance(name, str) else name(match)
+    raise KeyError(module)
+
+
+def test_logits_are_the_books_pytorch_networks():
+    """Every weight and batch-norm statistic of the book's network as the fixture drew them, put into tfdp's: the
+    logits on 4 real Fashion-MNIST test images (eval mode) agree. This pins the padding of every strided
+    convolution (PyTorch's 1 on every side), the shortcuts, the biases and batch norm's epsilon. Tolerance: both
+    sum in float32 in their own order; logits of order 10 agree to 1e-3 (measured here: 3.4e-5)."""
+    with open(os.path.join(FIXTURES, "d2l_fixture.json"), encoding="utf-8") as f:
+        fixture = json.load(f)
+    values: dict[str, list] = {}
+    for name, shape in fixture["state_dict"]:
+        module, leaf = name.rsplit(".", 1)
+        value = draw(name, tuple(shape))
+        value = value.transpose(2, 3, 1, 0) if value.ndim == 4 else value.T if value.ndim == 2 else value
+        values.setdefault(keras_layer_name(module), [None] * 4)[LEAVES[leaf]] = value
+    backbone = MODELS["resnet18_d2l"]((28, 28, 3), 10)
+    with_weights = {layer.name for layer in backbone.layers if layer.weights}
+    assert set(values) == with_weights
+    for layer_name, weights in values.items():
+        backbone.get_layer(layer_name).set_weights([w for w in weights if w is not None])
+    images = np.asarray(fixture["images"], np.float32)[..., None] / 255
+    logits = np.asarray(backbone(np.repeat(images, 3, axis=-1), training=False))
+    np.testing.assert_allclose(logits, np.asarray(fixture["logits"]), atol=1e-3)
 
 
 def test_stem_and_blocks_as_the_book_builds_them(backbone):

@@ -73,7 +73,7 @@ def idx_source(data_dir: str, split_names: tuple[str, ...]) -> Source:
         pair, split_labels = split_pair(fs, root, name, present)
         splits[name] = Split(name=name, files=(pair.images,), counts=(len(split_labels),), idx=pair)
         labels[name] = split_labels
-    class_names = known if known else tuple(str(c) for c in range(max(int(v.max(initial=0)) for v in labels.values()) + 1))
+    class_names = known or tuple(str(c) for c in range(max(int(v.max(initial=0)) for v in labels.values()) + 1))
     for name, split_labels in labels.items():
         check_labels(split_labels, len(class_names), splits[name].idx.labels)
     return Source(class_names=class_names, splits=splits, class_text=class_names)
