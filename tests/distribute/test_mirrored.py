@@ -210,7 +210,8 @@ def test_sync_bn_merges_the_replicas_statistics_as_torch_syncbatchnorm():
                                atol=(gain * mean_tol).max() + var_rtol * np.abs(ref["sync_y"]).max())
     # dx = γ/σ·(g - mean(g) - x̂·mean(g·x̂)): two sums over n, and σ's relative error through the whole
     g = ref["sync_upstream"].astype(np.float64)
-    dx_tol = n_eps * gain.max() * np.abs(g).max() * (1 + np.abs(x_hat).max() ** 2) + var_rtol * np.abs(ref["sync_dx"]).max()
+    dx_tol = (n_eps * gain.max() * np.abs(g).max() * (1 + np.abs(x_hat).max() ** 2)
+              + var_rtol * np.abs(ref["sync_dx"]).max())
     np.testing.assert_allclose(dx, ref["sync_dx"], rtol=0, atol=dx_tol)
     np.testing.assert_allclose(dgamma, ref["sync_dgamma"], rtol=0,
                                atol=(n_eps + var_rtol) * np.abs(g * x_hat).sum(axis=(0, 1, 2, 3)).max())

@@ -72,7 +72,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         if not (training and self.trainable) or mask is not None or self.renorm or self.keeps_keras_step():
             return super().call(inputs, training=training, mask=mask)
         x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-        mean, variance, count = global_moments(x, self._reduction_axes, self.synchronized)
+        axes = [i for i in range(len(x.shape)) if i != self.axis % len(x.shape)]   # all but the channels'
+        mean, variance, count = global_moments(x, axes, self.synchronized)
         factor = RUNNING_VARIANCE[self.running_variance](count)
         self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
         self.moving_variance.assign(
@@ -129,8 +130,8 @@ def _all_layers(layer):
 
 
 def use_batch_norm_rule(model: keras.Model, rule: str, synchronized: bool = False) -> int:
-    """Makes every batch-norm layer of `model` tfdp's `BatchNormalization` following `rule` (`RUNNING_VARIANCE`), its statistics
-    over the global batch if `synchronized`; returns how many layers.
+    """Makes every batch-norm layer of `model` tfdp's `BatchNormalization` following `rule` (`RUNNING_VARIANCE`),
+    its statistics over the global batch if `synchronized`; returns how many layers.
 
     keras.applications builds its own BatchNormalization layers, so the layer objects are re-typed in place
     (tfdp's class adds only methods and one setting to Keras'): each keeps its variables, name and place in the
