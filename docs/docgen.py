@@ -4,7 +4,9 @@
 (each field's type, default, and the comment above it or beside it) and
 `docs/reference/cli.md` from the absl flags' help texts, so a new field or
 flag is documented where it is written and the pages cannot drift from the
-code. `tests/test_docs.py` fails when a field has no comment, a flag no help,
+code. The tables of docs/pretrained-weights.md that say which models read which
+weights come from the weights' registries (`tfdp.models.weights`): the block
+between its `GENERATED` markers. `tests/test_docs.py` fails when a field has no comment, a flag no help,
 or a committed page differs from what this module generates.
 
 `python docs/docgen.py --check` writes nothing and exits 1 when a page is stale.
@@ -23,6 +25,10 @@ import tokenize
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIG_PAGE = REPO / "docs" / "reference" / "config.md"
 CLI_PAGE = REPO / "docs" / "reference" / "cli.md"
+WEIGHTS_PAGE = REPO / "docs" / "pretrained-weights.md"
+# The generated block of WEIGHTS_PAGE lies between these lines; the rest of the page is written by hand.
+GENERATED = ("<!-- generated from the weights' registries by `python docs/docgen.py`: begin -->",
+             "<!-- generated: end -->")
 REGENERATE = "python docs/docgen.py"
 
 # How config.py's type aliases read in the reference.
@@ -210,10 +216,51 @@ def cli_page() -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
+# --- which models read which weights ----------------------------------------------
+
+def _models(names) -> str:
+    return ", ".join(f"`{n}`" for n in sorted(names))
+
+
+def weights_tables() -> str:
+    """The tables of model.init_from's sources by model, from the registries the model files fill: Keras' ImageNet
+    files (`keras_imagenet.imagenet_files`), the state-dict readers (`weights.TORCH_LAYOUTS`) and the keras-hub
+    readers (`weights.KERAS_HUB_LAYOUTS`)."""
+    import tfdp.models  # noqa: F401  (the model files fill the registries)
+    from tfdp.models import keras_imagenet, weights
+    files = keras_imagenet.imagenet_files()
+    parts = ["### `imagenet`: the models with Keras' own ImageNet files", "",
+             "| model | Keras' file (at 224 px) |", "| --- | --- |"]
+    parts += [f"| `{name}` | `{files[name](224)[0]}` |" for name in sorted(files)]
+    readers: dict[tuple[str, str], list[str]] = {}
+    for name, read in weights.TORCH_LAYOUTS.items():
+        readers.setdefault((read.__module__, read.__qualname__.split(".")[0]), []).append(name)
+    parts += ["", "### `.safetensors`: the models that read a PyTorch state dict, by reader", "",
+              "| family file | reader | models |", "| --- | --- | --- |"]
+    for (module, reader), names in sorted(readers.items()):
+        parts.append(f"| `{module.replace('.', '/')}.py` | `{reader}` | {_models(names)} |")
+    parts += ["", "### keras-hub presets: the backbone classes read", "",
+              "| `config.json` class | family file | reader |", "| --- | --- | --- |"]
+    for kind, read in sorted(weights.KERAS_HUB_LAYOUTS.items()):
+        parts.append(f"| `{kind}` | `{read.__module__.replace('.', '/')}.py` | `{read.__qualname__}` |")
+    return "\n".join(parts) + "\n"
+
+
+def weights_page() -> str:
+    """docs/pretrained-weights.md as committed, its generated block made anew."""
+    text = WEIGHTS_PAGE.read_text()
+    begin, end = GENERATED
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise UndocumentedError(f"{WEIGHTS_PAGE.relative_to(REPO)} must hold the lines {begin} and {end} once each")
+    head, rest = text.split(begin + "\n", 1)
+    tail = rest.split(end, 1)[1]
+    return f"{head}{begin}\n{weights_tables()}{end}{tail}"
+
+
 # --- entry point ----------------------------------------------------------------
 
 def pages() -> dict[pathlib.Path, str]:
-    return {CONFIG_PAGE: config_page(), CLI_PAGE: cli_page()}
+    return {CONFIG_PAGE: config_page(), CLI_PAGE: cli_page(), WEIGHTS_PAGE: weights_page()}
 
 
 def stale_pages() -> list[pathlib.Path]:
