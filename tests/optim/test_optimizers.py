@@ -268,3 +268,28 @@ def test_keras_newer_optimizers_by_name_train_and_spare_the_no_decay_set(name, l
     before = model.evaluate(x, y, verbose=0)
     model.fit(x, y, batch_size=16, epochs=5, verbose=0)
     assert model.evaluate(x, y, verbose=0) < 0.9 * before
+
+
+@pytest.mark.parametrize("name, rules", [("muon", "keras"), ("lion", "keras"), ("schedule_free_adamw", "keras"),
+                                         ("adafactor", "keras"), ("sgd", "timm"), ("adamw", "timm"),
+                                         ("lamb", "timm")])
+def test_layer_decay_scales_every_optimizers_step_and_decay(name, rules):
+    """optimizer.layer_decay's per-variable scale (tfdp/optim/finetune.py) reaches the new optimizers and the torch
+    forms: at scale 0.5 a first step (decay included) is half the step at scale 1, for a decayed kernel and an
+    undecayed bias."""
+    import keras
+    from tfdp.optim.finetune import ScaledLearningRates
+    g = np.array([[0.3, -0.2], [0.1, 0.5], [-0.4, 0.2]], "float32")
+    moved = []
+    for scale in (1.0, 0.5):
+        kernel = keras.Variable(np.ones((3, 2), "float32"), name="kernel")
+        bias = keras.Variable(np.ones(2, "float32"), name="bias")
+        optimizer = build_optimizer(OptimizerConfig(name=name, weight_decay=0.1, decay_norm_and_bias=False), 0.01, rules)
+        optimizer.build([kernel, bias])
+        optimizer.__class__ = type("Scaled", (ScaledLearningRates, type(optimizer)), {})   # as scale_learning_rates does
+        optimizer.tfdp_lr_scales = [scale, scale]
+        optimizer.apply([tf.constant(g), tf.constant(g[0])], [kernel, bias])
+        moved.append(np.concatenate([1 - kernel.numpy().ravel(), 1 - bias.numpy()]))
+    # Steps of 1e-4 to 1e-2 read off weights near 1 carry float32's ulp at 1 (1.2e-7) each; Adafactor scales
+    # its step by the weights' RMS after the (scaled) decay, 5e-4 apart at these rates. A missed scale is 100%.
+    np.testing.assert_allclose(moved[1], 0.5 * moved[0], rtol=1e-3, atol=2.4e-7)
