@@ -156,7 +156,7 @@ class EmaEvaluation(keras.callbacks.Callback):
 def ema_weights(model: keras.Model):
     """The optimizer's moving averages in place of the trained weights (and, under rules timm and
     torchvision, of the batch-norm statistics), which are put back after."""
-    optimizer = model.optimizer
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)   # mixed_float16's loss scaling wraps it
     # All trained variables, frozen ones too (train.freeze): what the averages follow; then the buffers.
     averaged = [*optimizer._trainable_variables, *getattr(optimizer, "tfdp_buffers", ())]
     averages = [*optimizer._model_variables_moving_average, *getattr(optimizer, "tfdp_buffer_averages", ())]
