@@ -117,3 +117,44 @@ def test_readme_config_example_is_the_demo_config_as_it_is():
     readme = open(os.path.join(REPO, "README.md")).read()
     assert open(os.path.join(REPO, "configs", "digits.yaml")).read() in readme, \
         "README.md's config example differs from configs/digits.yaml: copy the file into it"
+
+
+@pytest.mark.full(reason="a 2-epoch fine-tuning run, two predictions and an ONNX export as separate processes: "
+                         "about 2 minutes on 2 cores")
+def test_the_fine_tune_page_runs_as_written(tmp_path):
+    """docs/fine-tune-your-images.md's commands, as written, in one shell, with the timm-made fixture file (a
+    ViT with its pretrained cfg and label_names) for the page's two names: predict from the weights, fine-tune 2
+    epochs on a class-folder tree of real photos, predict from the run, export ONNX checked against Keras."""
+    import json
+    import re
+
+    import numpy as np
+    from support.photos import photo_jpeg, real_photos
+
+    photos, rng = real_photos(), np.random.default_rng(0)
+    classes = {"astronaut": 2, "coffee": 3, "cat": 4}   # scikit-image's astronaut, coffee, chelsea
+    for split, count in (("train", 12), ("val", 4)):
+        for name, k in classes.items():
+            os.makedirs(tmp_path / "my-photos" / split / name)
+            for i in range(count):
+                (tmp_path / "my-photos" / split / name / f"{i:02d}.jpg").write_bytes(
+                    photo_jpeg(photos[k], rng, size=(160, 120), quality=90))
+    fixture = os.path.join(REPO, "tests", "fixtures", "predict_timm")
+    page = open(os.path.join(REPO, "docs", "fine-tune-your-images.md"), encoding="utf-8").read()
+    script = "\n".join(re.findall(r"```bash\n(.*?)```", page, re.S))
+    assert script.count("\nWEIGHTS=") == 1 and script.startswith("MODEL=")
+    script = re.sub(r"^MODEL=.*$", "MODEL=vit_mini_patch4_small", script, flags=re.M)
+    script = re.sub(r"^WEIGHTS=.*$", f"WEIGHTS={fixture}/model.safetensors", script, flags=re.M)
+    shell = f'set -euo pipefail\ntfdp() {{ "{sys.executable}" -m tfdp "$@"; }}\n{script}'
+    result = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    labels = json.load(open(os.path.join(fixture, "config.json"), encoding="utf-8"))["label_names"]
+    before = [json.loads(line) for line in open(tmp_path / "before.jsonl", encoding="utf-8")]
+    after = [json.loads(line) for line in open(tmp_path / "after.jsonl", encoding="utf-8")]
+    assert len(before) == len(after) == 12
+    assert all(p["name"] in labels for row in before for p in row["predictions"])
+    assert all({p["name"] for p in row["predictions"]} == set(classes) for row in after)
+    assert "tfdp: assumed: image size 32 px, from model.safetensors (its timm pretrained cfg)" in result.stdout
+    assert re.search(r"tfdp: export: onnx: .*model\.onnx: top-1 agrees with the Keras model on 12/12 validation "
+                     r"images \(100\.00%\)", result.stdout), result.stdout[-3000:]
+    assert json.load(open(tmp_path / "my-export" / "classes.json", encoding="utf-8")) == sorted(classes)
