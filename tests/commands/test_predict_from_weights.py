@@ -175,3 +175,12 @@ def test_evaluate_and_export_start_from_the_weights_alone(tmp_path):
     classes = json.load(open(tmp_path / "export" / "classes.json", encoding="utf-8"))
     assert classes == LABELS
     assert not os.path.exists(tmp_path / "runs")
+
+
+def test_with_neither_a_run_nor_weights_the_line_names_both_ways(tmp_path):
+    from tfdp.commands.evaluate import evaluate
+    cfg = validate({"model_dir": str(tmp_path / "no-run"), "distribute": {"strategy": "one_device"}})
+    with pytest.raises(UserError, match=r"^no checkpoint at .*best\.weights\.h5: train a run there, name one "
+                                        r"\(--model_dir=RUN, --checkpoint=FILE\), or start from pretrained weights "
+                                        r"\(--init_from=FILE, hf-hub:timm/NAME, \.\.\.\)$"):
+        evaluate(cfg, make_runtime(cfg.distribute))

@@ -24,7 +24,8 @@ def evaluate(cfg: Config, runtime: Runtime, checkpoint: str | None = None, pretr
         return Evaluator(pretrained.cfg, runtime).evaluate(pretrained)
     path = checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights
     if not os.path.exists(path):   # before the data is listed: a run without a best checkpoint is one line at once
-        raise UserError(f"no checkpoint at {path}")
+        from tfdp.commands.from_weights import no_checkpoint
+        raise no_checkpoint(path)
     return Evaluator(cfg, runtime).evaluate(path)
 
 

@@ -46,6 +46,12 @@ class Pretrained:
         say(f"tfdp: init_from: loaded all {len(loaded)} layers from {self.weights.what}")
 
 
+def no_checkpoint(path: str) -> UserError:
+    """The one line for a command with neither a checkpoint nor weights to start from."""
+    return UserError(f"no checkpoint at {path}: train a run there, name one (--model_dir=RUN, --checkpoint=FILE), "
+                     f"or start from pretrained weights (--init_from=FILE, hf-hub:timm/NAME, ...)")
+
+
 def head_classes(weights: Weights, model_name: str) -> int | None:
     """The class count of the weights' classifier: the last axis of the first layer whose name the model's head
     patterns match (`HEAD_LAYERS`); None where the weights hold no such layer."""

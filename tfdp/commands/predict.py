@@ -1,7 +1,9 @@
 """`tfdp predict`: a trained model's top-k classes for every image in a folder, file, pattern or bucket prefix.
 
-The images go through evaluation's preprocessing (`tfdp.data.preprocess.eval_transform`: central crop of
-`data.eval_crop_fraction`, `data.eval_image_size`; mean/std inside the model) and are spread over the
+The model is a run's checkpoint, or (`pretrained`, `--init_from` with no run: `tfdp.commands.from_weights`)
+pretrained weights as they are, with their own classes; then no training data is read. The images go through
+evaluation's preprocessing (`tfdp.data.preprocess.eval_transform`: central crop of `data.eval_crop_fraction`,
+`data.eval_image_size`, resized as `data.eval_interpolation` says; mean/std inside the model) and are spread over the
 strategy's replicas as evaluation spreads its split: padded to whole steps so every replica gets full
 batches, each image carried with its number, so no image is lost or counted twice whatever the replica
 count. The rows are made from the listing, not from what the pipeline returns: an image that cannot be
@@ -229,7 +231,11 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
         if pretrained is not None:
             pretrained.load(model)
     if pretrained is None:
-        load_checkpoint(model, checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights, cfg)
+        path = checkpoint or CheckpointStore(os.path.expanduser(cfg.model_dir)).best_weights
+        if not os.path.exists(path):
+            from tfdp.commands.from_weights import no_checkpoint
+            raise no_checkpoint(path)
+        load_checkpoint(model, path, cfg)
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
     probabilities = getattr(tf.math, PROBABILITIES[cfg.train.loss])
