@@ -268,3 +268,47 @@ def test_the_circle_check_finds_a_function_level_circle(tmp_path):
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tfdp.a import x\n")
     (pkg / "d.py").write_text("import tfdp.c\n")
     assert import_circles(tmp_path) == [["tfdp.a", "tfdp.b"]]
+
+
+MAX_PARAMETERS = 8   # the house's rule: a function that needs more takes an object that carries them
+
+
+def long_signatures(root: Path) -> list[str]:
+    """Every function and method of the package with more than MAX_PARAMETERS parameters (`self` and `cls`
+    aside; `*args` and `**kwargs` count one each), as "file:line name(count)"."""
+    found = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        tree, here = ast.parse(path.read_text(encoding="utf-8")), []
+        methods = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args)]
+            if id(node) in methods and names and names[0] in ("self", "cls"):
+                names = names[1:]
+            count = len(names) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+            if count > MAX_PARAMETERS:
+                here.append((node.lineno, f"{path.relative_to(root)}:{node.lineno} {node.name}({count})"))
+        found += [line for _, line in sorted(here)]
+    return found
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    """Past eight, a call site cannot be read without the signature beside it, and the parameters travel together
+    anyway: the Task, Run and config objects (or a small dataclass) carry them."""
+    found = long_signatures(Path(REPO))
+    assert not found, f"functions over {MAX_PARAMETERS} parameters:\n" + "\n".join(found)
+
+
+def test_the_parameter_check_counts_as_a_reader_would(tmp_path):
+    """On a small package written here: nine parameters are caught, in a function, a nested one or a method
+    (keyword-only and *args counted); eight, and a method's self beside eight, are not."""
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "a.py").write_text(
+        "def ok(a, b, c, d, e, f, g, h):\n    def inner(a, b, c, d, e, f, g, h, *i):\n        pass\n"
+        "def long(a, b, c, d, e, f, g, h, *, i=1):\n    pass\n"
+        "class K:\n    def m(self, a, b, c, d, e, f, g, h):\n        pass\n"
+        "    def n(self, a, b, c, d, e, f, g, h, **i):\n        pass\n")
+    assert long_signatures(tmp_path) == ["tfdp/a.py:2 inner(9)", "tfdp/a.py:4 long(9)", "tfdp/a.py:9 n(9)"]

@@ -290,7 +290,7 @@ def distribute(runtime, worker_dataset: Callable, cfg: DataConfig, global_batch:
             rows = padded(worker_dataset(worker_ctx)) if local == 1 else dealer.rows(replica, batch)
         return replica_pipeline(rows, cfg, batch, devices[replica],
                                 seed=(seed * 1_000_003 + worker_index * local + replica) % (1 << 31), replicas=local,
-                                evaluation=evaluation, finish=finish)
+                                output=Output(evaluation, finish))
     return runtime.datasets_per_replica(replica_dataset, input_options())
 
 
@@ -329,13 +329,20 @@ def numbered(image: tf.Tensor, label: tf.Tensor):
     return tf.cast(label, tf.int64), image
 
 
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """What a replica's DALI pipeline gives: training's random-resized crops, or (`evaluation`) each image's central
+    crop at the evaluation size; `finish` maps the decoded batches on the host (`weighted`, `numbered`)."""
+    evaluation: bool = False
+    finish: Callable | None = None
+
+
 def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device: str, seed: int,
-                     replicas: int = 1, decoder_options: dict | None = None,
-                     evaluation: bool = False, finish: Callable | None = None) -> tf.data.Dataset:
+                     replicas: int = 1, decoder_options: dict | None = None, output: Output = Output()
+                     ) -> tf.data.Dataset:
     """One replica's DALI dataset: the batches of `rows` (a host dataset of `pad_batch` arrays), each image cut
     out of its row, decoded, cropped and resized on `device` (a GPU: DALI's "mixed" decoder on that card; a CPU:
-    DALI's CPU operators), as (image, label): training, a random-resized crop; `evaluation`, the central crop at
-    the evaluation size. `finish` maps the decoded batches on the host (`weighted`, `numbered`).
+    DALI's CPU operators), as (image, label), cropped and finished as `output` says.
 
     The DALI dataset lives on the host: on a GPU, DALI copies each finished batch back to it (uint8 pixels,
     150 KB a 224 px image) and TensorFlow prefetches it to the replica's card, as the last stage of the
@@ -355,8 +362,8 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
     on_gpu = (spec.device_type or "").upper() == "GPU"
     threads = pipeline_threads(cfg, on_gpu, replicas)
     device_id = spec.device_index if on_gpu else None
-    size = eval_image_size(cfg) if evaluation else cfg.image_size
-    crop = central_crop if evaluation else random_crop
+    size = eval_image_size(cfg) if output.evaluation else cfg.image_size
+    crop = central_crop if output.evaluation else random_crop
     options = {"hw_decoder_load": cfg.dali_hw_decoder_load, **(decoder_options or {})} if on_gpu else {}
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, seed=seed, prefetch_queue_depth=2,
@@ -373,8 +380,8 @@ def replica_pipeline(rows: tf.data.Dataset, cfg: DataConfig, batch: int, device:
             pipeline=decode(), input_datasets={"rows": dali_tf.experimental.Input(rows, batch=True)},
             batch_size=batch, num_threads=threads, device_id=device_id, output_dtypes=(tf.uint8, tf.int32),
             output_shapes=((batch, size, size, 3), (batch,)))
-        if finish is not None:
-            decoded = decoded.map(finish)
+        if output.finish is not None:
+            decoded = decoded.map(output.finish)
     return decoded.apply(tf.data.experimental.prefetch_to_device(device, 2)).with_options(UNTUNED)
 
 

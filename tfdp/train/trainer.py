@@ -93,6 +93,18 @@ def train(cfg: Config, runtime: Runtime, evaluator: bool = False) -> dict:
     return Trainer(cfg, runtime, evaluator).train()
 
 
+@dataclasses.dataclass(frozen=True)
+class FitInputs:
+    """What every fit call of a run reads and watches, built once for all of them: the training stream and the
+    per-worker streams it continues, the corrupt-image counter, the validation dataset (None: the run does not
+    validate) and the preemption watch."""
+    stream: TrainStream
+    streams: Streams
+    corrupt: CorruptCounter
+    val_ds: tf.data.Dataset | None
+    watch: PreemptionWatch
+
+
 class Trainer:
     """Runs one training run, as Model Garden's runner does: `Trainer(cfg, runtime).train()`.
 
@@ -220,8 +232,8 @@ class Trainer:
         if (line := start_random_streams(model, run.state)):
             say(line)
         val_ds = run.validation() if self.validates else None
-        callbacks = self.build_callbacks(run, stream, streams, store, watch, metrics_log, corrupt, val_ds, out,
-                                         fits[0].initial_epoch)
+        inputs = FitInputs(stream, streams, corrupt, val_ds, watch)
+        callbacks = self.build_callbacks(run, inputs, store, metrics_log, out, fits[0].initial_epoch)
         progressive = bool(cfg.data.progressive_min_size)
         start = list(streams.starts)
         watch.install()
@@ -245,21 +257,20 @@ class Trainer:
             streaming.close_all()   # the bounded cache's windows go with the run
             CORRUPT_LOG.close()     # and so does its list of corrupt images
 
-    def build_callbacks(self, run: Run, stream: TrainStream, streams: Streams, store: CheckpointStore,
-                        watch: PreemptionWatch, metrics_log: MetricsLog, corrupt: CorruptCounter, val_ds, out: str,
+    def build_callbacks(self, run: Run, inputs: FitInputs, store: CheckpointStore, metrics_log: MetricsLog, out: str,
                         initial_epoch: int) -> list[keras.callbacks.Callback]:
         """Every callback of the fit calls, in the order they run: the divergence watch (first: a non-finite
         loss stops the run before anything records its step), epoch statistics, the replicas' averaged state,
         the EMA evaluation, the metrics log, the loggers, and the checkpointer last."""
-        cfg = self.cfg
+        cfg, stream, val_ds = self.cfg, inputs.stream, inputs.val_ds
         average = state_averager(run.model)
-        settings, hint = run.checkpoint_settings(streams), advice(cfg.optimizer)
+        settings, hint = run.checkpoint_settings(inputs.streams), advice(cfg.optimizer)
         checkpointer = Checkpointer(store, settings, average=average, input_state=stream.state,
-                                    snapshot=run.replica_snapshot(), watch=watch, hint=hint)
+                                    snapshot=run.replica_snapshot(), watch=inputs.watch, hint=hint)
         divergence = DivergenceWatch(settings.steps_per_epoch, cfg.model.num_classes,
                                      lambda: last_checkpoint_words(store), hint, settings.resume)
         ema = [EmaEvaluation(val_ds)] if cfg.optimizer.ema_decay and val_ds is not None else []
-        stats = EpochStats(run.plan.global_batch, corrupt, live=sys.stdout.isatty(),
+        stats = EpochStats(run.plan.global_batch, inputs.corrupt, live=sys.stdout.isatty(),
                            image_size=(lambda: stream.image_size) if cfg.data.progressive_min_size else None)
         # Loggers before the checkpointer: a run killed between the two redoes the epoch, and TensorBoard
         # drops the killed run's copy of it (see `callbacks.tensorboard`).
