@@ -248,3 +248,29 @@ def test_native_library_lines_are_filtered_and_the_last_line_survives_os_exit(gr
                           env={k: v for k, v in os.environ.items() if k != "TFDP_STDERR_FILTER"})
     assert proc.returncode == 3
     assert proc.stderr.decode().splitlines() == ["tfdp: a line of its own", "tfdp: the last line, just before os._exit"]
+
+
+def test_floats_as_everyone_writes_them_pass_the_command_line():
+    """--set and a float flag take 1e-3: the first field refused is the one after optimizer.lr (fields are checked
+    in order, so a refused lr would be named instead)."""
+    result = run_tfdp("train", "--set=optimizer.lr=1e-3", "--set=optimizer.weight_decay=5e-5", "--poll_seconds=1E-2",
+                      "--set=train.epochs=ten", timeout=60)
+    assert_one_line_error(result, 2, "config field 'train.epochs': input should be a valid integer (got 'ten')")
+
+
+def test_models_lists_a_pattern_with_counts_sizes_and_weights():
+    result = run_tfdp("models", "*_small_patch16_224", timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["model", "params", "size"]
+    rows = {line.split()[0]: line.split(None, 3)[1:] for line in lines[1:-1]}
+    assert set(rows) == {"vit_small_patch16_224", "deit_small_patch16_224", "deit3_small_patch16_224"}, lines
+    # timm's own counts (docs/models.md); what timm's, torchvision's and keras-hub's ViT files it reads
+    assert rows["vit_small_patch16_224"] == ["22,050,664", "224", "timm, torchvision, keras-hub"]
+    assert rows["deit3_small_patch16_224"][:2] == ["22,059,496", "224"]
+    assert lines[-1].startswith("tfdp: models: 3 listed; params: trainable, at 1000 classes")
+
+
+def test_models_with_a_pattern_that_matches_nothing_is_one_line():
+    result = run_tfdp("models", "*convnxt*", timeout=300)
+    assert_one_line_error(result, 2, "tfdp: error: no model matches '*convnxt*' (")

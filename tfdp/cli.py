@@ -373,6 +373,15 @@ def cmd_benchmark(args: list[str]) -> None:
     say(f"tfdp: benchmark: wrote {out}/benchmark.json and {out}/scaling.png")
 
 
+def cmd_models(args: list[str]) -> None:
+    if len(args) > 1:
+        raise UserError("usage: tfdp models [PATTERN] (fnmatch, as timm's list_models: tfdp models '*convnext*')")
+    console.import_tensorflow()   # quietly: the listing imports the zoo, which imports Keras
+    from tfdp.commands.models import list_models
+    for line in list_models(args[0] if args else ""):
+        say(line)
+
+
 def cmd_launch(args: list[str]) -> None:
     from tfdp.distribute.launch import launch
     sys.exit(launch(FLAGS.workers, args, FLAGS.launch_logs, FLAGS.data_workers))
@@ -397,6 +406,7 @@ COMMANDS = {
     "predict": cmd_predict,
     "report": cmd_report,
     "benchmark": cmd_benchmark,
+    "models": cmd_models,
     "data-service": cmd_data_service,
 }
 
@@ -445,6 +455,7 @@ Commands:
              tfdp predict --config=... --input=DIR --output=predictions.jsonl [--top_k=K]
   report     PNG curves and a markdown summary of a run: tfdp report MODEL_DIR
   benchmark  scaling analysis over 1..N replicas: images/s, efficiency, input- or compute-bound
+  models     the model zoo: name, parameters, native size, the weights each reads: tfdp models '*convnext*'
   launch     start an N-worker cluster on this host: tfdp launch --workers=2 -- train --config=...
              (--data_workers=N: and a local tf.data service with N workers to feed it)
   data-service dispatcher|worker

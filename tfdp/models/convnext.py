@@ -332,4 +332,4 @@ def read_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what
     return weights.Weights(what, values, names)
 
 
-weights.register_torch_layout(*SPECS)(read_state_dict)
+weights.register_torch_layout(*SPECS, origins=("timm", "torchvision"))(read_state_dict)

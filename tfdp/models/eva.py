@@ -342,7 +342,7 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> dict[str, tuple
     return {layer: ([params["weight"], params["bias"]], ["weight", "bias"])}   # LayerNorm: gamma, beta
 
 
-@register_torch_layout(*SPECS)
+@register_torch_layout(*SPECS, origins=("timm",))
 def eva_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
     """A timm (or Meta) EVA-02/DINOv3 state dict as `Weights`; the register tokens live in the class token's layer,
     after it (vit.PrefixTokens)."""

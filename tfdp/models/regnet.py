@@ -123,7 +123,7 @@ for _name, _spec in SPECS.items():
     _register(_name, _spec)
 
 
-@register_torch_layout(*SPECS)
+@register_torch_layout(*SPECS, origins=("timm", "torchvision"))
 def timm_regnet(tensors, model_cfg: ModelConfig, what: str) -> Weights:
     """timm's RegNet state dict: each module is the layer of its name with `_` for `.` (`s2.b1.conv2.conv` →
     `s2_b1_conv2_conv`, `head.fc` → `head_fc`); torchvision's in timm's names first (`torchvision_as_timm`)."""

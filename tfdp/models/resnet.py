@@ -89,10 +89,16 @@ class DropPath(layers.Layer):
         keep = 1.0 - self.rate
         shape = (keras.ops.shape(x)[0],) + (1,) * (len(x.shape) - 1)
         mask = keras.ops.floor(keep + keras.random.uniform(shape, seed=self.seed_generator, dtype=x.dtype))
-        return x / keep * mask
+        return drop_path(x, mask, self.rate)
 
     def get_config(self):
         return {**super().get_config(), "rate": self.rate}
+
+
+def drop_path(x, mask, rate: float):
+    """timm's drop_path for a given per-sample mask of 0s and 1s ([B, 1, ...]): x * (mask / keep), the mask
+    scaled first as timm's `random_tensor.div_(keep_prob)` does, so the products round as timm's do."""
+    return x * (mask / keras.ops.cast(1.0 - rate, x.dtype))
 
 
 def residual(x, skip, name: str, drop_path: float):

@@ -300,7 +300,7 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> tuple[list[np.n
     return [params["weight"], params["bias"]], ["weight", "bias"]   # LayerNorm: gamma, beta
 
 
-@register_torch_layout(*SPECS)
+@register_torch_layout(*SPECS, origins=("timm",))
 def swin_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
     """A timm Swin state dict as `Weights`: layer = the module's name with `_` for `.` (the patch embedding's
     projection: `patch_embed`)."""

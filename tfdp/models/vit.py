@@ -608,7 +608,7 @@ def module_values(module: str, params: dict[str, np.ndarray]) -> tuple[list[np.n
     return [params["weight"], params["bias"]], ["weight", "bias"]   # LayerNorm: gamma, beta
 
 
-@register_torch_layout(*SPECS)
+@register_torch_layout(*SPECS, origins=("timm", "torchvision"))
 def vit_state_dict(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, what: str) -> Weights:
     """A timm (or torchvision) ViT/DeiT state dict as `Weights`: torchvision's names are read as timm's first."""
     source = "torchvision" if is_torchvision(tensors) else "timm"
@@ -666,7 +666,11 @@ def check_keras_hub_config(config: dict, model_cfg: ModelConfig, what: str) -> N
                             f"{key}={config.get(key)}, tfdp's ViT {want}")
 
 
-@register_keras_hub_layout("ViTBackbone")
+# the plain ViTs (class token, no layer scale): what keras-hub's ViT presets are
+KERAS_HUB_MODELS = [name for name in SPECS if re.fullmatch(r"vit_[a-z]+_patch\d+_224", name)]
+
+
+@register_keras_hub_layout("ViTBackbone", models=KERAS_HUB_MODELS)
 def keras_hub_vit(preset: str, backbone: dict, task: dict | None, model_cfg: ModelConfig, what: str) -> Weights:
     """A keras-hub ViT preset (ViTBackbone, with ViTImageClassifier's head when the preset holds the task) as
     `Weights`: MultiHeadAttention's separate (dim, heads, head_dim) query/key/value kernels fused into qkv."""
