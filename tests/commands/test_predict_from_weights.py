@@ -66,9 +66,10 @@ def test_predictions_from_a_timm_file_are_timms_own_pipelines(tmp_path):
     for i, row in enumerate(rows):
         for p in row["predictions"]:
             ours[i, p["class"]] = p["probability"]
-    # The crops differ from Pillow's by 0.1 unit on average (the pixel test below), which moves these 10
-    # probabilities by well under 0.01 on any host; a wrong mean/std, size, crop or kernel moves them by more.
-    assert np.abs(ours - softmax(REFERENCE["logits"])).max() < 0.01
+    # The crops differ from Pillow's by 0.1 unit on average (the pixel test below): 4.3e-4 at most on these 10
+    # probabilities, from the pixels alone (the same libjpeg decode, float32 rounding ~1e-6), so on any host.
+    # Resized bilinearly instead they are 7.6e-3 off, with ImageNet's mean 0.11, with the fast crop 0.14.
+    assert np.abs(ours - softmax(REFERENCE["logits"])).max() < 2e-3
 
 
 @pytest.mark.parametrize("interpolation", ["bicubic", "bilinear"])
@@ -135,6 +136,8 @@ def test_weights_of_another_class_count_or_model_are_one_line(imagenet_head, tmp
         weights.load(build_model(weights.cfg.model, weights.cfg.data))
 
 
+@pytest.mark.full(reason="a CLI run (~15 s on 2 cores) for what test_weights_of_another_class_count_or_model_are_one_"
+                         "line checks in-process: the line and exit status 2 as the user meets them")
 def test_weights_of_another_model_end_predict_in_one_line(tmp_path):
     result = run_tfdp("predict", "--model=simple_cnn", f"--init_from={TIMM}", f"--input={PHOTOS}",
                       f"--output={tmp_path / 'p.jsonl'}", cwd=str(tmp_path))
@@ -184,3 +187,10 @@ def test_with_neither_a_run_nor_weights_the_line_names_both_ways(tmp_path):
                                         r"\(--model_dir=RUN, --checkpoint=FILE\), or start from pretrained weights "
                                         r"\(--init_from=FILE, hf-hub:timm/NAME, \.\.\.\)$"):
         evaluate(cfg, make_runtime(cfg.distribute))
+
+
+def test_dali_refuses_the_weights_resize():
+    """DALI crops evaluation images the fast way: with data.decoder dali, another resize is one line."""
+    with pytest.raises(UserError, match=r"data.decoder: dali crops evaluation images as data.eval_interpolation fast, "
+                                        r"not bicubic"):
+        validate({"data": {"format": "image_folder", "decoder": "dali", "eval_interpolation": "bicubic"}})
