@@ -51,17 +51,22 @@ def test_an_overridden_builder_wires_the_run(small_dir, tmp_path):
 
 def test_a_one_epoch_run_reports_its_rate_after_the_first_step(small_dir, tmp_path, capsys):
     """One epoch has no later epoch to time: its summary's rate leaves out the first step (its tracing) and says so,
-    and a slow model's rate keeps its digits instead of rounding to 0."""
+    and a slow model's rate keeps its digits instead of rounding to 0. The data: one tree of class folders (the
+    training images alone), a share of it held out for validation (data.val_fraction)."""
     cfg = validate({
         "model_dir": str(tmp_path / "run"),
-        "data": {"format": "image_folder", "dir": small_dir, "image_size": 16},
+        "data": {"format": "image_folder", "dir": f"{small_dir}/train", "image_size": 16, "val_fraction": 0.25},
         "model": {"name": "simple_cnn", "num_classes": 10},
         "train": {"epochs": 1, "batch_size_per_replica": 32, "checkpoint_every_steps": 0},
     })
     summary = Trainer(cfg, make_runtime(cfg.distribute)).train()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert summary["images_per_sec"] == row["images_per_sec_after_first_step"] > 0
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tfdp: done: 1 epochs")][0]
+    out = capsys.readouterr().out.splitlines()
+    held = [x for x in out if x.startswith("tfdp: data: data.val_fraction 0.25 of ")]
+    assert len(held) == 1 and held[0].endswith(" validation images (10 classes, data.val_seed 0)"), out
+    assert summary["val_top1"] is not None
+    line = [x for x in out if x.startswith("tfdp: done: 1 epochs")][0]
     assert re.search(r", [\d.]+ images/s \(after the first step, whose tracing it leaves out\) on 1 replica", line)
     assert rate_words(0.273) == "0.27 images/s" and rate_words(1234.4) == "1234 images/s"
     assert rate_words(3.46, "x") == "3.5 images/s (x)"
