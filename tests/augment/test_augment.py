@@ -170,8 +170,8 @@ def timm_cutmix_weights(rng: np.random.Generator, n: int, size: int, alpha: floa
     lam = rng.beta(alpha, alpha, n)
     cut = (size * np.sqrt(1 - lam)).astype(int)
     cy, cx = rng.integers(0, size, n), rng.integers(0, size, n)
-    height = np.clip(cy + cut // 2, 0, size) - np.clip(cy - cut // 2, 0, size)
-    width = np.clip(cx + cut // 2, 0, size) - np.clip(cx - cut // 2, 0, size)
+    height = np.clip(cy + (cut + 1) // 2, 0, size) - np.clip(cy - cut // 2, 0, size)
+    width = np.clip(cx + (cut + 1) // 2, 0, size) - np.clip(cx - cut // 2, 0, size)
     return height * width / size ** 2
 
 

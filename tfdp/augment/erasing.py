@@ -23,28 +23,49 @@ def random_erasing(images, seed, prob: float, area=(0.02, 1 / 3), min_aspect: fl
     shape = tf.shape(images)
     batch, height, width = shape[0], shape[1], shape[2]
     apply_seed, area_seed, aspect_seed, top_seed, left_seed, fill_seed = split_seed(seed, 6)
-    h, w = tf.cast(height, tf.float32), tf.cast(width, tf.float32)
-    target = uniform(area_seed, [batch, _ERASING_ATTEMPTS], area[0], area[1]) * h * w
-    aspect = tf.exp(uniform(aspect_seed, [batch, _ERASING_ATTEMPTS], math.log(min_aspect), -math.log(min_aspect)))
+    fraction = uniform(area_seed, [batch, _ERASING_ATTEMPTS], area[0], area[1])
+    log_aspect = uniform(aspect_seed, [batch, _ERASING_ATTEMPTS], math.log(min_aspect), -math.log(min_aspect))
+    box_h, box_w, fits = erasing_box_size(fraction, log_aspect, height, width)
+    erase = fits & (uniform(apply_seed, [batch]) < prob)
+    top = random_index(top_seed, [batch], height - box_h + 1)
+    left = random_index(left_seed, [batch], width - box_w + 1)
+    return erase_box(images, top, left, box_h, box_w, erase, erasing_fill(fill_seed, shape, mode, mean, std))
+
+
+def erasing_box_size(fraction, log_aspect, height, width) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """timm's attempts [B, tries]: area fraction and log aspect → the first box that fits (height, width [B])
+    and whether any did [B]; sides rounded half to even, as Python's round."""
+    target = fraction * tf.cast(height, tf.float32) * tf.cast(width, tf.float32)
+    aspect = tf.exp(log_aspect)
     box_h = tf.cast(tf.round(tf.sqrt(target * aspect)), tf.int32)
     box_w = tf.cast(tf.round(tf.sqrt(target / aspect)), tf.int32)
     fits = (box_w < width) & (box_h < height)
     first = tf.argmax(tf.cast(fits, tf.int32), axis=1, output_type=tf.int32)
-    box_h, box_w = tf.gather(box_h, first, batch_dims=1), tf.gather(box_w, first, batch_dims=1)
-    erase = tf.reduce_any(fits, axis=1) & (uniform(apply_seed, [batch]) < prob)
-    top = random_index(top_seed, [batch], height - box_h + 1)
-    left = random_index(left_seed, [batch], width - box_w + 1)
-    mask = box_mask(height, width, top, top + box_h, left, left + box_w) & erase[:, None, None, None]
-    return tf.where(mask, erasing_fill(fill_seed, shape, mode, mean, std), images)
+    return (tf.gather(box_h, first, batch_dims=1), tf.gather(box_w, first, batch_dims=1),
+            tf.reduce_any(fits, axis=1))
+
+
+def erase_box(images, top, left, box_h, box_w, erase, fill) -> tf.Tensor:
+    """Rows [top, top + box_h) and columns [left, left + box_w) of the images where `erase` [B] is set take
+    `fill` (broadcast to the images)."""
+    shape = tf.shape(images)
+    mask = box_mask(shape[1], shape[2], top, top + box_h, left, left + box_w) & erase[:, None, None, None]
+    return tf.where(mask, fill, images)
 
 
 def erasing_fill(seed, shape, mode: str, mean, std) -> tf.Tensor:
     """timm's 'pixel' (per-pixel normal), 'rand' (one normal colour per image) or 'const' (0 = the mean) fill."""
-    mean, std = tf.constant(mean, tf.float32), tf.constant(std, tf.float32)
     if mode == "pixel":
         noise = normal(seed, shape)
     elif mode == "rand":
         noise = normal(seed, tf.stack([shape[0], 1, 1, shape[3]]))
     else:
         noise = tf.zeros([1, 1, 1, 3])
+    return pixels_of_noise(noise, mean, std)
+
+
+def pixels_of_noise(noise, mean, std) -> tf.Tensor:
+    """timm's normalised N(0, 1) fill in 0..255 pixel units: mean + std * noise, rounded and clipped to uint8
+    levels (the batch stays uint8 until the model normalises it)."""
+    mean, std = tf.constant(mean, tf.float32), tf.constant(std, tf.float32)
     return tf.clip_by_value(tf.round(mean + std * noise), 0.0, 255.0)

@@ -31,8 +31,18 @@ def mixup_cutmix(images, targets, seed, mixup_alpha: float, cutmix_alpha: float,
     params_seed, box_seed = split_seed(seed, 2)
     lam, use_cutmix = mix_params(params_seed, draws, mixup_alpha, cutmix_alpha, mix_prob, switch_prob)
     lam, use_cutmix = tf.broadcast_to(lam, [batch]), tf.broadcast_to(use_cutmix, [batch])
+    centre_y, centre_x = box_centres(box_seed, tf.shape(images), per_image=mode == "elem")
+    return mix_given(images, targets, lam, use_cutmix, centre_y, centre_x)
+
+
+def mix_given(images, targets, lam, use_cutmix, centre_y, centre_x) -> tuple[tf.Tensor, tf.Tensor]:
+    """timm's FastCollateMixup for given draws: lambda [B], CutMix or not [B] and the box centres [B].
+
+    Image i is mixed with image B-1-i: blended, or the partner's box pasted in;
+    the targets are weighted by lambda, for CutMix the clipped box's own.
+    """
     partner = tf.reverse(images, axis=[0])
-    box, cut_lam = cutmix_box(box_seed, tf.shape(images), lam, per_image=mode == "elem")
+    box, cut_lam = cutmix_box_at(tf.shape(images), lam, centre_y, centre_x)
     mixed = tf.where(use_cutmix[:, None, None, None], tf.where(box, partner, images), blend(images, partner, lam))
     lam = tf.where(use_cutmix, cut_lam, lam)
     return mixed, lam[:, None] * targets + (1.0 - lam[:, None]) * tf.reverse(targets, axis=[0])
@@ -67,16 +77,29 @@ def cutmix_box(seed, image_shape, lam, per_image: bool = True) -> tuple[tf.Tenso
     Returns the box as a mask [B, H, W, 1] and lambda recomputed from the clipped
     box's real pixel count, which is what the targets must use.
     """
+    return cutmix_box_at(image_shape, lam, *box_centres(seed, image_shape, per_image))
+
+
+def box_centres(seed, image_shape, per_image: bool = True) -> tuple[tf.Tensor, tf.Tensor]:
+    """rand_bbox's centres [B] (row, column), uniform over the image; one for the batch unless per_image."""
     batch, height, width = image_shape[0], image_shape[1], image_shape[2]
+    draws = batch if per_image else 1
+    y_seed, x_seed = split_seed(seed, 2)
+    return (tf.broadcast_to(random_index(y_seed, [draws], height), [batch]),
+            tf.broadcast_to(random_index(x_seed, [draws], width), [batch]))
+
+
+def cutmix_box_at(image_shape, lam, cy, cx) -> tuple[tf.Tensor, tf.Tensor]:
+    """timm's rand_bbox and correct_lam around given centres: the box mask [B, H, W, 1] and its lambda [B]."""
+    height, width = image_shape[1], image_shape[2]
     h, w = tf.cast(height, tf.float32), tf.cast(width, tf.float32)
     ratio = tf.sqrt(1.0 - lam)
     cut_h, cut_w = tf.cast(tf.floor(h * ratio), tf.int32), tf.cast(tf.floor(w * ratio), tf.int32)
-    draws = batch if per_image else 1
-    y_seed, x_seed = split_seed(seed, 2)
-    cy = tf.broadcast_to(random_index(y_seed, [draws], height), [batch])
-    cx = tf.broadcast_to(random_index(x_seed, [draws], width), [batch])
-    top, bottom = tf.clip_by_value(cy - cut_h // 2, 0, height), tf.clip_by_value(cy + cut_h // 2, 0, height)
-    left, right = tf.clip_by_value(cx - cut_w // 2, 0, width), tf.clip_by_value(cx + cut_w // 2, 0, width)
+    # timm 1.0.31 spans the whole cut: cut // 2 before the centre, (cut + 1) // 2 from it on.
+    top = tf.clip_by_value(cy - cut_h // 2, 0, height)
+    bottom = tf.clip_by_value(cy + (cut_h + 1) // 2, 0, height)
+    left = tf.clip_by_value(cx - cut_w // 2, 0, width)
+    right = tf.clip_by_value(cx + (cut_w + 1) // 2, 0, width)
     mask = box_mask(height, width, top, bottom, left, right)
-    area = tf.cast((bottom - top) * (right - left), tf.float32)
-    return mask, 1.0 - area / (h * w)
+    # The pixels left over an exact integer, one rounding: timm's float64 1 - area / (H * W) stored in float32.
+    return mask, tf.cast(height * width - (bottom - top) * (right - left), tf.float32) / (h * w)

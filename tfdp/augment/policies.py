@@ -59,11 +59,11 @@ def timm_arg(name: str, magnitude, sign, height, width) -> tf.Tensor:
     if name == "PosterizeIncreasing":
         return 4.0 - tf.floor(level * 4.0)
     if name == "Solarize":
-        return tf.floor(level * 256.0)  # threshold
+        return tf.minimum(256.0, tf.floor(level * 256.0))  # threshold (timm caps it: mmax above 10)
     if name == "SolarizeIncreasing":
-        return 256.0 - tf.floor(level * 256.0)
+        return 256.0 - tf.minimum(256.0, tf.floor(level * 256.0))
     if name == "SolarizeAdd":
-        return tf.floor(level * 110.0)
+        return tf.minimum(128.0, tf.floor(level * 110.0))
     if name.endswith("Increasing"):  # Color, Contrast, Brightness, Sharpness: factor, 1 = unchanged
         return tf.maximum(0.1, 1.0 + sign * level * 0.9)
     if name in ("Color", "Contrast", "Brightness", "Sharpness"):
@@ -145,22 +145,27 @@ def trivial_augment_plan(seed, batch) -> dict[str, tf.Tensor]:
 
 
 def trivial_augment_arg(name: str, magnitudes: np.ndarray, signed: bool, plan) -> tf.Tensor:
-    """The op's argument from its bin: torchvision's _apply_op (enhance ops: 1 + m; translate: int pixels)."""
+    """The op's argument from its bin: torchvision's _apply_op (enhance ops: 1 + m; translate: int pixels).
+
+    torchvision's affine moves the content by +m pixels, so PIL's coefficient, which says where an output
+    pixel samples, is -m: the same sign draw moves the image the same way as torchvision.
+    """
     m = tf.gather(tf.constant(magnitudes, tf.float32), tf.minimum(plan["bin"], len(magnitudes) - 1))
     if signed:
         m *= plan["sign"]
     if name in ("Brightness", "Color", "Contrast", "Sharpness"):
         return 1.0 + m
     if name in ("TranslateX", "TranslateY"):
-        return tf.sign(m) * tf.floor(tf.abs(m))
+        return -tf.sign(m) * tf.floor(tf.abs(m))
     return m
 
 
-def trivial_augment_wide(images, seed, plan: dict | None = None) -> tf.Tensor:
-    """torchvision's TrivialAugmentWide, one op per image (nearest interpolation, black fill, as its defaults)."""
+def trivial_augment_wide(images, seed, plan: dict | None = None, interpolation: str = "bilinear") -> tf.Tensor:
+    """torchvision's TrivialAugmentWide, one op per image, black fill; bilinear, as torchvision's reference
+    train.py builds it (`--interpolation bilinear`; the class alone defaults to nearest)."""
     plan = plan or trivial_augment_plan(seed, tf.shape(images)[0])
     names = tuple(name for name, _, _ in TRIVIAL_AUGMENT_WIDE_SPACE)
     args = tf.zeros(tf.shape(plan["op"]), tf.float32)
     for k, (name, magnitudes, signed) in enumerate(TRIVIAL_AUGMENT_WIDE_SPACE):
         args = tf.where(tf.equal(plan["op"], k), trivial_augment_arg(name, magnitudes, signed, plan), args)
-    return apply_ops_per_image(images, names, plan["op"], args, (0.0, 0.0, 0.0), "nearest")
+    return apply_ops_per_image(images, names, plan["op"], args, (0.0, 0.0, 0.0), interpolation)
