@@ -55,7 +55,9 @@ all of them        no       a seed must be an int or a SeedGenerator (a variable
 
 So every augmentation here is written with stateless Philox draws and plain
 vectorized ops; the RandAugment/TrivialAugment image ops follow PIL's maths (what
-timm and torchvision apply to PIL images) and are checked against PIL in the tests.
+timm and torchvision apply to PIL images). Given the same draws, each stage computes
+what timm's or torchvision's does (tests/augment/test_references.py; the differences,
+op by op, are in docs/recipes.md).
 
 The package, one module per topic (as timm's timm/data/):
 
