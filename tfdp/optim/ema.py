@@ -76,21 +76,23 @@ class TorchEma:
         return buffer
 
     def ema_schedule(self):
-        """(update this step: a bool tensor, decay: a float tensor); decay 0 copies."""
+        """(update this step: a bool tensor, decay, 1 - decay: float32 tensors); decay 0 copies. Both factors
+        are rounded from double precision, as torch rounds the Python floats the references compute: at a
+        decay of 0.99996 a 1 - decay taken in float32 would be 1.3e-4 off."""
         raise NotImplementedError
 
-    def blend(self, average, value, decay):
+    def blend(self, average, value, decay, weight):
         raise NotImplementedError
 
     def _update_model_variables_moving_average(self, trainable_variables):
         if not self.use_ema:
             return
-        update, decay = self.ema_schedule()
+        update, decay, weight = self.ema_schedule()
         pairs = [(v, a) for v, a in zip(trainable_variables, self._model_variables_moving_average) if a is not None]
         pairs += [(self.buffer_now(b), a) for b, a in zip(self.tfdp_buffers, self.tfdp_buffer_averages)]
         for variable, average in pairs:
             value = ops.cast(variable, average.dtype)
-            new = self.blend(average, value, ops.cast(decay, average.dtype))
+            new = self.blend(average, value, ops.cast(decay, average.dtype), ops.cast(weight, average.dtype))
             average.assign(ops.where(update, new, average))
 
     def finalize_variable_values(self, var_list):
@@ -106,13 +108,14 @@ class TimmEma(TorchEma):
 
     def ema_schedule(self):
         s = ops.cast(self.iterations, "float32")   # timm's step - 1 (update_after_step 0)
-        decay = ops.convert_to_tensor(self.ema_momentum, "float32")
-        if self.tfdp_ema_warmup:
-            decay = ops.minimum(decay, 1.0 - ops.power(1.0 + s, -2.0 / 3.0))
-        return ops.convert_to_tensor(True), ops.where(s > 0, decay, 0.0)
+        weight = ops.convert_to_tensor(1.0 - self.ema_momentum, "float32")
+        if self.tfdp_ema_warmup:   # 1 - min(decay, 1 - (1 + s) ** -p), without the cancellation
+            weight = ops.maximum(weight, ops.power(1.0 + s, -2.0 / 3.0))
+        weight = ops.where(s > 0, weight, 1.0)
+        return ops.convert_to_tensor(True), 1.0 - weight, weight
 
-    def blend(self, average, value, decay):
-        weight = 1 - decay     # ema.lerp_(model, 1 - decay)
+    def blend(self, average, value, decay, weight):
+        # ema.lerp_(model, weight), torch's two forms
         return ops.where(weight < 0.5, average + weight * (value - average), value - (value - average) * (1 - weight))
 
 
@@ -122,17 +125,20 @@ class TorchvisionEma(TorchEma):
     tfdp_ema_every: int = 32
     tfdp_ema_timing: EmaTiming = EmaTiming()
 
-    def adjusted_decay(self) -> float:
+    def adjusted_alpha(self) -> float:
         t = self.tfdp_ema_timing
-        alpha = min(1.0, (1.0 - self.ema_momentum) * t.global_batch * self.tfdp_ema_every / t.epochs)
-        return 1.0 - alpha
+        return min(1.0, (1.0 - self.ema_momentum) * t.global_batch * self.tfdp_ema_every / t.epochs)
+
+    def adjusted_decay(self) -> float:
+        return 1.0 - self.adjusted_alpha()
 
     def ema_schedule(self):
         t = self.tfdp_ema_timing
         k = ops.cast(self.iterations, "int64")
         update = ops.equal(ops.mod(ops.mod(k, t.steps_per_epoch), self.tfdp_ema_every), 0)
         copy = k <= math.ceil(t.warmup_epochs) * t.steps_per_epoch   # `epoch < args.lr_warmup_epochs` resets
-        return update, ops.where(copy, 0.0, self.adjusted_decay())
+        decay, weight = self.adjusted_decay(), 1.0 - self.adjusted_decay()   # ema_avg's decay and (1 - decay)
+        return update, ops.where(copy, 0.0, decay), ops.where(copy, 1.0, weight)
 
-    def blend(self, average, value, decay):
-        return ops.where(decay == 0, value, decay * average + (1 - decay) * value)   # copy_, then ema_avg
+    def blend(self, average, value, decay, weight):
+        return ops.where(decay == 0, value, decay * average + weight * value)   # copy_, then ema_avg
