@@ -162,3 +162,20 @@ def test_the_ema_evaluation_uses_the_averaged_statistics_and_a_checkpoint_holds_
     other.load_weights(path)
     for mine, loaded in zip(averages, other.optimizer.tfdp_buffer_averages):
         np.testing.assert_array_equal(loaded.numpy(), mine)
+
+
+@pytest.mark.parametrize("rules, opt, timing, weight", [
+    ("timm", dict(ema_decay=0.99996), TIMING, 1 - 0.99996),
+    ("torchvision", dict(ema_decay=0.99998, ema_every_steps=1),
+     EmaTiming(global_batch=2, steps_per_epoch=5, epochs=1, warmup_epochs=0), 2 * (1 - 0.99998))])
+def test_a_decay_near_one_moves_the_average_by_its_double_precision_complement(rules, opt, timing, weight):
+    """The references compute 1 - decay in Python (double) before torch rounds it to float32: DeiT's EMA at 0.99996
+    moves by 4e-5 of the gap, where 1 - float32(0.99996) would move it by 3.9995e-5 (1.3e-4 off)."""
+    import keras
+    w = keras.Variable(np.zeros(3, "float32"), name="kernel")
+    optimizer = build_optimizer(OptimizerConfig(name="sgd", momentum=0.0, **opt), 0.0, rules, timing)
+    optimizer.build([w])
+    for value in (0.0, 1.0):   # the first update copies 0; the second moves the average towards 1
+        w.assign(np.full(3, value, "float32"))
+        optimizer.apply([tf.zeros(3)], [w])
+    np.testing.assert_allclose(optimizer._model_variables_moving_average[0].numpy(), weight, rtol=1e-6)
