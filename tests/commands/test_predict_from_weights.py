@@ -194,3 +194,21 @@ def test_dali_refuses_the_weights_resize():
     with pytest.raises(UserError, match=r"data.decoder: dali crops evaluation images as data.eval_interpolation fast, "
                                         r"not bicubic"):
         validate({"data": {"format": "image_folder", "decoder": "dali", "eval_interpolation": "bicubic"}})
+
+
+@pytest.mark.full(reason="a CLI run (~20 s on 2 cores) with a Hub on loopback: the local file's path, fetched")
+def test_predictions_from_a_timm_repository_on_the_hub(tmp_path):
+    """`--init_from=hf-hub:ORG/NAME`: the repository fetched into the Hub's cache first, then read as the local
+    file is, its config.json's pretrained cfg and label_names with it: timm's top-1 on every JPEG."""
+    from support.hf_hub import hub_server
+    repo = "timm/vit_mini_patch4_small.predict_test"
+    with hub_server() as hub:
+        hub.publish_folder(repo, os.path.dirname(TIMM))
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""}
+        out = tmp_path / "p.jsonl"
+        result = run_tfdp("predict", f"--model={MODEL}", f"--init_from=hf-hub:{repo}", f"--input={PHOTOS}",
+                          f"--output={out}", "--cpu_replicas=1", cwd=str(tmp_path), env_extra=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"tfdp: init_from: fetching hf-hub:{repo} from the Hugging Face Hub, or its cache" in result.stdout
+    rows = read_rows(str(out))
+    assert [r["predictions"][0]["name"] for r in rows] == [LABELS[k] for k in REFERENCE["top1"]]
