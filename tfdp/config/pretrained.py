@@ -23,7 +23,11 @@ Where the values come from, first found wins:
 The image size is one of them where the weights say it (a timm cfg's
 `input_size`, a keras-hub converter's `image_size`, a tfdp run's
 `data.image_size`): a ViT's position embeddings are learned for one grid,
-and a run that names no size trains at the weights' own.
+and a run that names no size trains at the weights' own. Where neither the
+config nor the weights name one, a model whose name ends in its size
+(timm's `vit_small_patch16_224`) builds at that size (`native_size`).
+So does the evaluation resize (`data.eval_interpolation`: a timm cfg's
+`interpolation`, torchvision's bilinear).
 
 Means and standard deviations are always per R, G, B channel of the decoded
 image (0..255 units), whatever `channel_order` the model's first layer sees,
