@@ -46,7 +46,10 @@ TINY = {
     "resnet50_rsb_a2": {"schedule.warmup_epochs": 2},
     # DeiT's main.py keeps timm's EMA at 0.99996 (the recipe reports the raw model, so its config has none)
     "deit_s16_imagenet": {"schedule.warmup_epochs": 2, "optimizer.ema_decay": 0.99996},
-    "resnet50_torchvision_v2": {"schedule.warmup_epochs": 2, "optimizer.ema_every_steps": 2},
+    # torchvision's rates are for their global batch (1024, 256): the tiny run takes them per image, at 16
+    "resnet50_torchvision_v2": {"schedule.warmup_epochs": 2, "optimizer.ema_every_steps": 2,
+                                "optimizer.lr": 0.5 * 16 / 1024},
+    "resnet18_imagenet": {"schedule.decay_epochs": 2, "optimizer.lr": 0.1 * 16 / 256},
 }
 # Random switches and sizes no tiny run keeps: each is off in the reference's command line too.
 OFF = {"augment": {}, "model.drop_path": 0.0, "model.dropout": 0.0, "data.repeated_augmentation": 1,
