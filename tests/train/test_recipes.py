@@ -25,8 +25,9 @@ RECIPES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "conf
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_builds_its_model_and_scales_its_learning_rate(name):
-    """Each recipe validates, builds its model for its classes and input size, and its schedule
-    reaches lr x global_batch / 256 at the end of warmup (at 1 and 8 replicas), lower by the end. The model is built
+    """Each recipe validates, builds its model for its classes and input size, and its schedule reaches its peak
+    (under rules keras lr x global_batch / 256 at the end of warmup; under timm's and torchvision's rules lr as given,
+    their per-epoch warmup ending within a rounding of it) at 1 and 8 replicas, lower by the end. The model is built
     for its shapes only (`shapes_only`: no values for ImageNet-sized weights, which the shapes do not need)."""
     from support.shapes import shapes_only
     cfg = recipe(name)  # load_config validates
@@ -40,13 +41,17 @@ def test_recipe_builds_its_model_and_scales_its_learning_rate(name):
     for replicas in (1, 8):
         global_batch = cfg.train.batch_size_per_replica * replicas
         steps_per_epoch = 1000
-        schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, global_batch, steps_per_epoch, cfg.train.epochs)
+        schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, global_batch, steps_per_epoch, cfg.train.epochs,
+                                  cfg.rules, cfg.optimizer)
         warmup_steps = round(cfg.schedule.warmup_epochs * steps_per_epoch)
-        peak = cfg.optimizer.lr * global_batch / 256
+        peak = cfg.optimizer.lr * (global_batch / 256 if cfg.rules == "keras" else 1)
         lr = lambda step: float(schedule(step))  # noqa: E731
-        assert lr(warmup_steps) == pytest.approx(peak, rel=1e-6)
+        # timm's warmup counts inside the cosine's epochs: its first epoch after warmup is already past the peak by
+        # 1 - cos(pi * warmup / epochs), under 0.3% for every recipe here
+        assert lr(warmup_steps) == pytest.approx(peak, rel=1e-6 if cfg.rules == "keras" else 3e-3)
         if warmup_steps:
-            assert lr(warmup_steps - 1) == pytest.approx(peak, rel=1e-6)
+            if cfg.rules == "keras":
+                assert lr(warmup_steps - 1) == pytest.approx(peak, rel=1e-6)
             assert lr(0) < peak / 2
         if cfg.schedule.name != "constant":
             assert lr(cfg.train.epochs * steps_per_epoch - 1) < peak / 2
@@ -132,7 +137,9 @@ RECIPE_TEST_PRECISION = "--set=train.precision=float32"
 # demo's small-image ResNet with one block per stage (resnet10_small: any image size, batch norm, cheaper than the
 # demo's ResNet-18) where progressive resizing needs a model that takes any image size.
 RECIPE_RUNS = {
-    "resnet50_torchvision_v2.yaml": ["--model=simple_cnn", "--set=data.eval_image_size=24"],
+    # rules torchvision take --lr as given: the recipe's 0.5 is for its global batch 1024, per image 0.5 x 16 / 1024
+    "resnet50_torchvision_v2.yaml": ["--model=simple_cnn", "--set=data.eval_image_size=24",
+                                     "--set=optimizer.lr=0.0078125"],
     "resnet50_rsb_a3.yaml": ["--model=simple_cnn", "--set=data.eval_image_size=24"],
     "resnet50_ffcv.yaml": ["--model=resnet10_small", "--set=data.eval_image_size=24", "--set=data.progressive_min_size=16",
                            "--set=data.progressive_start_epoch=0", "--set=data.progressive_end_epoch=1",
