@@ -78,7 +78,7 @@ def register_tiny_models() -> None:
     def resnet_d_tiny(input_shape, num_classes: int, dropout: float, drop_path: float = 0.0):
         return resnet(input_shape, num_classes, dropout, spec, drop_path)
     register("resnet_d_tiny", min_size=8, drop_path=True, layer_groups=LAYER_GROUPS)(resnet_d_tiny)
-    register_torch_layout("resnet_d_tiny")(timm_resnet_d)
+    register_torch_layout("resnet_d_tiny", origins=("timm",))(timm_resnet_d)
 
 
 def tiny_config(recipe: str, run: dict, model_dir: str):
