@@ -273,6 +273,32 @@ class ScheduleConfig:
 
 
 @dataclasses.dataclass
+class TeacherConfig:
+    __pydantic_config__ = _FORBID
+    # Knowledge distillation (docs/distillation.md): none, or the teacher's logits teach the student's: soft (KL
+    # divergence at temperature tau) or hard (cross-entropy on the teacher's top class, DeiT's).
+    distillation: Literal["none", "soft", "hard"] = "none"
+    model: Str = ""   # the teacher's model name (`tfdp models`); built beside the student on every replica, frozen
+    # The teacher's weights: any source model.init_from reads (a tfdp run, .safetensors, .weights.h5, a keras-hub
+    # preset, a Hub handle). Every layer must load, its classifier with model.num_classes classes.
+    init_from: Str = ""
+    alpha: Fraction = 0.5   # loss = (1 - alpha) x the labels' loss + alpha x the teacher's (DeiT's)
+    tau: PosFloat = 1.0   # soft: the softmax temperature (the term is multiplied by tau^2)
+    # soft: the summed KL divergence divided by the batch (`batch`, timm's batchmean) or by batch x classes
+    # (`logits`, DeiT's numel).
+    soft_reduction: Literal["batch", "logits"] = "batch"
+    # The teacher's input side in px (0: what its weights say, else data.image_size); the batch is resized to it on
+    # the device.
+    image_size: NonNegInt = 0
+    # The teacher's per-channel mean, 0..255 units, R, G, B (empty: what its weights say, else data.mean).
+    mean: tuple[Annotated[float, Strict()], ...] = ()
+    std: tuple[PosFloat, ...] = ()   # ... and standard deviation (empty: its weights', else data.std)
+    # true: the student must have DeiT's distillation head (the recipe's teacher teaches that token only); false: a
+    # student with one learns from the teacher there, any other on its one head.
+    dist_token: Bool = False
+
+
+@dataclasses.dataclass
 class TrainConfig:
     __pydantic_config__ = _FORBID
     epochs: PosInt = 10   # epochs to train
@@ -333,6 +359,8 @@ class TrainConfig:
     # With train.freeze: 0 = frozen for the whole run; N = frozen for the first N epochs, then everything trains
     # (the head first, then all, as Keras' transfer-learning guide).
     freeze_epochs: NonNegInt = 0
+    # A teacher beside the student (knowledge distillation, docs/distillation.md).
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
 
 
 # train.validate -> whether the workers run their own validation pass, given whether the cluster has an evaluator task.
@@ -570,6 +598,7 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.train.bce_target_threshold is not None and cfg.train.loss != "bce":
         raise UserError("train.bce_target_threshold applies to train.loss: bce only")
     _check_fine_tuning(cfg)
+    _check_teacher(cfg)
     if cfg.model.init_exclude and not cfg.model.init_from:
         raise UserError("model.init_exclude needs model.init_from (the weights it leaves out)")
     _check_augment(cfg.augment)
@@ -585,6 +614,21 @@ def _check_cross_field(cfg: Config) -> None:
         _check_dali(cfg)
     if cfg.train.deterministic:
         d.deterministic = True  # seeded crops are part of a deterministic run
+
+
+def _check_teacher(cfg: Config) -> None:
+    """A distillation needs its teacher and its weights; a teacher's fields without a distillation are a mistake."""
+    t = cfg.train.teacher
+    if t.distillation == "none":
+        if t.model or t.init_from:
+            raise UserError("train.teacher.model and train.teacher.init_from need train.teacher.distillation "
+                            "soft or hard")
+        return
+    if not t.model or not t.init_from:
+        raise UserError(f"train.teacher.distillation {t.distillation} needs train.teacher.model and "
+                        f"train.teacher.init_from (the teacher's weights)")
+    if len(t.mean) not in (0, 3) or len(t.std) not in (0, 3):
+        raise UserError("train.teacher.mean and train.teacher.std must each have 3 values (R, G, B) or none")
 
 
 # EMA fields that only one rule set has: (field, the rules that have it).

@@ -286,6 +286,21 @@ ACTIVATIONS = {"gelu": keras.activations.gelu, "quick_gelu": quick_gelu, "gelu_t
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
+class HeadAverage(layers.Average):
+    """A distilled DeiT's two classifiers averaged, as timm's `forward_head`; while it is trained by a teacher
+    (`distilled_training`, set by tfdp.train.distillation, never saved), training calls get both heads side by
+    side instead, [class head | distillation head] on the last axis, for the two losses (timm's
+    `set_distilled_training`)."""
+
+    distilled_training = False
+
+    def call(self, inputs, training=None):
+        if training and self.distilled_training:
+            return keras.ops.concatenate(inputs, axis=-1)
+        return super().call(inputs)
+
+
+@keras.saving.register_keras_serializable(package="tfdp")
 class Token(layers.Layer):
     """One token of the sequence: the class token (0) or the distillation token (1), for their classifiers."""
 
@@ -411,7 +426,7 @@ def vision_transformer(input_shape, num_classes: int, dropout: float, spec: ViTS
         if dropout:
             h = layers.Dropout(dropout, name=f"{head}_drop")(h)
         heads.append(dense(num_classes, head)(h))
-    logits = layers.Average(name="head_average")(heads) if spec.distilled else heads[0]
+    logits = HeadAverage(name="head_average")(heads) if spec.distilled else heads[0]
     return keras.Model(inputs, logits, name=f"{name}_backbone")
 
 
@@ -529,6 +544,8 @@ SPECS: dict[str, ViTSpec] = {
     # For 16-32 px images (the digits demo, CPU tests): 4 px patches, 4 blocks of width 64; no timm counterpart
     # (timm, torchvision and keras-hub build it from these numbers).
     "vit_mini_patch4_small": ViTSpec(4, 64, 4, 4),
+    # The same with DeiT's distillation token and head (the distillation tests' student).
+    "deit_mini_distilled_patch4_small": ViTSpec(4, 64, 4, 4, distilled=True),
 }
 
 

@@ -42,6 +42,7 @@ from tfdp.optim.ema import EmaTiming
 from tfdp.optim.optimizers import build_optimizer, track_buffers
 from tfdp.distribute.replica_state import WorkerGather
 from tfdp.optim.schedules import build_schedule
+from tfdp.train.distillation import build_teacher, install_distillation
 from tfdp.distribute.strategy import Runtime
 from tfdp.startup.console import say
 
@@ -173,6 +174,8 @@ def compile_model(cfg: Config, plan: Plan) -> keras.Model:
     optimizer = build_optimizer(cfg.optimizer, schedule, cfg.rules, EmaTiming(
         plan.global_batch, plan.steps_per_epoch, cfg.train.epochs, cfg.schedule.warmup_epochs or 0.0))
     model = _compiled(cfg, optimizer)
+    if cfg.train.teacher.distillation != "none":   # the teacher's logits in the student's loss (tfdp/train/distillation.py)
+        install_distillation(model, build_teacher(cfg), cfg.train.teacher)
     jit = (plan.xla or use_xla(cfg.train.jit_compile, current_devices(), cfg.model.sync_bn))[0]
     if jit or plan.accum_steps > 1:
         # Whole-step XLA per replica (Keras' own jit fails with several replicas); accumulation needs this step.

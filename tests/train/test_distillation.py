@@ -1,0 +1,116 @@
+"""Knowledge distillation (`train.teacher`, tfdp/train/distillation.py): a real teacher beside a real student, in
+this process on 1 and 2 logical CPU replicas, and one run of the command line for the one-line error."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import assert_one_line_error, run_tfdp
+from support.fixed_steps import train_fixed_batches
+from tfdp.config import validate
+from tfdp.errors import UserError
+from tfdp.optim.distillation import combined, distillation_loss
+from tfdp.optim.losses import SparseSmoothedCrossentropy
+from tfdp.train.task import Plan, compile_model, model_in_precision
+
+STUDENT, TEACHER = "deit_mini_distilled_patch4_small", "vit_mini_patch4_small"
+SIZE, CLASSES = 16, 10
+
+
+def config(digits_dir, teacher_weights, replicas=1, student=STUDENT, jit_compile=False, **teacher):
+    return validate({
+        "data": {"format": "image_folder", "dir": digits_dir, "image_size": SIZE, "eval_crop_fraction": 1.0,
+                 "hflip": False},   # the flip is the student's first layer: every run must see the same pixels
+        "model": {"name": student},
+        "optimizer": {"lr": 0.1, "momentum": 0.9},
+        "train": {"batch_size_per_replica": 32 // replicas, "epochs": 1, "seed": 3, "jit_compile": jit_compile,
+                  "teacher": {"distillation": "soft", "model": TEACHER, "init_from": teacher_weights, "tau": 2.0,
+                              **teacher}},
+        "distribute": {"strategy": "mirrored", "cpu_replicas": replicas},
+    })
+
+
+def save_weights(digits_dir, path, model=TEACHER, classes=CLASSES, seed=7):
+    cfg = validate({"data": {"format": "image_folder", "dir": digits_dir, "image_size": SIZE},
+                    "model": {"name": model, "num_classes": classes}})
+    tf.keras.utils.set_random_seed(seed)
+    model_in_precision(cfg).save_weights(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def teacher_weights(digits_dir, tmp_path_factory):
+    return save_weights(digits_dir, tmp_path_factory.mktemp("teacher") / "teacher.weights.h5")
+
+
+def compiled(cfg):
+    return compile_model(cfg, Plan(32, 1, 64, 0, CLASSES))
+
+
+def digits_batch(n=8):
+    rng = np.random.default_rng(0)
+    return (tf.constant(rng.integers(0, 256, (n, SIZE, SIZE, 3)), tf.uint8),
+            tf.constant(rng.integers(0, CLASSES, (n,)), tf.int32))
+
+
+def test_the_dist_head_learns_from_the_teacher_and_the_class_head_from_the_labels(digits_dir, teacher_weights):
+    """The training loss is DeiT's (1 - α) CE(class head, labels) + α KL(dist head ‖ teacher) (the losses
+    themselves are checked against DeiT and timm in tests/optim/test_distillation.py); evaluation and exports see
+    the two heads averaged, and the student carries none of the teacher's weights."""
+    cfg = config(digits_dir, teacher_weights, alpha=0.3)
+    model = compiled(cfg)
+    from tfdp.train.distillation import build_teacher
+    teacher = build_teacher(cfg)   # the same weights the installed teacher loaded
+    x, y = digits_batch()
+    both = model(x, training=True)
+    assert both.shape == (8, 2 * CLASSES)
+    head, head_dist = both[:, :CLASSES], both[:, CLASSES:]
+    np.testing.assert_allclose(model(x, training=False), (head + head_dist) / 2, rtol=1e-5, atol=1e-6)
+    expected = combined(SparseSmoothedCrossentropy()(y, head),
+                        distillation_loss("soft", 2.0)(teacher(x, training=False), head_dist), 0.3)
+    got = model.compute_loss(x, y, both, training=True)
+    # the same float32 ops on the same values, in another order of calls: a few ulps of a loss of a few units
+    np.testing.assert_allclose(float(got), float(expected), rtol=1e-5)
+    assert abs(float(got) - float(SparseSmoothedCrossentropy()(y, head))) > 1e-3   # the teacher's term is there
+    plain = model_in_precision(validate({"data": {"format": "image_folder", "dir": digits_dir, "image_size": SIZE},
+                                         "model": {"name": STUDENT}}))
+    assert [w.path for w in model.weights] == [w.path for w in plain.weights]   # no teacher in checkpoints/exports
+
+
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.full(
+    reason="XLA compiles the student's and the teacher's ViTs into each step: about 2 minutes on 2 CPU cores"))])
+def test_two_replicas_equal_one_replica_with_a_teacher_at_another_size(digits_dir, teacher_weights, jit):
+    """3 steps (Keras' step, or tfdp's whole-step XLA one), the teacher at 32 px (the batch resized on the
+    device), 1 vs 2 replicas."""
+    runs = []
+    for replicas in (2, 1):
+        cfg = config(digits_dir, teacher_weights, replicas, image_size=32, jit_compile=jit)
+        runs.append(train_fixed_batches(cfg, 3, 32, start=runs[0][2] if runs else None))
+    (_, two, initial), (_, one, _) = runs
+    moved = 0.0
+    for a, b, i in zip(two.weights, one.weights, initial):
+        # float32 sums over 32 vs 2 x 16 images in another order: a few ulps per step, 3 steps of lr 0.1
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5, err_msg=a.path)
+        moved = max(moved, float(np.abs(a.numpy() - i).max()))
+    assert moved > 1e-3
+
+
+@pytest.mark.parametrize("case, teacher, fragments", [
+    ("classes", {}, ("train.teacher.init_from", "untrained", "5")),
+    ("architecture", {"model": "simple_cnn"}, ("train.teacher.init_from", "does not fit")),
+    ("token", {"dist_token": True}, ("train.teacher.dist_token", "no distillation head")),
+])
+def test_bad_teachers_are_one_line(digits_dir, teacher_weights, tmp_path, case, teacher, fragments):
+    weights = save_weights(digits_dir, tmp_path / "five.weights.h5", classes=5) if case == "classes" else teacher_weights
+    student = TEACHER if case == "token" else STUDENT
+    with pytest.raises(UserError) as e:
+        compiled(config(digits_dir, weights, student=student, **teacher))
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_bad_temperature_is_one_line_from_the_command_line(tmp_path):
+    result = run_tfdp("train", "--config=configs/digits.yaml", f"--model_dir={tmp_path / 'run'}",
+                      "--set=train.teacher.distillation=soft", "--set=train.teacher.tau=0",
+                      f"--set=train.teacher.model={TEACHER}", "--set=train.teacher.init_from=x.weights.h5")
+    assert_one_line_error(result, 2, "train.teacher.tau")
