@@ -101,7 +101,8 @@ def test_two_replicas_equal_one_replica_with_a_teacher_at_another_size(digits_di
     ("token", {"dist_token": True}, ("train.teacher.dist_token", "no distillation head")),
 ])
 def test_bad_teachers_are_one_line(digits_dir, teacher_weights, tmp_path, case, teacher, fragments):
-    weights = save_weights(digits_dir, tmp_path / "five.weights.h5", classes=5) if case == "classes" else teacher_weights
+    five = case == "classes"
+    weights = save_weights(digits_dir, tmp_path / "five.weights.h5", classes=5) if five else teacher_weights
     student = TEACHER if case == "token" else STUDENT
     with pytest.raises(UserError) as e:
         compiled(config(digits_dir, weights, student=student, **teacher))

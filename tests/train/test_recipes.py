@@ -152,6 +152,12 @@ RECIPE_RUNS = {
     # fixed global batch cut to 2 micro-batches of 16, so accumulation runs as well.
     **{name: ["--model=simple_cnn", "--set=model.drop_path=0.0", "--set=train.global_batch=32"]
        for name in ("convnext_t_imagenet.yaml", "deit_s16_imagenet.yaml")},
+    # DeiT-S distilled on the small CNN without its teacher (no RegNetY weights here; tests/train/test_distillation.py
+    # trains with teachers): the rest of DeiT's recipe.
+    "deit_s16_distilled_imagenet.yaml": [
+        "--model=simple_cnn", "--set=model.drop_path=0.0", "--set=train.global_batch=32",
+        "--set=train.teacher.distillation=none", '--set=train.teacher.model=""', '--set=train.teacher.init_from=""',
+        "--set=train.teacher.dist_token=false"],
     "vit_b16_finetune.yaml": ["--model=simple_cnn", "--set=model.drop_path=0.0", "--set=train.global_batch=32",
                               '--set=model.init_from=""'],   # no Hub here: layer decay on a fresh model
 }
