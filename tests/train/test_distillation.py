@@ -1,11 +1,18 @@
 """Knowledge distillation (`train.teacher`, tfdp/train/distillation.py): a real teacher beside a real student, in
 this process on 1 and 2 logical CPU replicas, and one run of the command line for the one-line error."""
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import assert_one_line_error, digits_subset, read_jsonl, run_tfdp
+from conftest import REPO, assert_one_line_error, digits_subset, read_jsonl, run_tfdp
 from support.fixed_steps import train_fixed_batches
 from tfdp.config import validate
 from tfdp.errors import UserError
@@ -30,8 +37,8 @@ def config(digits_dir, teacher_weights, replicas=1, student=STUDENT, jit_compile
     })
 
 
-def save_weights(digits_dir, path, model=TEACHER, classes=CLASSES, seed=7):
-    cfg = validate({"data": {"format": "image_folder", "dir": digits_dir, "image_size": SIZE},
+def save_weights(digits_dir, path, model=TEACHER, classes=CLASSES, seed=7, size=SIZE):
+    cfg = validate({"data": {"format": "image_folder", "dir": digits_dir, "image_size": size},
                     "model": {"name": model, "num_classes": classes}})
     tf.keras.utils.set_random_seed(seed)
     model_in_precision(cfg).save_weights(str(path))
@@ -150,3 +157,37 @@ def test_a_student_taught_by_a_better_teacher_ends_ahead_of_the_same_student_alo
           f"taught {top1['taught']:.4f}")
     assert top1["teacher"] > top1["alone"] + MARGIN   # a better teacher, or the test shows nothing
     assert top1["taught"] > top1["alone"] + MARGIN
+
+
+def resume_args(data_dir, model_dir, teacher_weights):
+    """The demo's recipe, deterministic, a step checkpoint every 2 steps: resnet10_small at 8 px with random flips
+    and drop path, taught by the small CNN at 16 px (the batch resized for it on the device)."""
+    return ["train", "--config=configs/digits.yaml", "--model=resnet10_small", f"--data_dir={data_dir}",
+            "--data_format=image_folder", f"--model_dir={model_dir}", "--epochs=2", "--set=data.image_size=8",
+            "--set=train.checkpoint_every_steps=2", "--set=train.deterministic=true", "--set=data.hflip=true",
+            "--set=model.drop_path=0.1", "--set=train.teacher.distillation=soft", "--set=train.teacher.model=simple_cnn",
+            f"--set=train.teacher.init_from={teacher_weights}", "--set=train.teacher.image_size=16",
+            "--set=train.teacher.tau=2.0"]
+
+
+@pytest.mark.full(reason="three training runs of 2 epochs, one killed with SIGKILL mid-epoch: about 60 s on 2 CPU "
+                         "cores; tests/train/test_resume.py covers the mechanism without a teacher")
+def test_a_distilled_run_killed_mid_epoch_resumes_bit_identical(digits_dir, small_dir, tmp_path):
+    from support.inprocess import train_in_process
+    weights = save_weights(digits_dir, tmp_path / "teacher.weights.h5", model="simple_cnn")
+    _, clean = train_in_process(*resume_args(small_dir, tmp_path / "clean", weights)[1:])
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "tfdp", *resume_args(small_dir, killed, weights)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints").exists() or not [p for p in os.listdir(killed / "checkpoints")
+                                                        if not p.startswith(".")]:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    _, resumed = train_in_process(*resume_args(small_dir, killed, weights)[1:])
+    assert "tfdp: resuming at epoch" in resumed
+    prints = [re.findall(r"weights fingerprint (\w+)", out) for out in (clean, resumed)]
+    assert prints[0] == prints[1] != []
