@@ -109,7 +109,7 @@ def config_and_runtime(args: list[str], training: bool = False):
     from tfdp.data import check_reachable
     check_reachable(cfg.data)
     if training:
-        cfg = with_local_init_from(cfg)
+        cfg = with_local_teacher(with_local_init_from(cfg))
     else:
         local_checkpoint_flag(cfg)
     if training and cfg.data.service_address:
@@ -146,6 +146,33 @@ def with_local_init_from(cfg: config_lib.Config, from_run: bool = True) -> confi
     else:
         return cfg
     return config_lib.load_config(FLAGS.config, {**overrides_from_flags(), "model.init_from": local}, from_run)
+
+
+def with_local_teacher(cfg: config_lib.Config) -> config_lib.Config:
+    """`train.teacher.init_from` on the Hugging Face Hub or in a bucket, fetched or copied as `model.init_from` is, on
+    every start, a resumed one too (the teacher is in no checkpoint); the run's config.yaml records what the user
+    named (`tfdp.rundir.init_from.recorded`)."""
+    from tfdp.data.storage import is_remote_url
+    from tfdp.rundir import hub
+    from tfdp.rundir.init_from import STANDS_FOR, local_copy
+    teacher, what = cfg.train.teacher, "train.teacher.init_from"
+    spec = teacher.init_from
+    if teacher.distillation == "none" or not spec:
+        return cfg
+    if hub.is_handle(spec):
+        say(f"tfdp: teacher: fetching {spec} from the Hugging Face Hub, or its cache")
+        local = hub.local_copy(spec, what)
+        STANDS_FOR[local] = hub.pinned(spec, local)
+    elif hub.is_refused_handle(spec):
+        raise UserError(hub.refusal(spec, what))
+    elif is_remote_url(spec):
+        local = local_copy(spec, cfg.data.cache_dir, what)
+        STANDS_FOR[local] = spec
+    else:
+        return cfg
+    say(f"tfdp: teacher: {spec} is {local}")
+    teacher.init_from = local
+    return cfg
 
 
 def local_checkpoint_flag(cfg: config_lib.Config) -> None:

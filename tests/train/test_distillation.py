@@ -191,3 +191,26 @@ def test_a_distilled_run_killed_mid_epoch_resumes_bit_identical(digits_dir, smal
     assert "tfdp: resuming at epoch" in resumed
     prints = [re.findall(r"weights fingerprint (\w+)", out) for out in (clean, resumed)]
     assert prints[0] == prints[1] != []
+
+
+def test_a_teacher_from_the_hub_is_fetched_with_its_own_normalisation(tiny_dir, tmp_path):
+    """`train.teacher.init_from: hf-hub:…` (the real huggingface_hub client against a Hub on loopback): fetched into
+    the Hub's cache as model.init_from is, normalised by its config.json's pretrained cfg (mean 0.5, std 0.25, not
+    the student's ImageNet ones), and recorded in config.yaml as the repository at its commit."""
+    from support.hf_hub import hub_server
+    from rundir.test_hub import TIMM_REPO, timm_files   # the timm fixture as the Hub holds it
+    with hub_server() as hub:
+        hub.publish(TIMM_REPO, timm_files())
+        commit = hub.repos[TIMM_REPO][-1][0]
+        result = run_tfdp("train", "--config=configs/digits.yaml", "--data_format=image_folder",
+                          f"--data_dir={tiny_dir}", f"--model_dir={tmp_path / 'run'}", f"--model={STUDENT}",
+                          "--epochs=1", f"--set=data.image_size={SIZE}", "--set=schedule.warmup_epochs=0",
+                          "--cpu_replicas=1", "--set=train.teacher.distillation=hard",
+                          f"--set=train.teacher.model={TEACHER}", f"--set=train.teacher.init_from=hf-hub:{TIMM_REPO}",
+                          "--set=train.teacher.dist_token=true",
+                          env_extra={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(rf"tfdp: teacher: {TEACHER} from \S+{commit}/model.safetensors \(timm layout\), 16 px, "
+                     r"mean 127.5/127.5/127.5 std 63.75/63.75/63.75, hard distillation", result.stdout), result.stdout
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert f"init_from: hf-hub:{TIMM_REPO}@{commit}\n" in saved and "snapshots" not in saved

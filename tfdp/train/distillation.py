@@ -70,8 +70,10 @@ def build_teacher(cfg: Config) -> keras.Model:
         keras.mixed_precision.set_global_policy(previous)
     what = load_teacher(teacher, model_cfg, data_cfg)
     teacher.trainable = False
-    say(f"tfdp: teacher: {t.model} from {what}, {data_cfg.image_size} px, {t.distillation} distillation "
-        f"(alpha {t.alpha}" + (f", tau {t.tau})" if t.distillation == "soft" else ")"))
+    numbers = lambda values: "/".join(f"{v:g}" for v in values)  # noqa: E731
+    say(f"tfdp: teacher: {t.model} from {what}, {data_cfg.image_size} px, mean {numbers(data_cfg.mean)} std "
+        f"{numbers(data_cfg.std)}, {t.distillation} distillation (alpha {t.alpha}"
+        + (f", tau {t.tau})" if t.distillation == "soft" else ")"))
     return teacher
 
 

@@ -344,10 +344,11 @@ def weights_fingerprint(model: keras.Model) -> str:
 def save_config(cfg: Config, model_dir: str, shown: str | None = None) -> None:
     """Saves the resolved config; warns when a resumed run's config changed. `shown`: where the user
     will find it, when that is not here (a bucket run's upload). `model.init_from` is what the user named (a bucket
-    URL, a Hub handle at its commit), not tfdp's local copy of it."""
+    URL, a Hub handle at its commit), not tfdp's local copy of it; so is `train.teacher.init_from`."""
     path = os.path.join(model_dir, "config.yaml")
+    teacher = dataclasses.replace(cfg.train.teacher, init_from=recorded(cfg.train.teacher.init_from))
     text = config_lib.dump_yaml(dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, init_from=recorded(cfg.model.init_from))))
+        cfg.model, init_from=recorded(cfg.model.init_from)), train=dataclasses.replace(cfg.train, teacher=teacher)))
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             if f.read() != text:
