@@ -214,3 +214,31 @@ def test_a_teacher_from_the_hub_is_fetched_with_its_own_normalisation(tiny_dir, 
                      r"mean 127.5/127.5/127.5 std 63.75/63.75/63.75, hard distillation", result.stdout), result.stdout
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert f"init_from: hf-hub:{TIMM_REPO}@{commit}\n" in saved and "snapshots" not in saved
+
+
+@pytest.mark.full(reason="a 2-worker cluster on 127.0.0.1 (three processes starting TensorFlow) and a 2-replica run, "
+                         "4 epochs each, both with a teacher: about 20 s on 2 CPU cores")
+def test_two_workers_with_a_teacher_match_each_other_and_a_two_replica_run(tmp_path, tiny_dir, digits_dir):
+    """`tfdp launch --workers=2`, each worker's replica with its own copy of the teacher, against one process of 2
+    replicas: identical on both workers, and the same weights within the tolerance the multi-worker tests give
+    any run (tests/distribute/test_multi_worker.py: float32 all-reduces summed in another order, 4 epochs)."""
+    from support.cluster_runs import FAST, deterministic, layer_weights
+    from support.inprocess import train_in_process
+    weights = save_weights(digits_dir, tmp_path / "teacher.weights.h5", model="simple_cnn")
+    teacher = ["--set=train.teacher.distillation=soft", "--set=train.teacher.model=simple_cnn",
+               f"--set=train.teacher.init_from={weights}", f"--set=train.teacher.image_size={SIZE}",
+               "--set=train.teacher.tau=2.0"]
+    launched = run_tfdp("launch", "--workers=2", f"--launch_logs={tmp_path}/logs", "--", "train", *FAST,
+                        f"--model_dir={tmp_path}/mw", "--batch_size_per_replica=32", *deterministic(tiny_dir),
+                        *teacher, timeout=600)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-2000:]
+    prints = dict(re.findall(r"tfdp: worker (\d) of 2: weights fingerprint (\w+)", launched.stdout))
+    assert set(prints) == {"0", "1"} and prints["0"] == prints["1"]
+    assert launched.stdout.count("tfdp: teacher: simple_cnn from") == 2, launched.stdout[-3000:]
+    train_in_process(*FAST, f"--model_dir={tmp_path}/mirrored", "--strategy=mirrored", "--cpu_replicas=2",
+                     "--batch_size_per_replica=32", *deterministic(tiny_dir), *teacher)
+    ours, reference = (layer_weights(tmp_path / run / "checkpoints" / "epoch-0004" / "model.weights.h5")
+                       for run in ("mw", "mirrored"))
+    assert ours.keys() == reference.keys() and len(ours) >= 4
+    for name in ours:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-3, atol=1e-4, err_msg=name)
