@@ -24,13 +24,14 @@ STUDENT, TEACHER = "deit_mini_distilled_patch4_small", "vit_mini_patch4_small"
 SIZE, CLASSES = 16, 10
 
 
-def config(digits_dir, teacher_weights, replicas=1, student=STUDENT, jit_compile=False, **teacher):
+def config(digits_dir, teacher_weights, replicas=1, student=STUDENT, jit_compile=False, accumulate=1, **teacher):
     return validate({
         "data": {"format": "image_folder", "dir": digits_dir, "image_size": SIZE, "eval_crop_fraction": 1.0,
                  "hflip": False},   # the flip is the student's first layer: every run must see the same pixels
         "model": {"name": student},
         "optimizer": {"lr": 0.1, "momentum": 0.9},
-        "train": {"batch_size_per_replica": 32 // replicas, "epochs": 1, "seed": 3, "jit_compile": jit_compile,
+        "train": {"batch_size_per_replica": 32 // replicas // accumulate, "grad_accum_steps": accumulate, "epochs": 1,
+                  "seed": 3, "jit_compile": jit_compile,
                   "teacher": {"distillation": "soft", "model": TEACHER, "init_from": teacher_weights, "tau": 2.0,
                               **teacher}},
         "distribute": {"strategy": "mirrored", "cpu_replicas": replicas},
@@ -87,11 +88,12 @@ def test_the_dist_head_learns_from_the_teacher_and_the_class_head_from_the_label
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.full(
     reason="XLA compiles the student's and the teacher's ViTs into each step: about 2 minutes on 2 CPU cores"))])
 def test_two_replicas_equal_one_replica_with_a_teacher_at_another_size(digits_dir, teacher_weights, jit):
-    """3 steps (Keras' step, or tfdp's whole-step XLA one), the teacher at 32 px (the batch resized on the
-    device), 1 vs 2 replicas."""
+    """3 steps of a global batch of 32 (Keras' step, or tfdp's whole-step XLA one), the teacher at 32 px (the batch
+    resized on the device): 2 replicas of 16 images against 1 replica accumulating 2 micro-batches of 16, each
+    with its own teacher term (the teacher runs once per micro-batch)."""
     runs = []
     for replicas in (2, 1):
-        cfg = config(digits_dir, teacher_weights, replicas, image_size=32, jit_compile=jit)
+        cfg = config(digits_dir, teacher_weights, replicas, image_size=32, jit_compile=jit, accumulate=3 - replicas)
         runs.append(train_fixed_batches(cfg, 3, 32, start=runs[0][2] if runs else None))
     (_, two, initial), (_, one, _) = runs
     moved = 0.0
@@ -165,8 +167,8 @@ def resume_args(data_dir, model_dir, teacher_weights):
     return ["train", "--config=configs/digits.yaml", "--model=resnet10_small", f"--data_dir={data_dir}",
             "--data_format=image_folder", f"--model_dir={model_dir}", "--epochs=2", "--set=data.image_size=8",
             "--set=train.checkpoint_every_steps=2", "--set=train.deterministic=true", "--set=data.hflip=true",
-            "--set=model.drop_path=0.1", "--set=train.teacher.distillation=soft", "--set=train.teacher.model=simple_cnn",
-            f"--set=train.teacher.init_from={teacher_weights}", "--set=train.teacher.image_size=16",
+            "--set=model.drop_path=0.1", "--set=train.teacher.distillation=soft",
+            "--set=train.teacher.model=simple_cnn", f"--set=train.teacher.init_from={teacher_weights}", "--set=train.teacher.image_size=16",
             "--set=train.teacher.tau=2.0"]
 
 
