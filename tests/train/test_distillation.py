@@ -86,7 +86,7 @@ def test_the_dist_head_learns_from_the_teacher_and_the_class_head_from_the_label
 
 
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.full(
-    reason="XLA compiles the student's and the teacher's ViTs into each step: about 2 minutes on 2 CPU cores"))])
+    reason="XLA compiles the student's and the teacher's ViTs into each step: 30 s to 2 minutes on 2 CPU cores"))])
 def test_two_replicas_equal_one_replica_with_a_teacher_at_another_size(digits_dir, teacher_weights, jit):
     """3 steps of a global batch of 32 (Keras' step, or tfdp's whole-step XLA one), the teacher at 32 px (the batch
     resized on the device): 2 replicas of 16 images against 1 replica accumulating 2 micro-batches of 16, each
