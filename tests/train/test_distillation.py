@@ -63,7 +63,7 @@ def digits_batch(n=8):
 
 def test_the_dist_head_learns_from_the_teacher_and_the_class_head_from_the_labels(digits_dir, teacher_weights):
     """The training loss is DeiT's (1 - α) CE(class head, labels) + α KL(dist head ‖ teacher) (the losses
-    themselves are checked against DeiT and timm in tests/optim/test_distillation.py); evaluation and exports see
+    themselves are checked against DeiT and timm in tests/optim/test_distillation_losses.py); evaluation and exports see
     the two heads averaged, and the student carries none of the teacher's weights."""
     cfg = config(digits_dir, teacher_weights, alpha=0.3)
     model = compiled(cfg)
@@ -168,8 +168,8 @@ def resume_args(data_dir, model_dir, teacher_weights):
             "--data_format=image_folder", f"--model_dir={model_dir}", "--epochs=2", "--set=data.image_size=8",
             "--set=train.checkpoint_every_steps=2", "--set=train.deterministic=true", "--set=data.hflip=true",
             "--set=model.drop_path=0.1", "--set=train.teacher.distillation=soft",
-            "--set=train.teacher.model=simple_cnn", f"--set=train.teacher.init_from={teacher_weights}", "--set=train.teacher.image_size=16",
-            "--set=train.teacher.tau=2.0"]
+            "--set=train.teacher.model=simple_cnn", f"--set=train.teacher.init_from={teacher_weights}",
+            "--set=train.teacher.image_size=16", "--set=train.teacher.tau=2.0"]
 
 
 @pytest.mark.full(reason="three training runs of 2 epochs, one killed with SIGKILL mid-epoch: about 60 s on 2 CPU "
@@ -200,7 +200,7 @@ def test_a_teacher_from_the_hub_is_fetched_with_its_own_normalisation(tiny_dir, 
     the Hub's cache as model.init_from is, normalised by its config.json's pretrained cfg (mean 0.5, std 0.25, not
     the student's ImageNet ones), and recorded in config.yaml as the repository at its commit."""
     from support.hf_hub import hub_server
-    from rundir.test_hub import TIMM_REPO, timm_files   # the timm fixture as the Hub holds it
+    from test_hub import TIMM_REPO, timm_files   # the timm fixture as the Hub holds it (tests/rundir)
     with hub_server() as hub:
         hub.publish(TIMM_REPO, timm_files())
         commit = hub.repos[TIMM_REPO][-1][0]
