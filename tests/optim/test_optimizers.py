@@ -205,6 +205,30 @@ def test_sgd_weight_decay_is_l2_through_the_momentum_as_in_torch():
     np.testing.assert_array_equal(bias.numpy(), w0)
 
 
+def test_decay_bias_spares_norm_layers_only_as_torchvisions_norm_weight_decay():
+    """torchvision's --norm-weight-decay 0.0 alone: batch norm's gamma/beta undecayed, a bias decayed with the
+    kernels (optimizer.decay_bias: true); without it NO_DECAY spares the bias too."""
+    import keras
+    w0 = np.array([1.0, -2.0], "float32")
+
+    def after_two_steps(**opt):
+        variables = [keras.Variable(w0, name=n) for n in ("kernel", "bias", "gamma")]
+        cfg = OptimizerConfig(name="sgd", momentum=0.9, weight_decay=0.01, decay_norm_and_bias=False, **opt)
+        optimizer = build_optimizer(cfg, 0.1, "torchvision")
+        optimizer.build(variables)
+        for _ in range(2):
+            optimizer.apply([tf.zeros(2)] * 3, variables)
+        return [not np.array_equal(v.numpy(), w0) for v in variables]
+
+    assert after_two_steps(decay_bias=True) == [True, True, False]
+    assert after_two_steps() == [True, False, False]
+
+
+def test_decay_bias_without_sparing_norms_is_one_line():
+    with pytest.raises(UserError, match="optimizer.decay_bias applies with optimizer.decay_norm_and_bias: false"):
+        validate({"optimizer": {"decay_bias": True}})
+
+
 def test_rmsprop_is_tensorflow_1s_rmsprop_with_l2():
     """Three steps of tf.compat.v1.train.RMSPropOptimizer's maths (mean square starting at 1, eps inside the
     root, momentum on the scaled step) with L2 1e-2 through the gradient, none for an excluded variable."""

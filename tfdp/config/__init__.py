@@ -209,6 +209,9 @@ class OptimizerConfig:
     weight_decay: NonNegFloat = 0.0   # sgd/lars: L2 through the gradient; adamw/lamb: decoupled
     # Most ImageNet recipes decay only conv/dense kernels, not batch-norm scale/shift or biases.
     decay_norm_and_bias: Bool = True
+    # With decay_norm_and_bias false, whether biases are decayed all the same, norm layers alone spared:
+    # torchvision's --norm-weight-decay 0.0 without --bias-weight-decay. None: as decay_norm_and_bias.
+    decay_bias: Bool | None = None
     # Clip the global gradient norm to this (0: off).
     clip_norm: NonNegFloat = 0.0
     # Exponential moving average of the weights with this decay (0: off). rules keras: warmed up as
@@ -590,6 +593,9 @@ def _check_cross_field(cfg: Config) -> None:
         raise UserError(f"train.global_batch ({t.global_batch}) is not a multiple of train.grad_accum_steps "
                         f"({t.grad_accum_steps})")
     _check_ema_rules(cfg)
+    if cfg.optimizer.decay_bias is not None and cfg.optimizer.decay_norm_and_bias:
+        raise UserError("optimizer.decay_bias applies with optimizer.decay_norm_and_bias: false (with true every "
+                        "variable is decayed)")
     if cfg.train.best_metric.startswith("val_ema_") and not cfg.optimizer.ema_decay:
         raise UserError(f"train.best_metric {cfg.train.best_metric} needs optimizer.ema_decay above 0")
     if cfg.train.best_metric.startswith("val_ema_") and cfg.train.validate == "never":

@@ -36,6 +36,16 @@ from tfdp.optim.torch_forms import TimmLamb, TorchAdamW, TorchSGD
 # gamma; a ViT's position embeddings, class, distillation and register tokens, a Swin's relative position bias
 # tables, as timm's `no_weight_decay`) left undecayed on request. Matched as substrings of the variable's name.
 NO_DECAY = ("gamma", "beta", "bias", "pos_embed", "cls_token", "dist_token", "reg_token")
+
+
+def spared_from_decay(cfg: OptimizerConfig) -> tuple[str, ...]:
+    """The name parts whose variables get no weight decay: none, NO_DECAY, or NO_DECAY less the biases
+    (`optimizer.decay_bias`: torchvision's --norm-weight-decay 0 spares norm layers only)."""
+    if cfg.decay_norm_and_bias:
+        return ()
+    if cfg.decay_bias:
+        return tuple(part for part in NO_DECAY if part != "bias")
+    return NO_DECAY
 TORCHVISION_EMA_STEPS = 32   # torchvision's --model-ema-steps default
 
 
@@ -197,8 +207,7 @@ def _rmsprop(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
 
 
 def _lars(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
-    exclude = () if cfg.decay_norm_and_bias else NO_DECAY
-    return LARS, {"momentum": cfg.momentum, "weight_decay_rate": cfg.weight_decay, "exclude": exclude}
+    return LARS, {"momentum": cfg.momentum, "weight_decay_rate": cfg.weight_decay, "exclude": spared_from_decay(cfg)}
 
 
 def _muon(cfg: OptimizerConfig, torch_form: bool) -> tuple[type, dict]:
@@ -251,8 +260,8 @@ def build_optimizer(cfg: OptimizerConfig, schedule, rules: str = "keras",
     optimizer.tfdp_ema_warmup = cfg.ema_warmup
     optimizer.tfdp_ema_every = cfg.ema_every_steps or TORCHVISION_EMA_STEPS
     optimizer.tfdp_ema_timing = timing or EmaTiming()
-    if cfg.weight_decay and not cfg.decay_norm_and_bias and cfg.name != "lars":
-        optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
+    if cfg.weight_decay and spared_from_decay(cfg) and cfg.name != "lars":
+        optimizer.exclude_from_weight_decay(var_names=list(spared_from_decay(cfg)))
     return optimizer
 
 
