@@ -195,6 +195,8 @@ def test_a_distilled_run_killed_mid_epoch_resumes_bit_identical(digits_dir, smal
     assert prints[0] == prints[1] != []
 
 
+@pytest.mark.full(reason="a whole `tfdp train` process beside a loopback Hub: about 10 s on 2 CPU cores, and the "
+                         "default tier is near its budget (the teacher's loading is in the default tier above)")
 def test_a_teacher_from_the_hub_is_fetched_with_its_own_normalisation(tiny_dir, tmp_path):
     """`train.teacher.init_from: hf-hub:…` (the real huggingface_hub client against a Hub on loopback): fetched into
     the Hub's cache as model.init_from is, normalised by its config.json's pretrained cfg (mean 0.5, std 0.25, not
