@@ -180,6 +180,15 @@ def test_the_test_folders_mirror_the_packages():
     assert folders == packages | {"faults"}
 
 
+def test_no_two_test_files_share_a_name():
+    """The test folders are not packages: pytest imports each file by its basename, so a second file of the
+    same name anywhere under tests/ stops the whole run at collection ("import file mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in (Path(REPO) / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
 def test_the_module_map_in_the_architecture_page_matches_the_folders():
     """docs/architecture.md's module map names every layer's folder or file, and only those that exist."""
     text = (Path(REPO) / "docs" / "architecture.md").read_text()
