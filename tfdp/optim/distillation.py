@@ -7,7 +7,7 @@ distillation head's):
   temperature τ, times τ² (Hinton et al. 2015: the gradients keep their size
   whatever τ). timm divides the sum over the batch by the batch (`batchmean`);
   DeiT divides it by the number of logits, batch x classes (`reduction='sum'
-  / outputs_kd.numel()`, "the legacy PyTorch behaviour", its issue 61), so
+  / outputs_kd.numel()`, as its losses.py comments: PyTorch's legacy reduction), so
   DeiT's term is the classes' count smaller.
 - hard: cross-entropy against the teacher's top class (DeiT's and timm's
   `hard`; DeiT's ⚗ models were trained with it).
