@@ -50,6 +50,8 @@ TINY = {
     "resnet50_torchvision_v2": {"schedule.warmup_epochs": 2, "optimizer.ema_every_steps": 2,
                                 "optimizer.lr": 0.5 * 16 / 1024},
     "resnet18_imagenet": {"schedule.decay_epochs": 2, "optimizer.lr": 0.1 * 16 / 256},
+    "vgg16_imagenet": {"schedule.decay_epochs": 2, "optimizer.lr": 0.01 * 16 / 256},
+    "mobilenet_v2_imagenet": {"optimizer.lr": 0.045 * 16 / 256},
 }
 # Random switches and sizes no tiny run keeps: each is off in the reference's command line too.
 OFF = {"augment": {}, "model.drop_path": 0.0, "model.dropout": 0.0, "data.repeated_augmentation": 1,
@@ -64,14 +66,18 @@ def fixture(recipe: str) -> dict:
 
 
 def register_tiny_models() -> None:
-    """The fixtures' ResNet-D stand-in (timm's ResNet with resnet18d's switches, one block per stage, 8 to 32
-    wide) as a zoo model, read from timm's layout as the zoo's ResNet-Ds are."""
+    """The fixtures' stand-ins as zoo models, each read from its library's layout by the zoo's own reader:
+    the ResNet-D (timm's ResNet with resnet18d's switches, one block per stage, 8 to 32 wide), the VGG
+    (torchvision's, three convolutions 8 to 32 wide, a classifier 32 wide) and the RegNetY (torchvision's, one
+    block per stage, three stages 8 to 32 wide, group width 8)."""
     from tfdp.models.registry import register
     from tfdp.models.resnet import LAYER_GROUPS, ResNetSpec, basic_block, resnet, timm_resnet_d
     from tfdp.models.weights import register_torch_layout
 
     if "resnet_d_tiny" in MODELS:
         return
+    register_tiny_vgg()
+    register_tiny_regnety()
     spec = ResNetSpec(basic_block, (1, 1, 1, 1), "resnet_d_tiny_backbone", block_kwargs=(("avg_down", True),),
                       deep_stem=4, widths=(8, 16, 24, 32))
 
@@ -79,6 +85,26 @@ def register_tiny_models() -> None:
         return resnet(input_shape, num_classes, dropout, spec, drop_path)
     register("resnet_d_tiny", min_size=8, drop_path=True, layer_groups=LAYER_GROUPS)(resnet_d_tiny)
     register_torch_layout("resnet_d_tiny", origins=("timm",))(timm_resnet_d)
+
+
+def register_tiny_vgg() -> None:
+    from tfdp.models import vgg
+    from tfdp.models.weights import register_torch_layout
+
+    plan = (8, "M", 16, "M", 32, "M")
+
+    def vgg_tiny(input_shape, num_classes: int, dropout: float):
+        return vgg.vgg(input_shape, num_classes, dropout, plan, False, "vgg_tiny_backbone", hidden=32)
+    vgg.register("vgg_tiny", dropout=0.5, fixed_size=True, layer_groups=vgg.LAYER_GROUPS)(vgg_tiny)
+    register_torch_layout("vgg_tiny", origins=("torchvision",))(vgg.torchvision_reader(plan, False))
+
+
+def register_tiny_regnety() -> None:
+    from tfdp.models import regnet
+    from tfdp.models.weights import register_torch_layout
+
+    regnet._register("regnety_tiny", regnet.RegNetSpec((1, 1, 1), (8, 16, 32), (8, 8, 8), se=True, stem_width=8))
+    register_torch_layout("regnety_tiny", origins=("timm", "torchvision"))(regnet.timm_regnet)
 
 
 def tiny_config(recipe: str, run: dict, model_dir: str):

@@ -55,7 +55,10 @@ PLANS = {
 }
 
 
-def vgg(input_shape, num_classes: int, dropout: float, plan, batch_norm: bool, name: str) -> keras.Model:
+def vgg(input_shape, num_classes: int, dropout: float, plan, batch_norm: bool, name: str,
+        hidden: int = 4096) -> keras.Model:
+    """torchvision's VGG of `plan`; `hidden` the two fully connected layers' width (torchvision's 4096: smaller
+    only for the tiny stand-ins the reference-run tests train)."""
     inputs = keras.Input(input_shape)
     x = inputs
     for i, item in enumerate(plan):
@@ -69,7 +72,7 @@ def vgg(input_shape, num_classes: int, dropout: float, plan, batch_norm: bool, n
     x = AdaptiveAveragePool2D(7, name="adaptive_pool")(x)
     x = layers.Flatten(name="flatten")(x)
     for j in (1, 2):
-        x = layers.Dense(4096, activation="relu", name=f"fc{j}")(x)
+        x = layers.Dense(hidden, activation="relu", name=f"fc{j}")(x)
         if dropout:
             x = layers.Dropout(dropout, name=f"dropout{j}")(x)
     return keras.Model(inputs, layers.Dense(num_classes, name="logits")(x), name=name)
@@ -111,22 +114,24 @@ def torchvision_layers(plan, batch_norm: bool) -> Callable[[str], str | None]:
     return names.get
 
 
-# the (channels, height, width) of fc1's flattened input in PyTorch (NCHW), reordered to Keras' (H, W, C)
-FLATTENED_INPUT = (512, 7, 7)
+# the (height, width) of fc1's flattened input (the adaptive pool's 7x7), whose PyTorch order (C, H, W) is reordered
+# to Keras' (H, W, C); the channels are the last convolution's (512 in every torchvision VGG)
+FLATTENED_GRID = (7, 7)
 
 
 def torchvision_values(params: dict[str, np.ndarray], layer: str) -> tuple[list[np.ndarray], list[str]]:
     """One torch module's tensors in Keras' layouts; the first fully connected layer's kernel also from PyTorch's
     channels-first flattening of the pooled 7x7 map to Keras' channels-last."""
     values, order = torch_module_values(params, layer)
-    c, h, w = FLATTENED_INPUT
-    if layer == "fc1" and values[0].shape[0] == c * h * w:
+    h, w = FLATTENED_GRID
+    if layer == "fc1" and values[0].shape[0] % (h * w) == 0:
+        c = values[0].shape[0] // (h * w)
         values[0] = params["weight"].reshape(-1, c, h, w).transpose(2, 3, 1, 0).reshape(h * w * c, -1)
     return values, order
 
 
-def torchvision_reader(name: str, batch_norm: bool) -> Callable[..., Weights]:
-    rename = torchvision_layers(PLANS[name], batch_norm)
+def torchvision_reader(plan, batch_norm: bool) -> Callable[..., Weights]:
+    rename = torchvision_layers(plan, batch_norm)
 
     def read(tensors, model_cfg: ModelConfig, what: str) -> Weights:
         """torchvision's VGG state dict: its modules renamed to this file's layers."""
@@ -135,5 +140,5 @@ def torchvision_reader(name: str, batch_norm: bool) -> Callable[..., Weights]:
 
 
 for _name in PLANS:
-    register_torch_layout(_name, origins=("torchvision",))(torchvision_reader(_name, False))
-    register_torch_layout(f"{_name}_bn", origins=("torchvision",))(torchvision_reader(_name, True))
+    register_torch_layout(_name, origins=("torchvision",))(torchvision_reader(PLANS[_name], False))
+    register_torch_layout(f"{_name}_bn", origins=("torchvision",))(torchvision_reader(PLANS[_name], True))
