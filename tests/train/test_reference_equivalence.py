@@ -44,6 +44,7 @@ FLOOR = {"loss": 1e-6, "weights": 1e-6}
 # is the recipe's as written.
 TINY = {
     "resnet50_rsb_a2": {"schedule.warmup_epochs": 2},
+    "resnet50_rsb_a3": {"schedule.warmup_epochs": 2},
     # DeiT's main.py keeps timm's EMA at 0.99996 (the recipe reports the raw model, so its config has none)
     "deit_s16_imagenet": {"schedule.warmup_epochs": 2, "optimizer.ema_decay": 0.99996},
     # torchvision's rates are for their global batch (1024, 256): the tiny run takes them per image, at 16
