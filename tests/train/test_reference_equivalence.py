@@ -47,6 +47,8 @@ TINY = {
     "resnet50_rsb_a3": {"schedule.warmup_epochs": 2},
     # DeiT's main.py keeps timm's EMA at 0.99996 (the recipe reports the raw model, so its config has none)
     "deit_s16_imagenet": {"schedule.warmup_epochs": 2, "optimizer.ema_decay": 0.99996},
+    # timm's train.py has no switch for the new head's own rate: the tiny run trains it at the layers' rate
+    "vit_b16_finetune": {"schedule.warmup_epochs": 2, "optimizer.head_lr_multiplier": 1.0},
     # torchvision's rates are for their global batch (1024, 256): the tiny run takes them per image, at 16
     "resnet50_torchvision_v2": {"schedule.warmup_epochs": 2, "optimizer.ema_every_steps": 2,
                                 "optimizer.lr": 0.5 * 16 / 1024},
