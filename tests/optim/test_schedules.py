@@ -104,6 +104,46 @@ def test_every_update_trains_at_the_references_rate(case):
     np.testing.assert_allclose(got, want, rtol=1e-7, atol=0)
 
 
+MAIN_PY = {case["name"]: case for case in FIXTURE["main_py"]}
+
+
+def recipe_rates(case: dict) -> tuple[np.ndarray, np.ndarray, object]:
+    """(tfdp's rate at every update of the recipe's own config, the main.py's, the config) at the case's sizes."""
+    from tfdp.config import load_config
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / f"{case['recipe']}.yaml"))
+    assert cfg.train.epochs == case["epochs"]
+    schedule = build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.train.global_batch, case["steps_per_epoch"],
+                              cfg.train.epochs, cfg.rules, cfg.optimizer)
+    want = np.asarray(case["lrs"])
+    return np.asarray(schedule(np.arange(len(want))), np.float64), want, cfg
+
+
+def test_swin_trains_at_its_main_pys_rates_one_update_earlier():
+    """Swin's main.py (timm's CosineLRScheduler, its warmup_lr and min_lr, per update, warmup_prefix) calls
+    step_update(k) after update k, so update k + 1 trains at the rate timm's train.py, and tfdp's rules: timm, give
+    update k: swin_t_imagenet's config equals it one update shifted, and unshifted differs by at most one warmup
+    increment ((lr - warmup_lr) / warmup updates)."""
+    case = MAIN_PY["swin_main_py"]
+    ours, theirs, cfg = recipe_rates(case)
+    # float64 rates rounded once to float32 (see test_every_update_trains_at_the_references_rate)
+    np.testing.assert_allclose(ours[:-1], theirs[1:], rtol=1e-7, atol=0)
+    assert ours[0] == pytest.approx(theirs[0], rel=1e-7)
+    increment = (cfg.optimizer.lr - cfg.schedule.warmup_lr) / (cfg.schedule.warmup_epochs * case["steps_per_epoch"])
+    assert np.max(np.abs(ours - theirs)) == pytest.approx(increment, rel=1e-5)
+
+
+def test_convnext_trains_at_its_main_pys_rates_but_for_its_linspace_warmup():
+    """ConvNeXt's main.py warms up by np.linspace(0, lr, W) (the peak at update W - 1), timm's rules by lr x k / W
+    (the peak at W); from the peak on, the same cosine to min_lr: equal there, and apart by at most lr / W before."""
+    case = MAIN_PY["convnext_main_py"]
+    ours, theirs, cfg = recipe_rates(case)
+    warmup = int(cfg.schedule.warmup_epochs) * case["steps_per_epoch"]
+    np.testing.assert_allclose(ours[warmup:], theirs[warmup:], rtol=1e-7, atol=0)
+    gap = np.abs(ours[:warmup] - theirs[:warmup])
+    assert ours[0] == theirs[0] == 0.0
+    assert np.max(gap) == pytest.approx(cfg.optimizer.lr / warmup, rel=1e-5)
+
+
 def test_the_fixture_spans_what_the_rules_offer():
     """Warmup inside and before the schedule, per epoch and per update, each timm and torchvision schedule."""
     fields = [dict(c["config"]["schedule"], rules=c["config"]["rules"]) for c in CASES]
