@@ -157,7 +157,7 @@ def test_missing_or_empty_data_is_a_clear_error(tmp_path, make, message):
 
 
 def test_unknown_format_lists_the_valid_ones():
-    with pytest.raises(UserError, match=r"unknown data.format 'lmdb' \(valid: csv, digits, image_folder, imagenet, "):
+    with pytest.raises(UserError, match=r"unknown data.format 'lmdb' \(valid: csv, digits, idx, image_folder, imagenet, "):
         build_source(DataConfig(format="lmdb"))
 
 

@@ -50,7 +50,8 @@ KERAS_APPLICATIONS.update({f"efficientnetv2_{s}_torch": KERAS_APPLICATIONS[f"eff
 # (V1)'s Normalization layer, its mean and variance per channel and its count.
 LEFT_OUT = {f"efficientnet_b{v}{torch}": 3 + 3 + 1 for v in range(8) for torch in ("", "_torch")}
 SMALL_IMAGE = {"resnet18_small", "resnet10_small", "simple_cnn",  # for 16-32 px inputs: no ImageNet reference
-               "resnet18_d2l"}   # its count: the book's PyTorch network's, tests/models/test_d2l.py
+               "resnet18_d2l",   # its count: the book's PyTorch network's, tests/models/test_d2l.py
+               "deit_mini_distilled_patch4_small"}   # the distillation tests' student (tests/train/test_distillation.py)
 # Not built for their count here: test_convnext.py checks every ConvNeXt's count from its depths and widths, and
 # builds one of each table (convnext_atto, convnext_tiny, convnextv2_atto, convnextv2_tiny); test_resnet_d.py counts
 # every ResNet-D against timm's.
@@ -131,7 +132,7 @@ def strategy():
 ONE_PER_BUILDER = {
     "resnet18": "resnet18", "resnet34": "resnet18", "resnet50_v1_5": "resnet50_v1_5",
     "resnext50_32x4d": "resnext50_32x4d", "resnet18_small": "resnet18_small", "resnet10_small": "resnet18_small",
-    "resnet18_d2l": "resnet18_d2l",
+    "resnet18_d2l": "resnet18_d2l", "deit_mini_distilled_patch4_small": "vit_mini_patch4_small",
     # the same blocks with a deeper stem and pooled shortcuts (their outputs: tests/models/test_resnet_d.py)
     "resnet18d": "resnet18", "resnet34d": "resnet18", "resnet50d": "resnet50_v1_5", "resnet101d": "resnet50_v1_5",
     "resnet152d": "resnet50_v1_5",

@@ -79,9 +79,13 @@ def test_other_class_count_reinitialises_the_classifier_on_every_replica(precisi
     head_before = keras.ops.convert_to_numpy(head.kernel)
     capsys.readouterr()
     init_from(model, cfg.model, cfg.data, resumed=False)
-    line = capsys.readouterr().out.strip()
-    assert line == (f"tfdp: init_from: loaded 25 of 26 layers from {SQUEEZENET}; "
-                    f"new: classifier (10 classes, the source has 1000)")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == (f"tfdp: init_from: loaded 25 of 26 layers from {SQUEEZENET}; "
+                        f"new: classifier (10 classes, the source has 1000)")
+    # then what the file's preprocessing is taken to be, and that it was assumed (the file carries no cfg)
+    assert len(lines) == 3
+    assert lines[1].startswith("tfdp: preprocessing from squeezenet1_1.safetensors (torchvision's ImageNet")
+    assert lines[2].startswith("tfdp: assumed: squeezenet1_1.safetensors carries no pretrained cfg")
     from safetensors.numpy import load_file
     torch_conv1 = load_file(SQUEEZENET)["features.0.weight"].transpose(2, 3, 1, 0)
     conv1 = model.get_layer("squeezenet1_1_backbone").get_layer("conv1").kernel
@@ -238,7 +242,8 @@ def test_the_weights_preprocessing_reaches_config_yaml_and_the_export(trained_ru
     run = tmp_path / "run"
     _, stdout = train_in_process(*train_args(small_dir, run, f"--init_from={source}")[1:])
     assert (f"tfdp: preprocessing from the weights of run {source}: BGR, mean 120,110,100, std 60,50,40 (R,G,B), "
-            f"eval crop 1; set data.mean/std/channel_order/eval_crop_fraction to override") in stdout
+            f"eval crop 1, fast resize; set data.mean/std/channel_order/eval_crop_fraction/eval_interpolation to "
+            f"override") in stdout
     data = yaml.safe_load((run / "config.yaml").read_text())["data"]
     assert (data["mean"], data["std"], data["channel_order"]) == ([120.0, 110.0, 100.0], [60.0, 50.0, 40.0], "bgr")
     export_in_process(*train_args(small_dir, run)[1:], formats=("keras",), verify_images=None)  # --verify=false
