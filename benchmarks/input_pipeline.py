@@ -309,11 +309,11 @@ def records_alone(shards: str, batch: int, whole: bool):
     shuffle, no bookkeeping: the stream's parallel part, beside the stream itself."""
     import tensorflow as tf
     from tfdp.config import DataConfig
-    from tfdp.data import build_source, dali, readers
+    from tfdp.data import build_source, preprocess, readers
     from tfdp.data.layouts.tfrecord import parse_record, read_record
     cfg = DataConfig(format="tfrecord", dir=shards, decoder="dali")
     share = build_source(cfg).split("train")
-    check = dali.encoded_transform(cfg, 0)
+    check = preprocess.encoded_transform(cfg, 0)
 
     def one(path, offset):
         record = read_record(path, offset)

@@ -54,7 +54,7 @@ def main() -> None:
     import tensorflow as tf
 
     from tfdp.config import DataConfig
-    from tfdp.data.pipeline import decode_calls
+    from tfdp.data.decoding import decode_calls
     from tfdp.data.preprocess import eval_transform
     from tfdp.data.pipeline import prediction_dataset
 

@@ -171,6 +171,85 @@ def test_data_flows_one_way_between_the_layers():
     assert set(UPWARD) <= still, f"listed in UPWARD but gone (take them off): {set(UPWARD) - still}"
 
 
+# The data package's stages in the order an input flows through them (docs/architecture.md, how an input flows):
+# each module imports only stages before it, so a dataset and the callbacks riding on it only ever go forward. A
+# stage that needs what a later one knows is handed it as a plain value by the entry points that compose them.
+DATA_STAGES = (
+    "imagenet_classes",  # a table: ImageNet's class names
+    "storage",           # the bytes of one object: buckets, local copies, retries
+    "layouts",           # list the source: Source, Split
+    "readers",           # where each record is, per format (payloads)
+    "order",             # each pipeline's share, each data epoch's order
+    "streaming",         # a share's files through the bounded cache
+    "memory_cache",      # data.cache: whether a share fits in memory (asked before training)
+    "preprocess",        # the per-image transforms: crops, DALI's check
+    "decoding",          # payloads → (index, image, label), decoded and cropped
+    "corrupt",           # the corrupt-image log (loaded before TensorFlow)
+    "naming",            # corrupt images named: the files at a stream's gaps
+    "batching",          # per-replica batches with what each accounts for, dealt to the replicas
+    "counting",          # the running totals: corrupt images bounded, labels checked, stream positions
+    "pipeline",          # the entry points composing the stages
+    "dali",              # DALI decoding each replica's checked batches on its device
+    "service",           # the tf.data service: the client and the server processes
+)
+
+
+def data_stage_imports(root: Path) -> list[tuple[str, int, str, str]]:
+    """(file, line, its stage, the stage it imports) for every import between two stages of tfdp/data/,
+    function-level ones included; a stage is a module of tfdp/data/ or a folder of them."""
+    found = []
+    data = root / PACKAGE / "data"
+    for path in sorted(data.rglob("*.py")):
+        rel = path.relative_to(data).with_suffix("").parts
+        if rel == ("__init__",):
+            continue   # the package root: build_source, the layouts' registry
+        own = rel[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = ([f"{node.module}.{a.name}" for a in node.names] if node.module == f"{PACKAGE}.data"
+                         else [node.module])
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == [PACKAGE, "data"] and len(parts) > 2 and parts[2] != own:
+                    found.append((path.relative_to(root).as_posix(), node.lineno, own, parts[2]))
+    return found
+
+
+def backward_stage_imports(root: Path) -> list[str]:
+    return [f"{file}:{line}: {own} imports {target}" for file, line, own, target in data_stage_imports(root)
+            if DATA_STAGES.index(target) > DATA_STAGES.index(own)]
+
+
+def test_every_data_module_is_a_stage():
+    """A new module of tfdp/data/ has to be given its place in the flow."""
+    data = Path(REPO) / PACKAGE / "data"
+    units = {p.stem if p.is_file() else p.name for p in data.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").is_file())} - {"__init__"}
+    assert units == set(DATA_STAGES)
+
+
+def test_an_input_flows_one_way_through_the_data_stages():
+    backward = backward_stage_imports(Path(REPO))
+    assert not backward, ("data stages importing a later stage (hand the earlier one a plain value instead, or "
+                          "move the code to the stage it belongs to):\n" + "\n".join(backward))
+
+
+def test_the_stage_check_catches_a_backward_import(tmp_path):
+    """On a small package written here: a stage importing a later one, at module or function level and in
+    either import form, is caught; importing an earlier one is not."""
+    data = tmp_path / PACKAGE / "data"
+    (data / "layouts").mkdir(parents=True)
+    (data / "layouts" / "__init__.py").write_text("from tfdp.data import readers, storage\n")
+    (data / "readers.py").write_text("from tfdp.data.storage import localize\n")
+    (data / "storage.py").write_text("def f():\n    import tfdp.data.pipeline\n")
+    assert backward_stage_imports(tmp_path) == ["tfdp/data/layouts/__init__.py:1: layouts imports readers",
+                                                "tfdp/data/storage.py:2: storage imports pipeline"]
+
+
 def test_the_test_folders_mirror_the_packages():
     """A folder of tests per package of tfdp/ (and none for a package that does not exist); what spans the
     packages stays at the top, and the fault tests keep their own folder."""
@@ -200,8 +279,9 @@ def test_the_module_map_in_the_architecture_page_matches_the_folders():
 
 def test_config_and_the_rand_augment_parser_load_without_tensorflow():
     """The config is loaded and validated (RandAugment's grammar, the weights' preprocessing included) without
-    TensorFlow; the augment package loads its TensorFlow modules only when one of their names is used."""
-    code = ("import sys, tfdp.config, tfdp.config.rand_augment, tfdp.rundir.metrics_file\n"
+    TensorFlow; the augment package loads its TensorFlow modules only when one of their names is used; the
+    corrupt-image log, which commands load before TensorFlow's start-up is quieted, needs none."""
+    code = ("import sys, tfdp.config, tfdp.config.rand_augment, tfdp.rundir.metrics_file, tfdp.data.corrupt\n"
             "tfdp.config.load_config(None, {'augment.rand_augment': 'rand-m9-n2'})\n"
             "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))\n"
             "from tfdp.augment import build_batch_augment\n"

@@ -28,7 +28,7 @@ from conftest import CPU_DEVICES, REPO, assert_one_line_error, read_jsonl, run_t
 from support.inprocess import evaluate_in_process, train_in_process
 from tfdp.commands.predict import predict, read_rows, request
 from tfdp.config import DataConfig, validate
-from tfdp.data import build_source, dali
+from tfdp.data import build_source, dali, preprocess
 from tfdp.data.corrupt import LOG
 from tfdp.data.pipeline import Bookkeeping, StreamPosition, eval_dataset, streams_dataset, train_dataset
 from tfdp.distribute.cluster import free_ports
@@ -192,7 +192,7 @@ def test_tfdp_benchmark_measures_the_input_as_tfdp_train_decodes_it(tmp_path, ti
 
 
 def test_an_image_dali_cannot_decode_is_failed_before_it_and_a_whole_one_passes(id_tree):
-    transform = dali.encoded_transform(DataConfig(decoder="dali"), 0)
+    transform = preprocess.encoded_transform(DataConfig(decoder="dali"), 0)
     files = build_source(DataConfig(format="image_folder", dir=id_tree)).split("train").files
     whole = next(p for p in files if p.endswith("0001.jpg"))
     data = tf.io.read_file(whole)
@@ -399,11 +399,11 @@ def test_an_image_dali_stops_on_is_one_line_naming_the_tf_decoder(id_tree):
     ds = dali.replica_pipeline(dali.padded(batches), DataConfig(image_size=8), 2, "/device:CPU:0", seed=0)
     with pytest.raises(tf.errors.OpError) as raised:
         next(iter(ds))
-    line = dali.dali_stopped(raised.value.message)
+    line = preprocess.dali_stopped(raised.value.message)
     assert re.fullmatch(r"DALI stopped the input in nvidia\.dali\.fn\.decoders\.image_random_crop: "
                         r"\S[^\n]* \(data\.decoder: dali; with data\.decoder: tf an image that cannot be decoded "
                         r"is skipped and named\)", line), line
-    assert dali.dali_stopped("some other error") == ""
+    assert preprocess.dali_stopped("some other error") == ""
 
 
 def test_dali_threads_are_the_setting_or_the_hosts_cores_shared_among_the_replicas():

@@ -232,7 +232,7 @@ def test_dali_decodes_on_each_replica_what_the_services_workers_read_and_checked
         steps += 1
     whole = set(range(IMAGES)) - {BROKEN}
     assert steps == 2 * len(whole) // 4 and set(seen) == whole and max(seen.values()) == 2, seen
-    # Counted once per data epoch, at the next whole batch after it (`pipeline.tallied`): where the shuffle puts the
+    # Counted once per data epoch, at the next whole batch after it (`batching.tallied`): where the shuffle puts the
     # second epoch's copy among the last records, after this finite stream's last whole batch (its remainder
     # dropped), it is not counted (a training stream never ends). So 2, or 1 in a few runs in a hundred (CI of
     # c60dcab).

@@ -403,9 +403,9 @@ def test_a_resumed_stream_reads_no_image_it_skips(trees, tmp_path):
 
 def stream_files(split, cfg, seed, count):
     """The files behind the first `count` records of the training stream (the pipeline's own order)."""
-    from tfdp.data import pipeline
+    from tfdp.data import order
     ctx = tf.distribute.InputContext()
-    ds = pipeline.epoch_payloads(split, cfg, ctx, False, seed, 0, split.num_examples).take(count)
+    ds = order.epoch_payloads(split, cfg, ctx, False, seed, split.num_examples).take(count)
     return [path.decode() for path, _ in ds.as_numpy_iterator()]
 
 
@@ -413,7 +413,7 @@ def shards_read_in_order(share, cfg, ctx, data_shard, seed, first_epoch, size, o
     """The record stream's definition: each epoch the shards in the permutation (seed, epoch) draws, read
     front to back, round robin 16 at a time (every n-th record when sharding by example), through the
     seeded shuffle buffer and repeated augmentation."""
-    from tfdp.data import pipeline
+    from tfdp.data import order as stream_order
     buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))
     files, n = tf.constant(list(share.files)), len(share.files)
 
@@ -424,8 +424,8 @@ def shards_read_in_order(share, cfg, ctx, data_shard, seed, first_epoch, size, o
             tf.data.TFRecordDataset, cycle_length=min(n, 16))
         ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) if data_shard else ds
         return ds.shuffle(buffer, seed=seed, reshuffle_each_iteration=False).apply(
-            pipeline._repeated(cfg.repeated_augmentation, size))
-    return tf.data.Dataset.range(first_epoch, pipeline.MAX_EPOCHS).flat_map(epoch).skip(offset)
+            stream_order.repeated(cfg.repeated_augmentation, size))
+    return tf.data.Dataset.range(first_epoch, stream_order.MAX_EPOCHS).flat_map(epoch).skip(offset)
 
 
 @pytest.fixture(scope="module")
@@ -450,17 +450,17 @@ def test_a_record_stream_is_the_shards_read_in_order_through_the_seeded_buffer(m
                                                                                pipelines, index):
     """The records the training stream yields, position by position, are those reading the shards themselves
     gives: the same seed gives the same records as ever, from any epoch and offset."""
-    from tfdp.data import pipeline
+    from tfdp.data import order
     from tfdp.data.layouts.tfrecord import read_record
     cfg = DataConfig(shuffle_buffer=shuffle_buffer, repeated_augmentation=repeated)
     ctx = tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=index,
                                      num_replicas_in_sync=pipelines)
     share, data_shard = pipeline_share(many_shards, ctx)
-    size = pipeline.share_sizes(many_shards, pipelines)[index]
+    size = order.share_sizes(many_shards, pipelines)[index]
     for first_epoch, offset in ((0, 0), (2, min(5, size - 1))):
         want = list(shards_read_in_order(share, cfg, ctx, data_shard, 9, first_epoch, size, offset)
                     .take(3 * size).as_numpy_iterator())
-        stream = pipeline.epoch_payloads(share, cfg, ctx, data_shard, 9, first_epoch, size, offset=offset)
+        stream = order.epoch_payloads(share, cfg, ctx, data_shard, 9, size, (first_epoch, offset))
         got = list(stream.take(3 * size).map(read_record).as_numpy_iterator())
         assert got == want
 
@@ -476,9 +476,9 @@ def damage_record(path: str, offset: int) -> None:
 
 def test_a_resumed_record_stream_reads_no_record_it_skips(shards, tmp_path):
     """Resuming at record k reads only what follows: the k skipped records can even be damaged."""
-    from tfdp.data import pipeline
+    from tfdp.data import order
     cfg, split, n, k, batches = uninterrupted_copy(shards, tmp_path / "shards", "tfrecord")
-    skipped = pipeline.epoch_payloads(split, cfg, tf.distribute.InputContext(), False, 9, 0, n).take(k)
+    skipped = order.epoch_payloads(split, cfg, tf.distribute.InputContext(), False, 9, n).take(k)
     for path, offset in skipped.as_numpy_iterator():
         damage_record(path.decode(), int(offset))
     assert corrupt_in_resumed_epoch(split, cfg, k, batches) == 0  # not one of them was read

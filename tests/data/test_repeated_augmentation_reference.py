@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp.config import DataConfig
-from tfdp.data import pipeline
+from tfdp.data import batching, order
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
                        "augment_reference.npz")
@@ -31,14 +31,14 @@ def ref():
 
 def tfdp_replica_streams(permutation: np.ndarray, replicas: int, copies: int, per_replica: int) -> list[np.ndarray]:
     """What each of the replicas of one input pipeline takes in one data epoch whose order is `permutation`:
-    tfdp's `_repeated` (each index `copies` times in a row, cut to the epoch's size) and `_replica_batches`
+    tfdp's `order.repeated` (each index `copies` times in a row, cut to the epoch's size) and `batching.replica_batches`
     (each step's block dealt round-robin)."""
     n = len(permutation)
     cfg = DataConfig(repeated_augmentation=copies)
     ctx = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=replicas)
-    stream = tf.data.Dataset.from_tensor_slices(permutation.astype(np.int64)).apply(pipeline._repeated(copies, n))
+    stream = tf.data.Dataset.from_tensor_slices(permutation.astype(np.int64)).apply(order.repeated(copies, n))
     examples = tf.data.Dataset.zip((tf.data.Dataset.range(n), stream, tf.data.Dataset.range(n)))
-    batches = list(pipeline._replica_batches(examples, cfg, ctx, per_replica * replicas, 0).as_numpy_iterator())
+    batches = list(batching.replica_batches(examples, cfg, ctx, per_replica * replicas, 0).as_numpy_iterator())
     return [np.concatenate([b[0] for b in batches[r::replicas]]) for r in range(replicas)]
 
 

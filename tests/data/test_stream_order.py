@@ -1,7 +1,7 @@
 """The order an image-file split is listed and streamed in, and what the pipeline's graphs hold.
 
 An image split's stream is ordered as file numbers and turned into paths
-only at the end (`tfdp.data.pipeline.epoch_payloads`): these tests pin that
+only at the end (`tfdp.data.order.epoch_payloads`): these tests pin that
 this gives the order permuting the paths themselves gives (the same seed,
 the same files as ever), that the corrupt-image names replay it, and that
 no per-epoch function holds the file list as a constant.
@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 from tfdp.config import DataConfig
-from tfdp.data import build_source, pipeline, readers
+from tfdp.data import build_source, order as stream_order, readers
+from tfdp.data.naming import StreamNames
 from tfdp.data.layouts import Split, folder_entries
 from tfdp.data.storage import filesystem
 
@@ -34,8 +35,8 @@ def paths_permuted_then_shuffled(share, cfg, ctx, data_shard, seed, first_epoch,
         order = tf.stack([tf.constant(seed, tf.int64), e])
         return readers.payloads(share, cfg, ctx, data_shard, order_seed=order).shuffle(
             buffer, seed=seed, reshuffle_each_iteration=False).apply(
-            pipeline._repeated(cfg.repeated_augmentation, size))
-    return tf.data.Dataset.range(first_epoch, pipeline.MAX_EPOCHS).flat_map(epoch).skip(offset)
+            stream_order.repeated(cfg.repeated_augmentation, size))
+    return tf.data.Dataset.range(first_epoch, stream_order.MAX_EPOCHS).flat_map(epoch).skip(offset)
 
 
 def pairs(ds, count):
@@ -48,13 +49,13 @@ def test_an_image_stream_is_the_permuted_files_through_the_seeded_buffer(shuffle
     cfg = DataConfig(shuffle_buffer=shuffle_buffer, repeated_augmentation=repeated)
     ctx = tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=index,
                                      num_replicas_in_sync=pipelines)
-    share, data_shard = pipeline.pipeline_share(listed_split(), ctx)
-    size = pipeline.share_sizes(listed_split(), pipelines)[index]
+    share, data_shard = stream_order.pipeline_share(listed_split(), ctx)
+    size = stream_order.share_sizes(listed_split(), pipelines)[index]
     for first_epoch, offset in ((0, 0), (2, min(5, size - 1))):
         want = pairs(paths_permuted_then_shuffled(share, cfg, ctx, data_shard, 9, first_epoch, size, offset), 3 * size)
-        got = pairs(pipeline.epoch_payloads(share, cfg, ctx, data_shard, 9, first_epoch, size, offset=offset), 3 * size)
+        got = pairs(stream_order.epoch_payloads(share, cfg, ctx, data_shard, 9, size, (first_epoch, offset)), 3 * size)
         assert got == want
-        names = pipeline.StreamNames.of_training(share, cfg, ctx, data_shard, 9, size)
+        names = StreamNames.of_training(share, cfg, ctx, data_shard, 9, size)
         start = first_epoch * size + offset
         assert [names(p) for p in range(start, start + 2 * size)] == [path for path, _ in want[:2 * size]]
 
@@ -68,8 +69,8 @@ def test_corrupt_image_names_replay_the_cached_stream_too(tmp_path):
     split = Split("train", tuple(files), tuple(i % 5 for i in range(FILES)))
     cfg = DataConfig(shuffle_buffer=6, cache=True)
     ctx = tf.distribute.InputContext()
-    stream = pipeline.epoch_payloads(split, cfg, ctx, False, 4, 0, FILES)
-    names = pipeline.StreamNames.of_training(split, cfg, ctx, False, 4, FILES)
+    stream = stream_order.epoch_payloads(split, cfg, ctx, False, 4, FILES)
+    names = StreamNames.of_training(split, cfg, ctx, False, 4, FILES)
     assert [names(p) for p in range(3 * FILES)] == [path for path, _ in pairs(stream, 3 * FILES)]
 
 
@@ -77,7 +78,7 @@ def test_no_per_epoch_function_holds_the_file_list(tmp_path):
     """The paths live in one tensor the stream captures, not in a constant of the function each epoch runs:
     such a constant is copied with every function library tf.data rewrites and instantiates."""
     split = listed_split()
-    ds = pipeline.epoch_payloads(split, DataConfig(), tf.distribute.InputContext(), False, 1, 0, FILES)
+    ds = stream_order.epoch_payloads(split, DataConfig(), tf.distribute.InputContext(), False, 1, FILES)
     graph = tf.compat.v1.GraphDef.FromString(ds._as_serialized_graph().numpy())
     for function in graph.library.function:
         for node in function.node_def:

@@ -210,7 +210,8 @@ def test_tfdp_reads_the_photos_in_the_order_the_fixtures_fed_the_reference():
     trainer seeds them): still tfdp's order."""
     import tensorflow as tf
     from tfdp.data import build_source
-    from tfdp.data.pipeline import StreamNames, share_sizes
+    from tfdp.data.naming import StreamNames
+    from tfdp.data.order import share_sizes
 
     run = fixture("resnet50_rsb_a2")
     cfg = validate({"data": {"format": "image_folder", "dir": PHOTOS, "image_size": run["image_size"]},

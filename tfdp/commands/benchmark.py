@@ -170,7 +170,9 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     runtime = make_runtime(local_replicas(replicas))
 
     from tfdp.data import build_source, dali
-    from tfdp.data.pipeline import CorruptCounter, synthetic_dataset, train_dataset
+    from tfdp.data.preprocess import DECODERS
+    from tfdp.data.counting import CorruptCounter
+    from tfdp.data.pipeline import synthetic_dataset, train_dataset
     from tfdp.train.task import ClassificationTask, Plan
 
     global_batch = cfg.train.batch_size_per_replica * runtime.num_replicas
@@ -184,7 +186,7 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
     synthetic = runtime.strategy.distribute_datasets_from_function(
         lambda ctx: synthetic_dataset(cfg.data, cfg.model.num_classes, global_batch, ctx))
     split = source.split(cfg.data.train_split)
-    if dali.DECODERS[decoder].dealt:   # the input alone: tfdp's stream and the replica's DALI pipeline after it
+    if DECODERS[decoder].dealt:   # the input alone: tfdp's stream and the replica's DALI pipeline after it
         local_pipeline = lambda: task.build_train_inputs(plan, CorruptCounter()).dataset((0, 0))  # noqa: E731
     else:
         data = dataclasses.replace(cfg.data, decoder=decoder)
@@ -197,7 +199,7 @@ def probe(cfg: Config, replicas: int, steps: int, warmup: int, measure_input: bo
         result["input_images_per_sec"] = pipeline_rate(local_pipeline(), global_batch, steps, warmup)
     if cfg.data.format != "synthetic":   # the pipeline `tfdp train` reads, corrupt-image counting included
         real = task.build_train_inputs(plan, CorruptCounter()).dataset((0, 0))
-        if dali.DECODERS[decoder].dealt:   # a dataset per replica is another iterator type than the synthetic
+        if DECODERS[decoder].dealt:   # a dataset per replica is another iterator type than the synthetic
             model.train_function = None    # batches' the step was traced for: rebuilt by the next fit
         result["real_data_images_per_sec"], _ = fit_rate(model, real, global_batch, steps, warmup)
     return result

@@ -654,10 +654,10 @@ def verification_batches(cfg: Config, split, limit: int, batch: int = 64):
     `DecodeImages` runs); images that do not decode are left out. A synthetic
     split has no encoded bytes: its bytes are empty strings.
     """
-    from tfdp.data import readers
+    from tfdp.data import decoding, readers
     size = eval_image_size(cfg.data)
     data_cfg = dataclasses.replace(cfg.data, cache=False, image_size=size)  # payloads are paths, read here
-    example = readers.example_fn(split, data_cfg, cfg.model.num_classes)
+    example = decoding.example_fn(split, data_cfg, cfg.model.num_classes)
     ds = readers.payloads(split, data_cfg, tf.distribute.InputContext(), False)
     # a payload is one tensor (a synthetic example's number) or a tuple (a record's shard and offset, an image's path
     # and label)

@@ -1,14 +1,16 @@
 """Corrupt images by name: the first few in a warning, all of them in a file.
 
 The pipeline counts an image that fails to decode from the gap it leaves in
-the stream (`tfdp.data.pipeline.tallied`) and goes on without it. Counting
+the stream (`tfdp.data.batching.tallied`) and goes on without it. Counting
 alone leaves the user hunting for the file, so when a gap appears the
 pipeline asks which files the missing stream positions held (replaying the
-stream's order, see `pipeline.StreamNames`), decodes each once more here to
-get TensorFlow's reason, and records it in `LOG`: the first MAX_WARNINGS as
-warnings, every one in the file the trainer points the log at
+stream's order, see `tfdp.data.naming.StreamNames`), decodes each once more
+here to get TensorFlow's reason, and records it in `LOG`: the first
+MAX_WARNINGS as warnings, every one in the file the trainer points the log at
 (`model_dir/corrupt_images.txt`). `tfdp predict` records its undecodable
-images here too, besides giving each its row.
+images here too, besides giving each its row. TensorFlow is imported only
+where an image is decoded: commands load this module before TensorFlow's
+start-up is quieted (`tfdp.startup.console`).
 """
 
 from __future__ import annotations

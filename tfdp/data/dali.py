@@ -6,7 +6,7 @@ checkpoint's position, each worker's share), bucket files through the bounded
 cache, corrupt images counted and named, labels checked, every batch's stream
 position recorded. Only the per-image work moves: on the tf path the stream's
 transform decodes and crops (`tfdp.data.preprocess.train_transform`); with
-DALI it only checks that the bytes will decode (`encoded_transform`), so a
+DALI it only checks that the bytes will decode (`preprocess.encoded_transform`), so a
 per-replica batch leaves the stream as encoded bytes and labels, already
 counted. Each batch becomes one dense array (`pad_batch`), and `distribute`
 hands each worker's arrays to its replicas in the order the tf path's
@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import re
 import threading
 from typing import Callable
 
@@ -46,26 +45,11 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.config.image_sizes import eval_image_size
-from tfdp.data.preprocess import ASPECT_RATIO_RANGE, eval_transform, host_cores, train_transform
+from tfdp.data.preprocess import ASPECT_RATIO_RANGE, host_cores
 from tfdp.errors import UserError
 
 INSTALL = ('pip install "tfdp[dali]" && pip install --no-build-isolation nvidia-dali-tf-plugin-cuda120==2.4.0')
 HEADER = 8   # a row of a batch's array (`pad_batch`): the int32 label, the int32 length, then the encoded bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoder:
-    """What the training stream's transform hands on, and how its checked batches become training batches."""
-    # (data config, seed) → (encoded, record index) → what a batch carries: the crop, or the checked bytes
-    transform: Callable
-    # (data config at its evaluation size) → (the validation stream's transform, as `transform`; the image that
-    # pads its last steps, weight 0)
-    evaluation: Callable
-    # whether the per-replica batches go through `distribute` (DALI) or straight to the replicas
-    dealt: bool
-
-
-DECODERS: dict[str, Decoder] = {}   # filled below: "tf", "dali"
 
 
 def available() -> str:
@@ -120,53 +104,6 @@ def memory_grows() -> bool:
         return True
     cards = tf.config.list_physical_devices("GPU")
     return bool(cards) and all(tf.config.experimental.get_memory_growth(card) for card in cards)
-
-
-def encoded_transform(cfg: DataConfig, seed: int):
-    """`(encoded, record index) → encoded`, the same bytes, for images DALI will decode; any other fails.
-
-    DALI stops the whole pipeline at an image it cannot decode, so what the
-    tf path would skip as corrupt is failed here, in the stream, where it is
-    counted and named as on the tf path (`tfdp.data.pipeline.corrupt_namer`
-    calls this transform again for the reason). A JPEG's header is parsed
-    and it must end in its end-of-image marker (a truncated file does not;
-    checking costs no decoding). Other formats (PNG, GIF, BMP: rare in
-    image datasets) are decoded once here in full.
-    """
-    def transform(data, index):
-        def jpeg():
-            header = has_pixels(tf.io.extract_jpeg_shape(data))
-            with tf.control_dependencies([header]):   # after the header: its error names a broken one
-                whole = tf.debugging.Assert(tf.equal(tf.strings.substr(data, -2, 2), b"\xff\xd9"),
-                                            ["a truncated JPEG: no end-of-image marker"])
-            with tf.control_dependencies([whole]):
-                return tf.identity(data)
-
-        def other():
-            decoded = has_pixels(tf.shape(tf.io.decode_image(data, channels=3, expand_animations=False)))
-            with tf.control_dependencies([decoded]):
-                return tf.identity(data)
-        return tf.cond(tf.io.is_jpeg(data), jpeg, other)
-    return transform
-
-
-def has_pixels(shape: tf.Tensor) -> tf.Operation:
-    """A check on an image's shape, which makes the parse or decode that gave the shape run: in a tf.data
-    function a stateless op that only a control edge waits on is pruned (a broken header, or a broken PNG,
-    then passed `encoded_transform` and stopped DALI)."""
-    return tf.debugging.Assert(tf.reduce_all(shape > 0), ["an image of no pixels"])
-
-
-def blank_jpeg() -> tf.Tensor:
-    """A small black JPEG: the image that pads the validation stream's last steps for DALI, which decodes it."""
-    return tf.io.encode_jpeg(tf.zeros([32, 32, 3], tf.uint8))
-
-
-_TF = Decoder(train_transform, lambda cfg: (eval_transform(cfg), tf.zeros([cfg.image_size, cfg.image_size, 3],
-                                                                          tf.uint8)), dealt=False)
-# auto reaches the pipeline only where no run chose (`choose`): a benchmark's or a test's bare pipeline, the tf path.
-DECODERS.update(tf=_TF, auto=_TF, dali=Decoder(encoded_transform, lambda cfg: (encoded_transform(cfg, 0), blank_jpeg()),
-                                               dealt=True))
 
 
 class Dealer:
@@ -233,26 +170,6 @@ class _Round:
                 self.queues[self.taken % n].append(element.get_value().numpy())
                 self.taken += 1
             return self.queues[replica].popleft()
-
-
-def dali_stopped(message: str) -> str:
-    """The one line for a DALI pipeline that stopped (an image it could not decode that passed
-    `encoded_transform`'s check, or DALI's own fault); '' for any other error. DALI does not say which image."""
-    if "Critical error in pipeline" not in message and "DALI_ERROR" not in message:
-        return ""
-    operator = re.search(r"Error in (?:CPU|GPU|MIXED) operator `([^`]+)`", message)
-    where = f" in {operator.group(1)}" if operator else ""
-    return (f"DALI stopped the input{where}: {_dali_reason(message)} (data.decoder: dali; with "
-            f"data.decoder: tf an image that cannot be decoded is skipped and named)")
-
-
-def _dali_reason(message: str) -> str:
-    """DALI's cause in one line (its messages nest: the operator, its Python traceback, then what it encountered)."""
-    cause = re.search(r"encountered:\s*\n\s*([^\n]*?)\s*:?\s*\n", message)
-    if cause and cause.group(1):
-        return cause.group(1)[:300]
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return (lines[0] if lines else "unknown error")[:300]
 
 
 def input_options() -> tf.distribute.InputOptions:

@@ -1,18 +1,25 @@
 """Per-image preprocessing on the host: encoded bytes (or decoded pixels) → a cropped, resized uint8 image.
 
 This is the pipeline's `preprocess_fn` (big_vision's term; Model Garden's
-Parser): `tfdp.data.pipeline` passes one of these functions in and never
-looks inside. Training takes a random-resized crop, evaluation the central
-crop; both decode only the pixels they keep. Everything per-pixel beyond
-that (flip, normalisation, the recipes' augmentations) runs on the device as
-the model's first layers, so the host stays at JPEG-decode speed.
+Parser): the decoding stage (`tfdp.data.decoding`) is handed one of these
+functions and never looks inside. Training takes a random-resized crop,
+evaluation the central crop; both decode only the pixels they keep.
+Everything per-pixel beyond that (flip, normalisation, the recipes'
+augmentations) runs on the device as the model's first layers, so the host
+stays at JPEG-decode speed. With `data.decoder: dali` the transform only
+checks the encoded bytes (`encoded_transform`) and DALI decodes after the
+stream (`tfdp.data.dali`); `DECODERS` holds each decoder's transforms, and
+`dali_stopped` the one line for a DALI pipeline that stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
+import re
+from typing import Callable
 
 import tensorflow as tf
 
@@ -145,3 +152,85 @@ def _resize(image: tf.Tensor, image_size: int) -> tf.Tensor:
     out = tf.cast(resized + 0.5, tf.uint8)
     out.set_shape([image_size, image_size, 3])
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """What the training stream's transform hands on, and how its checked batches become training batches."""
+    # (data config, seed) → (encoded, record index) → what a batch carries: the crop, or the checked bytes
+    transform: Callable
+    # (data config at its evaluation size) → (the validation stream's transform, as `transform`; the image that
+    # pads its last steps, weight 0)
+    evaluation: Callable
+    # whether the per-replica batches go through `tfdp.data.dali.distribute` or straight to the replicas
+    dealt: bool
+
+
+DECODERS: dict[str, Decoder] = {}   # filled below: "tf", "dali"
+
+
+def encoded_transform(cfg: DataConfig, seed: int):
+    """`(encoded, record index) → encoded`, the same bytes, for images DALI will decode; any other fails.
+
+    DALI stops the whole pipeline at an image it cannot decode, so what the
+    tf path would skip as corrupt is failed here, in the stream, where it is
+    counted and named as on the tf path (`tfdp.data.naming.corrupt_namer`
+    calls this transform again for the reason). A JPEG's header is parsed
+    and it must end in its end-of-image marker (a truncated file does not;
+    checking costs no decoding). Other formats (PNG, GIF, BMP: rare in
+    image datasets) are decoded once here in full.
+    """
+    def transform(data, index):
+        def jpeg():
+            header = has_pixels(tf.io.extract_jpeg_shape(data))
+            with tf.control_dependencies([header]):   # after the header: its error names a broken one
+                whole = tf.debugging.Assert(tf.equal(tf.strings.substr(data, -2, 2), b"\xff\xd9"),
+                                            ["a truncated JPEG: no end-of-image marker"])
+            with tf.control_dependencies([whole]):
+                return tf.identity(data)
+
+        def other():
+            decoded = has_pixels(tf.shape(tf.io.decode_image(data, channels=3, expand_animations=False)))
+            with tf.control_dependencies([decoded]):
+                return tf.identity(data)
+        return tf.cond(tf.io.is_jpeg(data), jpeg, other)
+    return transform
+
+
+def has_pixels(shape: tf.Tensor) -> tf.Operation:
+    """A check on an image's shape, which makes the parse or decode that gave the shape run: in a tf.data
+    function a stateless op that only a control edge waits on is pruned (a broken header, or a broken PNG,
+    then passed `encoded_transform` and stopped DALI)."""
+    return tf.debugging.Assert(tf.reduce_all(shape > 0), ["an image of no pixels"])
+
+
+def blank_jpeg() -> tf.Tensor:
+    """A small black JPEG: the image that pads the validation stream's last steps for DALI, which decodes it."""
+    return tf.io.encode_jpeg(tf.zeros([32, 32, 3], tf.uint8))
+
+
+_TF = Decoder(train_transform, lambda cfg: (eval_transform(cfg), tf.zeros([cfg.image_size, cfg.image_size, 3],
+                                                                          tf.uint8)), dealt=False)
+# auto reaches the pipeline only where no run chose (`tfdp.data.dali.choose`): a benchmark's or a test's bare pipeline, the tf path.
+DECODERS.update(tf=_TF, auto=_TF, dali=Decoder(encoded_transform, lambda cfg: (encoded_transform(cfg, 0), blank_jpeg()),
+                                               dealt=True))
+
+
+def dali_stopped(message: str) -> str:
+    """The one line for a DALI pipeline that stopped (an image it could not decode that passed
+    `encoded_transform`'s check, or DALI's own fault); '' for any other error. DALI does not say which image."""
+    if "Critical error in pipeline" not in message and "DALI_ERROR" not in message:
+        return ""
+    operator = re.search(r"Error in (?:CPU|GPU|MIXED) operator `([^`]+)`", message)
+    where = f" in {operator.group(1)}" if operator else ""
+    return (f"DALI stopped the input{where}: {_dali_reason(message)} (data.decoder: dali; with "
+            f"data.decoder: tf an image that cannot be decoded is skipped and named)")
+
+
+def _dali_reason(message: str) -> str:
+    """DALI's cause in one line (its messages nest: the operator, its Python traceback, then what it encountered)."""
+    cause = re.search(r"encountered:\s*\n\s*([^\n]*?)\s*:?\s*\n", message)
+    if cause and cause.group(1):
+        return cause.group(1)[:300]
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return (lines[0] if lines else "unknown error")[:300]

@@ -6,11 +6,13 @@ for its last byte before its first step. When the share is larger than
 `data.cache_limit`, the training stream is fed through a `Stream` instead:
 
 - The stream's order is a pure function of the seed and the position
-  (`tfdp.data.pipeline.epoch_payloads`), and building it reads no file here
-  (records are named by shard and record number, not byte offset), so the
-  very payload stream the reader takes is built a second time and walked by a
-  fetcher thread: it knows every file the reader will open, in order, from
-  the stream's start position on (a resumed stream fetches nothing before it).
+  (`tfdp.data.order.epoch_payloads`), and building it reads no file (the
+  readers, told the share is streamed, name records by shard and record
+  number, not byte offset), so the caller builds the very payload stream the
+  reader takes a second time and hands it to the stream (`follow`), whose
+  fetcher thread walks it: it knows every file the reader will open, in
+  order, from the stream's start position on (a resumed stream fetches
+  nothing before it).
 - The fetcher downloads each file once it is needed, in parallel threads,
   under a temporary name renamed when complete (`storage.fetch`), while the
   bytes of the files held (present or downloading) stay within the limit.
@@ -27,11 +29,12 @@ for its last byte before its first step. When the share is larger than
   replaces the old one at its own first read in the same way.
 - A download that keeps failing is retried with backoff for RETRY_TIMEOUTS
   times `data.remote_timeout`; then the stream ends and its last element
-  raises the one-line error (the decoder drops failed elements as corrupt
-  images, `ignore_errors`, so an error raised by the gate itself would be
-  swallowed): the restart status when the bucket stopped answering (the
-  same command resumes from the last checkpoint), a user error when an
-  object was deleted or changed size after the data was listed.
+  raises the one-line error (`ending`, which the decoding stage appends
+  after it drops failed elements as corrupt images with `ignore_errors`, so
+  an error raised by the gate itself would be swallowed): the restart
+  status when the bucket stopped answering (the same command resumes from
+  the last checkpoint), a user error when an object was deleted or changed
+  size after the data was listed.
 
 Evaluation streams its split the same way (`endless=False`: one pass in the
 split's own order, which needs no seed, that ends cleanly). A training run
@@ -78,7 +81,6 @@ VALIDATION_PART = 0.25     # of data.cache_limit: what a training run's validati
 ERROR_TAG = "tfdp-data-error: "   # what `pipeline.data_errors` turns into a one-line error
 RESTART_TAG = "tfdp-data-unreachable: "   # ... and into the restart status: the bucket stopped answering
 
-_building: list["Stream"] = []          # the stream whose payloads are being built (`local_files`)
 OPEN_STREAMS: dict[tuple, "Stream"] = {}   # (cache dir, files) → the stream now feeding them (tests read it)
 
 
@@ -169,30 +171,6 @@ def run_parts(train_remote: bool, val_remote: bool) -> tuple[Part, Part]:
     return (Part(1 - VALIDATION_PART, "training"), Part(VALIDATION_PART, "validation"))
 
 
-def local_files(urls, cfg: DataConfig) -> list[str]:
-    """Readers' local paths for `urls`: while a stream's payloads are built, where its files will be
-    (nothing is copied: the stream fetches them); otherwise `storage.localize`, the whole copy."""
-    if _building and _building[-1].covers(urls):
-        return storage.cache_paths(urls, cfg.cache_dir)
-    return storage.localize(urls, cfg.cache_dir)
-
-
-def record_places(path: str, count: int) -> np.ndarray:
-    """Where a shard's first `count` records are for the reader: byte offsets in a local shard; record numbers
-    in a streamed one, which is not there yet (the gate finds their offsets once it is)."""
-    if _building and path in _building[-1].size:
-        return np.arange(count, dtype=np.int64)
-    return record_offsets(path)[0][:count]
-
-
-def sample_places(path: str, count: int) -> np.ndarray:
-    """Where a tar shard's first `count` samples are for the reader: their table rows in a local shard; sample
-    numbers in a streamed one (the gate reads its table once it is there)."""
-    if _building and path in _building[-1].size:
-        return np.arange(count, dtype=np.int64)
-    return sample_table(path)[0][:count]
-
-
 def limit_bytes(cfg: DataConfig, reclaimable: int = 0) -> int:
     """data.cache_limit in bytes; auto is AUTO_FRACTION of the free space of data.cache_dir, counting the
     stream's own files already there (`reclaimable`) as free."""
@@ -205,24 +183,25 @@ def limit_bytes(cfg: DataConfig, reclaimable: int = 0) -> int:
     return int(AUTO_FRACTION * (shutil.disk_usage(where).free + reclaimable))
 
 
-def payloads(share: Split, cfg: DataConfig, ordered: bool, build: Callable[[], tf.data.Dataset], *,
-             endless: bool = True, part: Part = WHOLE) -> tuple[tf.data.Dataset, "Stream | NoStream"]:
-    """The payloads `build()` makes, and the stream that feeds them from a bucket through the bounded cache
-    (`part` of it); (`build()`, NO_STREAM) when nothing is streamed: local files, the tf.data service,
-    `data.cache`, an order drawn at random where the stream runs (`ordered` false: the fetcher could not
-    follow it), or a share within the limit (copied whole, by the readers, as always). `endless`: a training
-    stream, which ends only when fetching failed; else one pass, which ends when the split does."""
+def open_stream(share: Split, cfg: DataConfig, ordered: bool, *, endless: bool = True,
+                part: Part = WHOLE) -> "Stream | NoStream":
+    """The stream that feeds `share` from a bucket through the bounded cache (`part` of it), or NO_STREAM
+    when nothing is streamed: local files, the tf.data service, `data.cache`, an order drawn at random where
+    the stream runs (`ordered` false: the fetcher could not follow it), or a share within the limit (copied
+    whole, by the readers, as always). `endless`: a training stream, which ends only when fetching failed;
+    else one pass, which ends when the split does. The caller builds the payloads (`streamed` as the
+    stream's `streamed` says), hands a second build to `follow` and reads the first through `gated`."""
     urls = tuple(share.files)
     if (share.kind not in KINDS or not ordered or cfg.cache or cfg.service_address
             or not urls or not storage.is_remote_url(urls[0])):
-        return build(), NO_STREAM
+        return NO_STREAM
     sizes = object_sizes(urls)
     local = dict(zip(urls, storage.cache_paths(urls, cfg.cache_dir)))
     there = _on_disk(local)
     total = limit_bytes(cfg, sum(there.values()))
     limit = part.of(total)
     if sum(sizes.values()) <= limit:
-        return build(), NO_STREAM
+        return NO_STREAM
     needed = KINDS[share.kind].at_once(sorted(sizes.values(), reverse=True))
     if needed > limit:
         what = "its largest file" if share.kind == "images" else "the largest shards the interleave reads at once"
@@ -237,13 +216,7 @@ def payloads(share: Split, cfg: DataConfig, ordered: bool, build: Callable[[], t
                 os.remove(local[u])
     stream = OPEN_STREAMS[key] = Stream(share.kind, {local[u]: (u, sizes[u]) for u in urls}, limit,
                                         cfg.remote_timeout, endless, part.describe(total), previous)
-    _building.append(stream)
-    try:
-        read, order = build(), build()
-    finally:
-        _building.pop()
-    stream.follow(order)
-    return stream.gated(read), stream
+    return stream
 
 
 def _on_disk(local: dict[str, str]) -> dict[str, int]:
@@ -286,17 +259,25 @@ def close_all() -> None:
 class NoStream:
     """What the pipeline calls when nothing is streamed: everything as it was."""
 
+    streamed = False   # the readers copy the files whole (`storage.localize`)
+
     def decoding(self, cfg: DataConfig) -> DataConfig:
         return cfg
+
+    def follow(self, order: tf.data.Dataset) -> None:
+        pass
+
+    def gated(self, ds: tf.data.Dataset) -> tf.data.Dataset:
+        return ds
+
+    def ending(self) -> tf.data.Dataset | None:
+        return None
 
     def holding(self) -> set[str]:
         return set()
 
     def close(self) -> None:
         pass
-
-    def examples(self, ds: tf.data.Dataset) -> tf.data.Dataset:
-        return ds
 
     @contextlib.contextmanager
     def local_copy(self, url: str, cache_dir: str) -> Iterator[str]:
@@ -315,13 +296,14 @@ class Stream(NoStream):
     the gate and deleted once read. `high_water` is the most bytes it ever held (downloads included) and
     `fetched` the objects it downloaded, in order."""
 
+    streamed = True   # the readers name the files where the stream will fetch them, records by number
+
     def __init__(self, kind: str, files: dict[str, tuple[str, int]], limit: int, remote_timeout: float,
                  endless: bool = True, room: str = "", previous: NoStream = NO_STREAM):
         self.kind, self.limit, self.endless = KINDS[kind], limit, endless
         self.room = room or f"data.cache_limit ({_human(limit)})"   # what the messages call the limit
         self.url = {path: url for path, (url, _) in files.items()}
         self.size = {path: size for path, (_, size) in files.items()}
-        self._urls = set(self.url.values())
         self.retry_s = RETRY_TIMEOUTS * remote_timeout
         self.high_water, self.fetched = 0, []
         self._cond = threading.Condition()
@@ -344,9 +326,6 @@ class Stream(NoStream):
         # generation of its own: its fetcher walks the order from the start, and what the last one held goes.
         self._generation = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(storage.DOWNLOAD_THREADS, "tfdp-stream-fetch")
-
-    def covers(self, urls) -> bool:
-        return all(u in self._urls for u in urls)
 
     def decoding(self, cfg: DataConfig) -> DataConfig:
         """The gate hands the decoder a file's bytes, as `data.cache` does, not its path."""
@@ -474,7 +453,7 @@ class Stream(NoStream):
     def gated(self, ds: tf.data.Dataset) -> tf.data.Dataset:
         """Payloads (path, x) → the decoder's payloads of the file's bytes, each read when its file is there.
 
-        The stream ends where the fetcher failed (`examples` then raises why).
+        The stream ends where the fetcher failed (`ending` then raises why).
         """
         def begin(_):
             return tf.reshape(tf.py_function(self._begin, [], tf.int64), [])
@@ -491,17 +470,13 @@ class Stream(NoStream):
         return tf.data.Dataset.range(1).map(begin).flat_map(numbered).take_while(alive).map(
             read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
-    def examples(self, ds: tf.data.Dataset) -> tf.data.Dataset:
-        """Decoded examples, then the fetcher's error, if it failed: raised after `ignore_errors`, so it
-        reaches the user. An endless stream ends only when fetching failed (or was stopped); a pass that
-        ended without an error ends there."""
+    def ending(self) -> tf.data.Dataset:
+        """What follows the decoded examples (`tfdp.data.decoding.decoded_examples`): nothing, or the
+        fetcher's error, if it failed, raised after `ignore_errors`, so it reaches the user. An endless stream
+        ends only when fetching failed (or was stopped); a pass that ended without an error ends there."""
         def failed(_):
             return tf.reshape(tf.py_function(self._check, [], tf.bool), [])
-
-        def nothing(_):
-            return tf.nest.map_structure(lambda spec: tf.zeros([d or 0 for d in spec.shape], spec.dtype),
-                                         ds.element_spec)
-        return ds.concatenate(tf.data.Dataset.range(1).filter(failed).map(nothing))
+        return tf.data.Dataset.range(1).filter(failed)
 
     def _alive(self) -> np.bool_:
         return np.bool_(self._error is None and not self._stopped)

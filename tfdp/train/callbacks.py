@@ -40,7 +40,7 @@ class EpochStats(keras.callbacks.Callback):
     def __init__(self, global_batch: int, corrupt=None, live: bool = False,
                  image_size: Callable[[], int] | None = None):
         super().__init__()
-        self.corrupt = corrupt  # tfdp.data.pipeline.CorruptCounter: images skipped so far
+        self.corrupt = corrupt  # tfdp.data.counting.CorruptCounter: images skipped so far
         self.image_size = image_size  # progressive resizing: the side of the images this epoch trains on
         self.global_batch = global_batch
         self.live = live  # a progress bar shows per-batch values (a terminal); otherwise none are computed

@@ -21,7 +21,7 @@ from tfdp.train.callbacks import CheckpointSettings
 from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import Config
 from tfdp.data import Source
-from tfdp.data.pipeline import CorruptCounter
+from tfdp.data.counting import CorruptCounter
 from tfdp.train.input_streams import Streams, check_global_batch, plan_streams, run_facts
 from tfdp.optim.finetune import Freezing
 from tfdp.distribute.replica_state import ReplicaSnapshot

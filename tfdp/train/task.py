@@ -24,9 +24,10 @@ import tensorflow as tf
 from tfdp.config import Config, TrainConfig
 from tfdp.data import Source
 from tfdp.data import dali, streaming
+from tfdp.data.counting import CorruptCounter, StreamPosition
+from tfdp.data.preprocess import DECODERS
 from tfdp.data.service import client as service
-from tfdp.data.pipeline import (Bookkeeping, CorruptCounter, StreamPosition, eval_dataset, prediction_dataset,
-                                streams_dataset, train_dataset)
+from tfdp.data.pipeline import Bookkeeping, eval_dataset, prediction_dataset, streams_dataset, train_dataset
 from tfdp.data.storage import is_remote_url
 from tfdp.errors import UserError
 from tfdp.optim.finetune import scale_learning_rates
@@ -124,7 +125,7 @@ class ClassificationTask:
 
         def worker_dataset(ctx):
             return prediction_dataset(files, data, global_batch, ctx)
-        if dali.DECODERS[decoder].dealt:
+        if DECODERS[decoder].dealt:
             return dali.distribute_prediction(runtime, worker_dataset, data, global_batch)
         return runtime.strategy.distribute_datasets_from_function(worker_dataset)
 
@@ -304,7 +305,7 @@ def validation_dataset(cfg: Config, source: Source, runtime: Runtime, layout: Ba
 
     def worker_dataset(ctx):
         return eval_dataset(val, data, global_batch, ctx, num_classes=cfg.model.num_classes, cache_part=part)
-    if dali.DECODERS[decoder].dealt:
+    if DECODERS[decoder].dealt:
         return dali.distribute_evaluation(runtime, worker_dataset, data, global_batch)
     return runtime.strategy.distribute_datasets_from_function(worker_dataset)
 
@@ -384,7 +385,7 @@ class TrainStream:
         """This worker's pipeline on the replicas; with DALI, its checked batches of encoded images decoded by a
         DALI pipeline per replica (`tfdp.data.dali.distribute`)."""
         runtime = self.runtime
-        if not dali.DECODERS[data.decoder].dealt:
+        if not DECODERS[data.decoder].dealt:
             return runtime.strategy.distribute_datasets_from_function(worker_dataset)
         return dali.distribute(runtime, worker_dataset, data, self.plan.global_batch, self.cfg.train.seed)
 

@@ -33,7 +33,8 @@ from tfdp.rundir.checkpoints import CheckpointStore
 from tfdp.config import Config, DataConfig
 from tfdp.data import Source, build_source, memory_cache, streaming
 from tfdp.data.corrupt import LOG as CORRUPT_LOG, corrupt_images_file
-from tfdp.data.pipeline import CorruptCounter, data_errors
+from tfdp.data.counting import CorruptCounter
+from tfdp.data.pipeline import data_errors
 from tfdp.rundir.bucket import Place, place_for
 from tfdp.data.layouts import check_lost
 from tfdp.errors import PeerLost, ServiceLost, UserError, first_line

@@ -1,11 +1,11 @@
 """The training pipeline run by a tf.data service (`data.service_address`), so input scales past this host.
 
 What goes to the service is tfdp's own pipeline, up to the batches: the same
-readers, crops, batching and corrupt-image accounting (`pipeline.tallied`),
+readers, crops, batching and corrupt-image accounting (`batching.tallied`),
 but no variable. With `data.decoder: dali` its per-image step is DALI's check
 instead of the crop, and the trainer's DALI pipelines decode what it sends
 (`tfdp.data.dali`). Each batch carries what it accounts for, [records, corrupt],
-and the trainer adds those up after the service (`pipeline.checked`), where
+and the trainer adds those up after the service (`counting.checked`), where
 its `CorruptCounter` and `StreamPosition` live. Evaluation never uses the
 service: it is one local pass per epoch.
 
@@ -42,9 +42,12 @@ import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.data import readers
-from tfdp.data.dali import DECODERS
-from tfdp.data.pipeline import (AUTOTUNE, MAX_EPOCHS, Bookkeeping, Tally, checked,
-                                decoded_examples, epoch_payloads, pipeline_share, share_sizes, tallied)
+from tfdp.data.batching import tallied
+from tfdp.data.counting import Tally, checked
+from tfdp.data.decoding import decoded_examples
+from tfdp.data.order import MAX_EPOCHS, epoch_payloads, pipeline_share, share_sizes
+from tfdp.data.pipeline import AUTOTUNE, Bookkeeping
+from tfdp.data.preprocess import DECODERS
 from tfdp.data.layouts import Split
 from tfdp.data.storage import cache_paths, is_remote_url
 from tfdp.errors import UserError, first_line
@@ -183,5 +186,5 @@ def _own_share(split: Split, cfg: DataConfig, ctx: tf.distribute.InputContext,
     """`parallel_epochs`: this trainer's share, in an order each service worker draws for itself."""
     share, data_shard = pipeline_share(split, ctx)
     size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
-    stream = epoch_payloads(share, cfg, ctx, data_shard, None, 0, size)
+    stream = epoch_payloads(share, cfg, ctx, data_shard, None, size)
     return (stream if epochs is None else stream.take(epochs * size)), share
