@@ -195,11 +195,11 @@ def gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
-def run_tfdp(data_dir: str, replicas: int, epochs: int, workdir: str) -> dict:
-    model_dir = os.path.join(workdir, f"tfdp_r{replicas}")
+def run_tfdp(data_dir: str, replicas: int, epochs: int, seed: int, workdir: str) -> dict:
+    model_dir = os.path.join(workdir, f"tfdp_r{replicas}_s{seed}")
     cmd = [sys.executable, "-m", "tfdp", "train", "--config=configs/fashion_mnist_d2l.yaml", f"--data_dir={data_dir}",
            f"--model_dir={model_dir}", f"--epochs={epochs}", "--set=log.tensorboard=false",
-           "--set=train.checkpoint_every_steps=0"]
+           "--set=train.checkpoint_every_steps=0", f"--set=train.seed={seed}"]
     env = dict(os.environ)
     gpus = gpu_count()
     if replicas > 1:
@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("--replicas", default="1,2", help="rows: replica counts")
     parser.add_argument("--train_images", type=int, default=0, help="the first N training images (0: all)")
     parser.add_argument("--test_images", type=int, default=0, help="the first N test images (0: all)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="both sides' seed (weights, shuffling)")
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--torch_twin", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -269,7 +269,7 @@ def main() -> None:
         data_dir = (subset(args.data_dir, workdir, args.train_images, args.test_images)
                     if args.train_images or args.test_images else args.data_dir)
         for replicas in (int(r) for r in args.replicas.split(",")):
-            sides = [("tfdp", lambda: run_tfdp(data_dir, replicas, args.epochs, workdir))]
+            sides = [("tfdp", lambda: run_tfdp(data_dir, replicas, args.epochs, args.seed, workdir))]
             if args.torch_python:
                 sides.append(("torch", lambda: run_torch(args.torch_python, data_dir, replicas, args.epochs,
                                                          args.seed)))
