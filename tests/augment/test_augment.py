@@ -411,6 +411,8 @@ def test_mixing_compiles_with_xla_inside_each_replica(photos):
         assert o.dtype == tf.uint8 and o.shape == (8, 32, 32, 3) and t.shape == (8, 4)
 
 
+@pytest.mark.full(reason="45 CPU-s: test_everything_on_runs_on_two_mirrored_replicas and "
+                         "test_each_switch_compiles_with_xla_and_draws_as_without")
 @pytest.mark.slow
 def test_every_switch_trains_through_the_real_step_on_two_replicas(digits_dir):
     """The switches on, 2 mirrored replicas, the whole-step XLA step: the augmentation runs inside `fit` on each

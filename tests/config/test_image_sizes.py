@@ -215,6 +215,11 @@ def test_bad_sizes_on_the_command_line_are_one_line(small_dir, tmp_path):
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
+@pytest.mark.full(reason="50 CPU-s: its parts are "
+                         "test_fits_split_where_the_size_changes_and_resume_keeps_the_partial_epoch, "
+                         "test_each_segments_stream_has_its_size_and_the_same_records, "
+                         "test_whole_step_xla_compiles_each_size and "
+                         "test_evaluation_and_export_run_at_the_evaluation_size")
 @pytest.mark.slow
 def test_progressive_run_trains_each_size_and_evaluates_at_the_test_size(tiny_dir, tmp_path):
     """resnet10_small (the demo's small-image ResNet with one block per stage: any size, batch norm) on 2 replicas,

@@ -154,6 +154,8 @@ def test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order(id_tree,
     assert all(len(ids) >= 16 for ids in first_epoch) and not first_epoch[0] & first_epoch[1], first_epoch
 
 
+@pytest.mark.full(reason="50 CPU-s of a cluster: each worker's DALI share is "
+                         "test_dali_on_two_workers_gives_each_its_share_in_the_tf_paths_order")
 @pytest.mark.slow
 def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny_dir):
     """`tfdp launch --workers=2` with data.decoder: dali: MultiWorkerMirroredStrategy's `fit`, each worker's DALI
@@ -176,6 +178,8 @@ def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny
     assert [r["epoch"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
 
 
+@pytest.mark.full(reason="70 CPU-s: DALI's training input is test_tfdp_trains_the_demo_with_dali, the "
+                         "benchmark's measurement tests/train/test_observability.py's")
 @pytest.mark.slow
 def test_tfdp_benchmark_measures_the_input_as_tfdp_train_decodes_it(tmp_path, tiny_dir):
     """`tfdp benchmark` with data.decoder: dali: its real-data row trains through DALI and its input rates are the

@@ -406,6 +406,10 @@ def test_a_service_worker_killed_mid_epoch_does_not_stop_training(service, small
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["corrupt_images"] >= 2
 
 
+@pytest.mark.full(reason="50 CPU-s: the service's processes are "
+                         "test_compose_template_runs_one_service_for_its_trainers's and "
+                         "test_kubernetes_template_runs_one_service_for_its_trainers's, training through it "
+                         "test_training_through_the_service_matches_the_local_pipeline")
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_launch_starts_a_service_for_two_trainers_and_stops_it(small_dir, tmp_path):

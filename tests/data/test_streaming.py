@@ -368,6 +368,8 @@ def _train(gcs_bucket, tmp_path, name, cache_limit, *extra, epochs=2):
                                           *extra, epochs=epochs), timeout=300)
 
 
+@pytest.mark.full(reason="45 CPU-s: a stream within the limit reading what a full copy reads is "
+                         "test_a_stream_four_times_the_limit_stays_within_it_and_reads_what_a_full_copy_reads")
 def test_tfdp_train_streams_a_tree_larger_than_the_limit_to_the_weights_of_a_whole_copy(gcs_bucket, tmp_path):
     """The command line, through Keras and the distribution strategy (which start iterators of their own):
     2 deterministic epochs (the second streams the tree again) on a tree four times the limit keep at most the
@@ -396,6 +398,8 @@ def test_tfdp_train_streams_a_tree_larger_than_the_limit_to_the_weights_of_a_who
                           for row in read_jsonl(tmp_path / "whole" / "metrics.jsonl")]
 
 
+@pytest.mark.full(reason="45 CPU-s: two streams sharing the limit are "
+                         "test_a_training_run_splits_the_limit_between_its_two_streams")
 def test_validation_on_the_training_split_keeps_its_copies_apart_from_the_training_stream(gcs_bucket, tmp_path,
                                                                                          capfd):
     """The training stream deletes each file it has read; validation on the same split must not lose its

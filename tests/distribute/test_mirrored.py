@@ -225,6 +225,8 @@ def test_sync_bn_merges_the_replicas_statistics_as_torch_syncbatchnorm():
     assert np.all(shortfall > 10 * var_rtol * ref["sync_running_var"])
 
 
+@pytest.mark.full(reason="60 CPU-s: sync BN's merge of the replicas' statistics and its gradients are "
+                         "test_sync_bn_merges_the_replicas_statistics_as_torch_syncbatchnorm")
 def test_sync_bn_on_two_replicas_equals_one_device_at_the_same_global_batch(digits_dir, resnet_two_one):
     """The whole model's first step with sync_bn on 2 replicas, against one device on the same global batch: the
     same batch-norm statistics and the same gradients, to float32 rounding. One step: it is what sync BN promises

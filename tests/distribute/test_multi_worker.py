@@ -254,6 +254,9 @@ def test_after_one_preempted_exit_the_launcher_lets_the_others_exit_on_their_own
     assert [p.stdout.read() for p in procs] == ["saved at step 7\n"] * 2
 
 
+@pytest.mark.full(reason="80 CPU-s of three pods: the TFJob's manifests are checked by "
+                         "tests/distribute/test_operators.py, two workers training as one by "
+                         "test_two_workers_of_two_replicas_match_each_other_and_a_two_replica_run")
 def test_a_tfjob_with_an_evaluator_trains_on_three_pods_and_evaluates_each_epoch_once(tmp_path, tiny_dir):
     """Chief, 2 Workers and an Evaluator, each pod the same `tfdp train` with TF_CONFIG as Kubeflow's operator
     writes it (support/operators.py). The three trainers skip their own validation (train.validate: auto) and
@@ -300,6 +303,10 @@ def test_a_tfjob_with_an_evaluator_trains_on_three_pods_and_evaluates_each_epoch
     assert f"tfdp: evaluate: {lines[1][1]}" in evaluated
 
 
+@pytest.mark.full(reason="150 CPU-s, two workers killed twice: a checkpoint without its marker is never resumed "
+                         "from (tests/rundir/test_bucket_run.py's uncommitted-checkpoint test), and two workers "
+                         "resume exactly "
+                         "(test_sigterm_to_one_worker_saves_one_step_everywhere_and_resumes_exactly)")
 def test_two_workers_killed_between_a_checkpoints_objects_and_its_marker_resume_exactly(small_dir, tmp_path,
                                                                                         clean_demo_run):
     """`demo_on_workers` reading its images from a bucket and keeping the run there (a real S3 server on loopback,

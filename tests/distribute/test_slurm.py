@@ -93,6 +93,10 @@ def saved_step(where: str, steps_per_epoch: int) -> int:
     return number if where.startswith("step") else number * steps_per_epoch
 
 
+@pytest.mark.full(reason="85 CPU-s of a Slurm job requeued: the SIGTERM save it relies on is "
+                         "tests/train/test_resume.py's "
+                         "test_sigterm_on_one_host_saves_where_it_is_and_loses_no_step, the requeue's exit "
+                         "status tests/distribute/test_multi_worker.py's launcher tests")
 def test_template_preempted_by_scancel_requeues_and_resumes_losing_no_step(slurm, slurm_data, tmp_path):
     model_dir = tmp_path / "run"
     env = {k: v for k, v in slurm.env.items() if k not in ("TF_CONFIG", "TFDP_WORKERS", "TFDP_WORKER_INDEX")}

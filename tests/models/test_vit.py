@@ -124,6 +124,9 @@ def outputs() -> dict[str, np.ndarray]:
     return dict(np.load(os.path.join(FIXTURES, "vit_variants_outputs.npz")))
 
 
+@pytest.mark.full(reason="50 CPU-s of full-size builds: the counts' rule is "
+                         "test_parameter_counts_equal_timms_at_1000_classes, each family's layers are its "
+                         "weights' logits tests")
 def test_dinov2_clip_siglip_deit3_and_gap_parameter_counts_equal_timms():
     """At 1,000 classes, DINOv2 at its published 518 px (a 37x37 grid), the CLIP towers at 224 px, the SigLIP
     towers, DeiT III and the average-pooling ViTs at the size in their names: layer scale, register tokens, CLIP's

@@ -233,6 +233,8 @@ def test_global_batch_not_a_multiple_of_the_accumulation_is_a_config_error(tmp_p
     assert_one_line_error(result, 2, "train.global_batch (30)", "train.grad_accum_steps (4)")
 
 
+@pytest.mark.full(reason="55 CPU-s: micro-batches are test_k_micro_batches_of_b_train_as_one_batch_of_k_times_b, "
+                         "sync BN's merge tests/distribute/test_mirrored.py's torch comparison")
 @pytest.mark.slow
 def test_sync_bn_with_accumulation_normalises_each_micro_batch_over_both_replicas(digits_dir, monkeypatch):
     """model.sync_bn with accumulation (op by op, its all-reduce once per micro-batch): both replicas see the

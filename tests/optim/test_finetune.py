@@ -204,6 +204,10 @@ def two_phase_run(digits_dir, jit, start=None):
     return model, freezing, snapshots
 
 
+@pytest.mark.full(reason="80 CPU-s: freezing's parts are "
+                         "test_freeze_patterns_name_stages_layers_and_the_backbone and "
+                         "test_split_puts_the_switch_between_two_fits, a frozen phase in a run "
+                         "test_fine_tuning_from_a_checkpoint_freezes_then_trains_everything")
 @pytest.mark.slow
 def test_frozen_backbone_and_its_batch_norm_stay_bit_identical_then_train_on_two_replicas(digits_dir):
     plain, freezing, (before, frozen, after) = two_phase_run(digits_dir, jit=False)

@@ -89,6 +89,8 @@ def copy_run(fs, source: str, run: str) -> None:
         fs.copy(f"{source}/{path}", f"{run}/{path}")
 
 
+@pytest.mark.full(reason="65 CPU-s: a run committed to and resumed from a bucket is "
+                         "test_a_run_in_a_gcs_bucket_commits_and_resumes")
 def test_a_run_lives_in_the_bucket_and_resumes_from_it(s3, fs, small_dir, tmp_path, two_epochs):
     """Checkpoints committed by a marker, the metrics log one object per epoch, TensorBoard's events as
     they grow; a second command on another host's empty scratch resumes from the bucket alone."""
@@ -241,6 +243,8 @@ def test_a_bucket_that_stops_answering_ends_the_run_with_the_restart_status(smal
     assert time.time() - started < 120
 
 
+@pytest.mark.full(reason="50 CPU-s: a bucket that stops answering ends with the restart status in "
+                         "test_a_bucket_that_stops_answering_ends_the_run_with_the_restart_status")
 def test_a_data_bucket_that_stops_answering_mid_run_ends_with_the_restart_status(small_dir, tmp_path):
     """Images streamed from the bucket through a cache a quarter of their size; the server killed mid-run:
     the fetcher retries for 6 x data.remote_timeout, then exit 143 naming the object (the same command

@@ -209,6 +209,8 @@ def test_a_requeued_run_on_other_replicas_goes_on_at_the_checkpoints_global_batc
     assert_ends_as(model_dir, clean_dir)
 
 
+@pytest.mark.full(reason="60 CPU-s of a cluster: a resume on other replicas keeping the global batch is "
+                         "test_a_requeued_run_on_other_replicas_goes_on_at_the_checkpoints_global_batch")
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_killed_on_two_workers_and_resumed_on_one_ends_as_the_uninterrupted_run(tmp_path, small_dir):

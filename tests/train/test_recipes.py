@@ -88,6 +88,9 @@ def test_unknown_precision_is_a_config_error():
     assert "config field 'train.precision': input should be 'float32', 'mixed_bfloat16' or 'mixed_float16'" in result.stderr
 
 
+@pytest.mark.full(reason="30 CPU-s: whole-step XLA under the mirrored strategy is "
+                         "tests/distribute/test_mirrored.py's "
+                         "test_whole_step_xla_trains_like_the_plain_keras_step_with_batch_norm")
 @pytest.mark.slow
 def test_jit_compile_really_compiles_with_xla_under_mirrored_strategy(tmp_path, digits_dir):
     """2 replicas (the demo config's MirroredStrategy): XLA dumps both programs of the per-replica step, the

@@ -120,6 +120,9 @@ def fingerprint(stdout):
     return re.findall(r"weights fingerprint (\w+)", stdout)
 
 
+@pytest.mark.full(reason="100 CPU-s of kills at random steps: resuming from a step checkpoint is checked by "
+                         "test_sigterm_on_one_host_saves_where_it_is_and_loses_no_step and tests/test_cli.py's "
+                         "killed-run test")
 @pytest.mark.slow
 def test_killed_at_random_steps_ends_bit_identical_to_an_uninterrupted_run(tmp_path, small_dir):
     """kill -9 twice at random moments (during steps or checkpoint writes), resume each time; with random flips
