@@ -11,6 +11,8 @@ which commands load before TensorFlow.
 
 from __future__ import annotations
 
+from typing import Callable, ContextManager
+
 import numpy as np
 import tensorflow as tf
 
@@ -18,7 +20,6 @@ from tfdp.config import DataConfig
 from tfdp.data.corrupt import LOG, decode_error
 from tfdp.data.layouts import Split
 from tfdp.data.order import epoch_numbers, image_share, repeated
-from tfdp.data.streaming import NO_STREAM
 
 
 class StreamNames:
@@ -67,11 +68,11 @@ class StreamNames:
         return self.files[int(self._numbers[place])]
 
 
-def corrupt_namer(names: StreamNames | None, cfg: DataConfig, transform, stream=NO_STREAM):
+def corrupt_namer(names: StreamNames | None, transform, local_copy: Callable[[str], ContextManager[str]]):
     """`batching.tallied`'s `on_gap`: the files at a batch's missing positions, with TensorFlow's reason, into the
-    corrupt-image log (`LOG`); None where there is nothing to name (records, synthetic). A
-    bucket's file is read from a local copy (`stream.local_copy`: fetched again if the bounded cache has
-    let it go)."""
+    corrupt-image log (`LOG`); None where there is nothing to name (records, synthetic). A file is decoded
+    again from `local_copy(url)` (`tfdp.data.streaming.Feed`: a bucket's file fetched again if the bounded
+    cache has let it go)."""
     if names is None:
         return None
 
@@ -80,7 +81,7 @@ def corrupt_namer(names: StreamNames | None, cfg: DataConfig, transform, stream=
         for position in range(int(last) + 1, int(index.numpy()[-1]) + 1):
             if position not in present:
                 path = names(position)
-                with stream.local_copy(path, cfg.cache_dir) as local:
+                with local_copy(path) as local:
                     LOG.record(path, decode_error(local, transform))
         return np.int64(0)
     return on_gap
