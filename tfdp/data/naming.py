@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfdp.config import DataConfig
 from tfdp.data.corrupt import LOG, decode_error
 from tfdp.data.layouts import Split
-from tfdp.data.order import epoch_numbers, image_share, repeated
+from tfdp.data.order import replayed_epochs
 
 
 class StreamNames:
@@ -40,18 +40,13 @@ class StreamNames:
     @classmethod
     def of_training(cls, share: Split, cfg: DataConfig, ctx, data_shard: bool, seed: int | None,
                     share_size: int) -> "StreamNames | None":
-        if share.kind != "images" or seed is None:
-            return None
-        buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))  # as `order.epoch_payloads` sizes it
-        files = image_share(share, ctx, data_shard).files
+        """The names of a training stream's positions (`tfdp.data.order.replayed_epochs`)."""
+        return cls.replaying(replayed_epochs(share, cfg, ctx, data_shard, seed, share_size), share_size)
 
-        def order(epoch: int) -> tf.data.Dataset:
-            if cfg.cache:  # the cached payloads in listing order, reshuffled by tf.data every epoch
-                stream = tf.data.Dataset.range(len(files)).shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
-                stream = stream.apply(repeated(cfg.repeated_augmentation, share_size)).repeat()
-                return stream.skip(epoch * share_size).take(share_size)
-            return epoch_numbers(len(files), buffer, cfg, seed, epoch, share_size).take(share_size)
-        return cls(files, share_size, order)
+    @classmethod
+    def replaying(cls, replay, share_size: int) -> "StreamNames | None":
+        """From the order stage's replay (files, epoch → file numbers), made before the stream is opened."""
+        return None if replay is None else cls(replay[0], share_size, replay[1])
 
     @classmethod
     def of_evaluation(cls, share: Split, ctx, data_shard: bool) -> "StreamNames | None":

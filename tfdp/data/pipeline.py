@@ -38,7 +38,7 @@ from tfdp.data.naming import StreamNames, corrupt_namer
 from tfdp.data.counting import CorruptCounter, StreamPosition, Tally, checked
 from tfdp.data.decoding import decode_calls, decoded_examples
 from tfdp.data.layouts import Split
-from tfdp.data.order import epoch_payloads, one_pass, pipeline_share, share_sizes
+from tfdp.data.order import epoch_payloads, one_pass, pipeline_share, replayed_epochs, share_sizes
 from tfdp.data.preprocess import DECODERS, dali_stopped
 from tfdp.errors import StorageLost, UserError
 
@@ -82,6 +82,7 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     ctx = input_context or tf.distribute.InputContext()
     share_size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
     share, data_shard = pipeline_share(split, ctx)
+    replay = replayed_epochs(share, cfg, ctx, data_shard, seed, share_size)
     consumed, bad = books.start
     payloads = functools.partial(epoch_payloads, share, cfg, ctx, data_shard, seed, share_size,
                                  divmod(consumed, max(share_size, 1)))
@@ -89,7 +90,7 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     transform = DECODERS[cfg.decoder].transform(cfg, seed)  # dali: the checked bytes, decoded after (tfdp.data.dali)
     ds = decoded_examples(feed.payloads, share, feed.decoding, transform, books.num_classes, first=consumed,
                           ending=feed.ending)
-    names = StreamNames.of_training(share, cfg, ctx, data_shard, seed, share_size)
+    names = StreamNames.replaying(replay, share_size)
     on_gap = corrupt_namer(names, transform, feed.local_copy)
     ds = replica_batches(ds, cfg, ctx, global_batch, first=consumed, on_gap=on_gap)
     tally = Tally(books.num_classes, cfg.max_bad_fraction, share_size, books.corrupt, books.position,
