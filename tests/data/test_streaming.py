@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp.config import DataConfig
-from tfdp.data import dali, streaming
+from tfdp.data import dali, storage, streaming
 from tfdp.data.pipeline import Bookkeeping, eval_dataset, train_dataset
 from tfdp.data.layouts import Split
 from tfdp.data.layouts.tfrecord import IMAGENET_RECORDS, IMAGE_KEY, LABEL_KEY, LABEL_OFFSET
@@ -325,7 +325,7 @@ def test_the_limit_is_a_size_in_bytes_or_auto():
     for wrong in ("20XB", "lots", "", 0, -1):
         with pytest.raises(UserError, match=r"^config field 'data.cache_limit': expected a size such as 20GB"):
             load_config(None, {"data.cache_limit": wrong})
-    assert streaming.limit_bytes(DataConfig(cache_dir="/nonexistent/below/here")) > 0   # auto: free space
+    assert storage.limit_bytes(DataConfig(cache_dir="/nonexistent/below/here")) > 0   # auto: free space
 
 
 def test_a_dataset_iterated_again_starts_its_stream_again(datasets, tmp_path):

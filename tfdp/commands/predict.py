@@ -213,7 +213,7 @@ def predict(cfg: Config, runtime: "Runtime", checkpoint: str | None, job: Reques
     from tfdp.rundir.checkpoints import CheckpointStore
     from tfdp.data import dali
     from tfdp.data.pipeline import data_errors, evaluation_decoding
-    from tfdp.data.streaming import limit_bytes
+    from tfdp.data.storage import limit_bytes
     from tfdp.rundir.checkpoints import load_checkpoint
     from tfdp.train.task import ClassificationTask
 

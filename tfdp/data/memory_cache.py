@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from tfdp.data import readers, storage, streaming
+from tfdp.data import readers, storage
 from tfdp.data.layouts import Split
 from tfdp.errors import UserError
 from tfdp.startup.memory import available_memory
@@ -30,7 +30,7 @@ def cached_bytes(split: Split) -> int:
         return 0
     sample = split.files[::max(1, len(split.files) // SAMPLED_FILES)]
     if storage.is_remote_url(sample[0]):
-        sizes = list(streaming.object_sizes(tuple(sample)).values())
+        sizes = list(storage.object_sizes(tuple(sample)).values())
     else:
         sizes = [os.path.getsize(path) for path in sample]
     return sum(sizes) * len(split.files) // len(sample) + PER_EXAMPLE * split.num_examples

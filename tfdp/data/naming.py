@@ -11,14 +11,15 @@ which commands load before TensorFlow.
 
 from __future__ import annotations
 
+from typing import Callable, ContextManager
+
 import numpy as np
 import tensorflow as tf
 
 from tfdp.config import DataConfig
 from tfdp.data.corrupt import LOG, decode_error
 from tfdp.data.layouts import Split
-from tfdp.data.order import epoch_numbers, image_share, repeated
-from tfdp.data.streaming import NO_STREAM
+from tfdp.data.order import replayed_epochs
 
 
 class StreamNames:
@@ -39,18 +40,13 @@ class StreamNames:
     @classmethod
     def of_training(cls, share: Split, cfg: DataConfig, ctx, data_shard: bool, seed: int | None,
                     share_size: int) -> "StreamNames | None":
-        if share.kind != "images" or seed is None:
-            return None
-        buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))  # as `order.epoch_payloads` sizes it
-        files = image_share(share, ctx, data_shard).files
+        """The names of a training stream's positions (`tfdp.data.order.replayed_epochs`)."""
+        return cls.replaying(replayed_epochs(share, cfg, ctx, data_shard, seed, share_size), share_size)
 
-        def order(epoch: int) -> tf.data.Dataset:
-            if cfg.cache:  # the cached payloads in listing order, reshuffled by tf.data every epoch
-                stream = tf.data.Dataset.range(len(files)).shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
-                stream = stream.apply(repeated(cfg.repeated_augmentation, share_size)).repeat()
-                return stream.skip(epoch * share_size).take(share_size)
-            return epoch_numbers(len(files), buffer, cfg, seed, epoch, share_size).take(share_size)
-        return cls(files, share_size, order)
+    @classmethod
+    def replaying(cls, replay, share_size: int) -> "StreamNames | None":
+        """From the order stage's replay (files, epoch → file numbers), made before the stream is opened."""
+        return None if replay is None else cls(replay[0], share_size, replay[1])
 
     @classmethod
     def of_evaluation(cls, share: Split, ctx, data_shard: bool) -> "StreamNames | None":
@@ -67,11 +63,11 @@ class StreamNames:
         return self.files[int(self._numbers[place])]
 
 
-def corrupt_namer(names: StreamNames | None, cfg: DataConfig, transform, stream=NO_STREAM):
+def corrupt_namer(names: StreamNames | None, transform, local_copy: Callable[[str], ContextManager[str]]):
     """`batching.tallied`'s `on_gap`: the files at a batch's missing positions, with TensorFlow's reason, into the
-    corrupt-image log (`LOG`); None where there is nothing to name (records, synthetic). A
-    bucket's file is read from a local copy (`stream.local_copy`: fetched again if the bounded cache has
-    let it go)."""
+    corrupt-image log (`LOG`); None where there is nothing to name (records, synthetic). A file is decoded
+    again from `local_copy(url)` (`tfdp.data.streaming.Feed`: a bucket's file fetched again if the bounded
+    cache has let it go)."""
     if names is None:
         return None
 
@@ -80,7 +76,7 @@ def corrupt_namer(names: StreamNames | None, cfg: DataConfig, transform, stream=
         for position in range(int(last) + 1, int(index.numpy()[-1]) + 1):
             if position not in present:
                 path = names(position)
-                with stream.local_copy(path, cfg.cache_dir) as local:
+                with local_copy(path) as local:
                     LOG.record(path, decode_error(local, transform))
         return np.int64(0)
     return on_gap

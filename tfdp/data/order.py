@@ -160,3 +160,23 @@ def _seed_or_random(seed: int | None) -> tf.Tensor:
         return tf.constant(seed, tf.int64)
     return tf.raw_ops.RandomUniformInt(shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
                                        maxval=tf.constant(1 << 62, tf.int64), seed=0, seed2=0)
+
+
+def replayed_epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputContext, data_shard: bool,
+                    seed: int | None, share_size: int):
+    """An image share's training stream replayed as file numbers, nothing read or decoded: (its files, data
+    epoch → the numbers of the files that epoch reads, in `epoch_payloads`' order), for naming a corrupt image
+    by its position (`tfdp.data.naming.StreamNames`). Beside `epoch_payloads`, whose order it repeats. None
+    where there is nothing to replay: records, synthetic, or an order drawn at random (`seed` None)."""
+    if share.kind != "images" or seed is None:
+        return None
+    buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))  # as `epoch_payloads` sizes it
+    files = share.files[ctx.input_pipeline_id::ctx.num_input_pipelines] if data_shard else share.files
+
+    def order(epoch: int) -> tf.data.Dataset:
+        if cfg.cache:  # the cached payloads in listing order, reshuffled by tf.data every epoch
+            stream = tf.data.Dataset.range(len(files)).shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
+            stream = stream.apply(repeated(cfg.repeated_augmentation, share_size)).repeat()
+            return stream.skip(epoch * share_size).take(share_size)
+        return epoch_numbers(len(files), buffer, cfg, seed, epoch, share_size).take(share_size)
+    return files, order

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import functools
 import re
-from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -39,7 +38,7 @@ from tfdp.data.naming import StreamNames, corrupt_namer
 from tfdp.data.counting import CorruptCounter, StreamPosition, Tally, checked
 from tfdp.data.decoding import decode_calls, decoded_examples
 from tfdp.data.layouts import Split
-from tfdp.data.order import epoch_payloads, one_pass, pipeline_share, share_sizes
+from tfdp.data.order import epoch_payloads, one_pass, pipeline_share, replayed_epochs, share_sizes
 from tfdp.data.preprocess import DECODERS, dali_stopped
 from tfdp.errors import StorageLost, UserError
 
@@ -81,17 +80,18 @@ def train_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     bounded cache (`tfdp.data.streaming`), example for example the same.
     """
     ctx = input_context or tf.distribute.InputContext()
-    share, data_shard = pipeline_share(split, ctx)
     share_size = share_sizes(split, ctx.num_input_pipelines)[ctx.input_pipeline_id]
+    share, data_shard = pipeline_share(split, ctx)
+    replay = replayed_epochs(share, cfg, ctx, data_shard, seed, share_size)
     consumed, bad = books.start
-    stream = streaming.open_stream(share, cfg, seed is not None, part=books.cache_part)
-    ds = fed(stream, functools.partial(epoch_payloads, share, cfg, ctx, data_shard, seed, share_size,
-                                       divmod(consumed, max(share_size, 1))))
+    payloads = functools.partial(epoch_payloads, share, cfg, ctx, data_shard, seed, share_size,
+                                 divmod(consumed, max(share_size, 1)))
+    feed = streaming.open_stream(share, cfg, payloads, seed is not None, part=books.cache_part)
     transform = DECODERS[cfg.decoder].transform(cfg, seed)  # dali: the checked bytes, decoded after (tfdp.data.dali)
-    ds = decoded_examples(ds, share, stream.decoding(cfg), transform, books.num_classes, first=consumed,
-                          ending=stream.ending())
-    names = StreamNames.of_training(share, cfg, ctx, data_shard, seed, share_size)
-    on_gap = corrupt_namer(names, cfg, transform, stream)
+    ds = decoded_examples(feed.payloads, share, feed.decoding, transform, books.num_classes, first=consumed,
+                          ending=feed.ending)
+    names = StreamNames.replaying(replay, share_size)
+    on_gap = corrupt_namer(names, transform, feed.local_copy)
     ds = replica_batches(ds, cfg, ctx, global_batch, first=consumed, on_gap=on_gap)
     tally = Tally(books.num_classes, cfg.max_bad_fraction, share_size, books.corrupt, books.position,
                   named=on_gap is not None)
@@ -122,21 +122,6 @@ def streams_dataset(split: Split, cfg: DataConfig, global_batch: int, seed: int,
     return joined.unbatch().batch(per_replica, drop_remainder=True).prefetch(AUTOTUNE)
 
 
-def fed(stream: streaming.NoStream, build: Callable[..., tf.data.Dataset]) -> tf.data.Dataset:
-    """The payloads `build(streamed)` makes, read through `stream` (`streaming.open_stream`).
-
-    A streamed share's payloads are built twice, with the files named where
-    the stream will fetch them: one copy is read through the stream's gate,
-    the other walked by its fetcher to learn the order the files are read in
-    (the order is a pure function of seed and position, so both are the same
-    stream). A share not streamed is built once, from local copies.
-    """
-    read = build(stream.streamed)
-    if stream.streamed:
-        stream.follow(build(True))
-    return stream.gated(read)
-
-
 def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
                  input_context: tf.distribute.InputContext | None = None, *,
                  num_classes: int = 0, corrupt: CorruptCounter | None = None,
@@ -162,12 +147,12 @@ def eval_dataset(split: Split, cfg: DataConfig, global_batch: int,
     sizes = share_sizes(split, ctx.num_input_pipelines)
     padded = -(-max(sizes) // per_step) * per_step
     share, data_shard = pipeline_share(split, ctx)
-    stream = streaming.open_stream(share, cfg, True, endless=False, part=cache_part)
-    ds = fed(stream, functools.partial(one_pass, share, cfg, ctx, data_shard))
+    payloads = functools.partial(one_pass, share, cfg, ctx, data_shard)
+    feed = streaming.open_stream(share, cfg, payloads, True, endless=False, part=cache_part)
     transform, blank = DECODERS[cfg.decoder].evaluation(cfg)   # dali: checked bytes, decoded after (tfdp.data.dali)
-    ds = decoded_examples(ds, share, stream.decoding(cfg), transform, num_classes, ending=stream.ending()).batch(batch)
+    ds = decoded_examples(feed.payloads, share, feed.decoding, transform, num_classes, ending=feed.ending).batch(batch)
     names = StreamNames.of_evaluation(share, ctx, data_shard)
-    on_gap = corrupt_namer(names, cfg, transform, stream)
+    on_gap = corrupt_namer(names, transform, feed.local_copy)
     ds = checked(tallied(ds, on_gap=on_gap), Tally(num_classes, cfg.max_bad_fraction, sizes[ctx.input_pipeline_id],
                                                   corrupt, named=on_gap is not None))
     padding = tf.data.Dataset.from_tensors((blank, 0, 0.0)).repeat()

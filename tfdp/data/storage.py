@@ -24,6 +24,7 @@ traceback, or fail much later, deep in a listing.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import hashlib
 import operator
@@ -37,6 +38,7 @@ import urllib.request
 import fsspec
 import fsspec.utils
 
+from tfdp.config import DataConfig, byte_size
 from tfdp.errors import UserError, first_line
 
 LOCAL_PROTOCOLS = ("file", "local")
@@ -48,6 +50,7 @@ ENDPOINT_ATTRIBUTES = {"gs": "_location", "s3": "s3.meta.endpoint_url", "hf": "e
 # Face Hub a repository, datasets/ORG/NAME (and ORG/NAME for a model's).
 HUB_KINDS = ("datasets", "spaces", "buckets")
 DOWNLOAD_THREADS = 16
+AUTO_FRACTION = 0.5   # data.cache_limit auto: this share of the free space of data.cache_dir at start
 DEFAULT_REMOTE_TIMEOUT = 20.0
 
 _remote_timeout = DEFAULT_REMOTE_TIMEOUT
@@ -294,6 +297,44 @@ def cache_paths(urls: list[str] | tuple[str, ...], cache_dir: str) -> list[str]:
     """Where `localize` keeps each of `urls` under `cache_dir` (local files: where they are). Nothing is read."""
     cache_dir = os.path.expanduser(cache_dir)
     return [_cache_path(cache_dir, u) if is_remote_url(u) else u for u in urls]
+
+
+def object_sizes(urls: tuple[str, ...]) -> dict[str, int]:
+    """Each object's size: as the data's listing saw it (`note_sizes`), else from one listing of the
+    folder the others share (a request per object would take minutes for a million images)."""
+    sizes = {u: known_size(u) for u in urls}
+    missing = [u for u, size in sizes.items() if size is None]
+    if not missing:
+        return sizes
+    fs, _ = filesystem(missing[0])
+    paths = [u.partition("://")[2] for u in missing]
+    common = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+    listed = {p: info["size"] for p, info in fs.find(common, detail=True).items()}
+    sizes.update({u: listed[p] if p in listed else fs.size(p) for u, p in zip(missing, paths)})
+    return sizes
+
+
+def on_disk(local: dict[str, str]) -> dict[str, int]:
+    """url → size of its copy in the cache, for those there (`local`: url → its cache path; a stream being
+    replaced may delete some meanwhile)."""
+    sizes = {}
+    for url, path in local.items():
+        with contextlib.suppress(FileNotFoundError):
+            sizes[url] = os.path.getsize(path)
+    return sizes
+
+
+def limit_bytes(cfg: DataConfig, reclaimable: int = 0) -> int:
+    """data.cache_limit in bytes: what a bounded cache (`tfdp.data.streaming`) or `tfdp predict`'s chunks may
+    hold in data.cache_dir; auto is AUTO_FRACTION of its free space, counting the copies already there that
+    the holder may replace (`reclaimable`) as free."""
+    limit = byte_size(cfg.cache_limit)
+    if limit is not None:
+        return limit
+    where = os.path.expanduser(cfg.cache_dir)
+    while not os.path.isdir(where):
+        where = os.path.dirname(where) or "."
+    return int(AUTO_FRACTION * (shutil.disk_usage(where).free + reclaimable))
 
 
 def is_remote_url(url: str) -> bool:

@@ -8,11 +8,11 @@ for its last byte before its first step. When the share is larger than
 - The stream's order is a pure function of the seed and the position
   (`tfdp.data.order.epoch_payloads`), and building it reads no file (the
   readers, told the share is streamed, name records by shard and record
-  number, not byte offset), so the caller builds the very payload stream the
-  reader takes a second time and hands it to the stream (`follow`), whose
-  fetcher thread walks it: it knows every file the reader will open, in
-  order, from the stream's start position on (a resumed stream fetches
-  nothing before it).
+  number, not byte offset), so the stream builds the very payload stream the
+  reader takes a second time (`open_stream` is handed the function that
+  builds it) and its fetcher thread walks it (`follow`): it knows every file
+  the reader will open, in order, from the stream's start position on (a
+  resumed stream fetches nothing before it).
 - The fetcher downloads each file once it is needed, in parallel threads,
   under a temporary name renamed when complete (`storage.fetch`), while the
   bytes of the files held (present or downloading) stay within the limit.
@@ -53,25 +53,24 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
-import shutil
 import struct
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import numpy as np
 import tensorflow as tf
 
-from tfdp.config import DataConfig, byte_size
+from tfdp.config import DataConfig
 from tfdp.data import storage
 from tfdp.data.layouts import Split
 from tfdp.data.layouts.tfrecord import HEADER_BYTES, INTERLEAVE_CYCLE, LENGTH, record_offsets
 from tfdp.data.layouts.webdataset import sample_table
 from tfdp.errors import UserError, first_line
 
-AUTO_FRACTION = 0.5        # data.cache_limit auto: this share of the free space of data.cache_dir at start
 RETRY_TIMEOUTS = 6         # a failing download is retried for this many data.remote_timeout
 FIRST_RETRY_S, LAST_RETRY_S = 0.5, 10.0
 STALL_CHECK_S = 1.0        # how often a waiting reader looks for a stream that cannot move
@@ -171,34 +170,33 @@ def run_parts(train_remote: bool, val_remote: bool) -> tuple[Part, Part]:
     return (Part(1 - VALIDATION_PART, "training"), Part(VALIDATION_PART, "validation"))
 
 
-def limit_bytes(cfg: DataConfig, reclaimable: int = 0) -> int:
-    """data.cache_limit in bytes; auto is AUTO_FRACTION of the free space of data.cache_dir, counting the
-    stream's own files already there (`reclaimable`) as free."""
-    limit = byte_size(cfg.cache_limit)
-    if limit is not None:
-        return limit
-    where = os.path.expanduser(cfg.cache_dir)
-    while not os.path.isdir(where):
-        where = os.path.dirname(where) or "."
-    return int(AUTO_FRACTION * (shutil.disk_usage(where).free + reclaimable))
+def open_stream(share: Split, cfg: DataConfig, payloads: Callable[[bool], tf.data.Dataset], ordered: bool, *,
+                endless: bool = True, part: Part = WHOLE) -> "Feed":
+    """`share`'s payloads as the later stages read them (`Feed`), through the bounded cache (`part` of it)
+    when the share is streamed from a bucket.
+
+    `payloads(streamed)` builds the share's payloads (`tfdp.data.order`);
+    the stream decides whether they are streamed, so it builds them itself:
+    once for the reader and, when streamed, once more for its fetcher to
+    follow. Nothing is streamed for local files, the tf.data service,
+    `data.cache`, an order drawn at random where the stream runs (`ordered`
+    false: the fetcher could not follow it), or a share within the limit
+    (copied whole, by the readers, as always). `endless`: a training stream,
+    which ends only when fetching failed; else one pass, which ends when the
+    split does."""
+    return _stream_for(share, cfg, ordered, endless, part).feed(payloads, cfg)
 
 
-def open_stream(share: Split, cfg: DataConfig, ordered: bool, *, endless: bool = True,
-                part: Part = WHOLE) -> "Stream | NoStream":
-    """The stream that feeds `share` from a bucket through the bounded cache (`part` of it), or NO_STREAM
-    when nothing is streamed: local files, the tf.data service, `data.cache`, an order drawn at random where
-    the stream runs (`ordered` false: the fetcher could not follow it), or a share within the limit (copied
-    whole, by the readers, as always). `endless`: a training stream, which ends only when fetching failed;
-    else one pass, which ends when the split does. The caller builds the payloads (`streamed` as the
-    stream's `streamed` says), hands a second build to `follow` and reads the first through `gated`."""
+def _stream_for(share: Split, cfg: DataConfig, ordered: bool, endless: bool, part: Part) -> "Stream | NoStream":
+    """The stream that feeds `share` from a bucket through the bounded cache, or NO_STREAM (`open_stream`)."""
     urls = tuple(share.files)
     if (share.kind not in KINDS or not ordered or cfg.cache or cfg.service_address
             or not urls or not storage.is_remote_url(urls[0])):
         return NO_STREAM
-    sizes = object_sizes(urls)
+    sizes = storage.object_sizes(urls)
     local = dict(zip(urls, storage.cache_paths(urls, cfg.cache_dir)))
-    there = _on_disk(local)
-    total = limit_bytes(cfg, sum(there.values()))
+    there = storage.on_disk(local)
+    total = storage.limit_bytes(cfg, sum(there.values()))
     limit = part.of(total)
     if sum(sizes.values()) <= limit:
         return NO_STREAM
@@ -219,30 +217,6 @@ def open_stream(share: Split, cfg: DataConfig, ordered: bool, *, endless: bool =
     return stream
 
 
-def _on_disk(local: dict[str, str]) -> dict[str, int]:
-    """url → size of its copy in the cache, for those there (a stream being replaced may delete some meanwhile)."""
-    sizes = {}
-    for url, path in local.items():
-        with contextlib.suppress(FileNotFoundError):
-            sizes[url] = os.path.getsize(path)
-    return sizes
-
-
-def object_sizes(urls: tuple[str, ...]) -> dict[str, int]:
-    """Each object's size: as the data's listing saw it (`storage.note_sizes`), else from one listing of the
-    folder the others share (a request per object would take minutes for a million images)."""
-    sizes = {u: storage.known_size(u) for u in urls}
-    missing = [u for u, size in sizes.items() if size is None]
-    if not missing:
-        return sizes
-    fs, _ = storage.filesystem(missing[0])
-    paths = [u.partition("://")[2] for u in missing]
-    common = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
-    listed = {p: info["size"] for p, info in fs.find(common, detail=True).items()}
-    sizes.update({u: listed[p] if p in listed else fs.size(p) for u, p in zip(missing, paths)})
-    return sizes
-
-
 def _human(size: int) -> str:
     for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
         if size >= scale:
@@ -256,22 +230,25 @@ def close_all() -> None:
         OPEN_STREAMS.popitem()[1].close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """What the stages after the bounded cache take from it, as plain values, so none calls back into it:
+    the payloads (read through the gate when streamed), the config decoding reads them with, what follows the
+    decoded examples (`Stream.ending`; None when nothing is streamed), and url → a local copy of it, to name a
+    corrupt image by (`tfdp.data.naming.corrupt_namer`)."""
+    payloads: tf.data.Dataset
+    decoding: DataConfig
+    ending: tf.data.Dataset | None
+    local_copy: Callable[[str], ContextManager[str]]
+
+
 class NoStream:
-    """What the pipeline calls when nothing is streamed: everything as it was."""
+    """A share not streamed: its payloads as the readers build them, from local copies."""
 
-    streamed = False   # the readers copy the files whole (`storage.localize`)
-
-    def decoding(self, cfg: DataConfig) -> DataConfig:
-        return cfg
-
-    def follow(self, order: tf.data.Dataset) -> None:
-        pass
-
-    def gated(self, ds: tf.data.Dataset) -> tf.data.Dataset:
-        return ds
-
-    def ending(self) -> tf.data.Dataset | None:
-        return None
+    def feed(self, payloads: Callable[[bool], tf.data.Dataset], cfg: DataConfig) -> Feed:
+        """The payloads built once, not streamed: the readers copy the files whole (`storage.localize`); a
+        corrupt image is named from its copy in data.cache_dir."""
+        return Feed(payloads(False), cfg, None, functools.partial(self.local_copy, cache_dir=cfg.cache_dir))
 
     def holding(self) -> set[str]:
         return set()
@@ -295,8 +272,6 @@ class Stream(NoStream):
     """One training stream's files: fetched ahead in the stream's order, within `limit` bytes, read through
     the gate and deleted once read. `high_water` is the most bytes it ever held (downloads included) and
     `fetched` the objects it downloaded, in order."""
-
-    streamed = True   # the readers name the files where the stream will fetch them, records by number
 
     def __init__(self, kind: str, files: dict[str, tuple[str, int]], limit: int, remote_timeout: float,
                  endless: bool = True, room: str = "", previous: NoStream = NO_STREAM):
@@ -327,9 +302,15 @@ class Stream(NoStream):
         self._generation = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(storage.DOWNLOAD_THREADS, "tfdp-stream-fetch")
 
-    def decoding(self, cfg: DataConfig) -> DataConfig:
-        """The gate hands the decoder a file's bytes, as `data.cache` does, not its path."""
-        return dataclasses.replace(cfg, cache=True)
+    def feed(self, payloads: Callable[[bool], tf.data.Dataset], cfg: DataConfig) -> Feed:
+        """The payloads built twice, streamed: the readers name the files where the stream will fetch them,
+        records by number. One copy is read through the gate, the other walked by the fetcher to learn the
+        order the files are read in (the order is a pure function of seed and position, so both are the same
+        stream). The gate hands the decoder a file's bytes, as `data.cache` does, not its path."""
+        read = payloads(True)
+        self.follow(payloads(True))
+        return Feed(self.gated(read), dataclasses.replace(cfg, cache=True), self.ending(),
+                    functools.partial(self.local_copy, cache_dir=cfg.cache_dir))
 
     # --- the fetcher ---------------------------------------------------------
 
