@@ -5,9 +5,10 @@ conversion, not accuracy), at a small image size and 10 classes, saved as a
 checkpoint and exported by the real `tfdp export` in a fresh process, whose
 peak resident memory is read back (`ru_maxrss` of the finished child) and held
 to `tfdp.commands.export.export_memory_bound` for the model's weights (docs/export.md).
-One model per family: by default simple_cnn, SqueezeNet, ResNeXt (grouped
-convolutions), MobileNetV2 and the DeiT. Three more run only with TFDP_FULL=1
-(and are `slow`), their converter paths taken in the default run: EfficientNetV2-B0 and Inception-v3 take MobileNetV2's
+One model per family: by default simple_cnn, SqueezeNet, RegNetY-200MF (grouped
+convolutions, squeeze-excite), MobileNetV2 and the DeiT. The others run only with TFDP_FULL=1
+(and are `slow`), their converter paths taken in the default run: ResNeXt takes RegNetY's grouped convolutions,
+EfficientNetV2-B0 and Inception-v3 take MobileNetV2's
 (a keras.applications functional graph, batch norm, depthwise convolutions),
 ConvNeXt-atto MobileNetV2's depthwise convolutions and the DeiT's LayerNorm and
 GELU. VGG is measured by benchmarks/export_memory.py (its export needs more
@@ -48,7 +49,7 @@ FULL_ZOO = pytest.mark.full(reason="mobilenet_v2 covers the keras.applications c
 ZOO = [  # (registry name, image size): one per family
     ("simple_cnn", 8),
     ("squeezenet1_1", 32),
-    ("resnext50_32x4d", 32),
+    ("regnety_002", 32),   # grouped convolutions and squeeze-excite
     ("mobilenet_v2", 32),
     ("deit_tiny_distilled_patch16_224", 32),   # attention, LayerNorm, GELU, two classifier heads averaged
     # depthwise 7x7 convolutions, LayerNorm, GELU, layer scale: mobilenet_v2's and the DeiT's converter paths
@@ -70,11 +71,11 @@ ZOO = [  # (registry name, image size): one per family
                "activations")]),
     # the deep stem and the shortcuts' "same" average pools
     pytest.param("resnet18d", 32, marks=[pytest.mark.slow, pytest.mark.full(
-        reason="resnext50_32x4d's converter paths with an average pool, which every family's global pooling "
-               "converts")]),
-    # grouped convolutions and squeeze-excite
-    pytest.param("regnety_002", 32, marks=[pytest.mark.slow, pytest.mark.full(
-        reason="resnext50_32x4d's grouped convolutions and the EfficientNets' squeeze-excite")]),
+        reason="regnety_002's converter paths (convolutions, batch norm, shortcuts) with an average pool, which "
+               "every family's global pooling converts")]),
+    # grouped convolutions in torchvision's bottlenecks: ~50 CPU-s
+    pytest.param("resnext50_32x4d", 32, marks=[pytest.mark.slow, pytest.mark.full(
+        reason="regnety_002's grouped convolutions in the default run, at a quarter of the CPU")]),
     # registers without a class token, the patch tokens' mean, fc_norm
     pytest.param("vit_little_patch16_reg4_gap_256", 32, marks=[pytest.mark.slow, pytest.mark.full(
         reason="the DeiT's converter paths with a mean over tokens")]),

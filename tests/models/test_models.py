@@ -131,7 +131,9 @@ def strategy():
 # the parameter counts above check one by one.
 ONE_PER_BUILDER = {
     "resnet18": "resnet18", "resnet34": "resnet18", "resnet50_v1_5": "resnet50_v1_5",
-    "resnext50_32x4d": "resnext50_32x4d", "resnet18_small": "resnet18_small", "resnet10_small": "resnet18_small",
+    # the same builder and bottlenecks with grouped 3x3 convolutions (their outputs: tests/models/test_weights.py's
+    # torchvision fixture); grouped convolutions train on 2 replicas in regnety_002's step (tests/models/test_regnet.py)
+    "resnext50_32x4d": "resnet50_v1_5", "resnet18_small": "resnet18_small", "resnet10_small": "resnet18_small",
     "resnet18_d2l": "resnet18_d2l", "deit_mini_distilled_patch4_small": "vit_mini_patch4_small",
     # the same blocks with a deeper stem and pooled shortcuts (their outputs: tests/models/test_resnet_d.py)
     "resnet18d": "resnet18", "resnet34d": "resnet18", "resnet50d": "resnet50_v1_5", "resnet101d": "resnet50_v1_5",
@@ -146,7 +148,8 @@ ONE_PER_BUILDER = {
     # the same layers with other paddings and epsilons (their outputs: tests/models/test_efficientnet.py)
     **{f"efficientnet_b{v}_torch": "efficientnet_b0" for v in range(8)},
     **{f"efficientnetv2_{s}_torch": "efficientnetv2_b0" for s in "sml"},
-    **{f"vgg{d}": "vgg11" for d in (11, 13, 16, 19)}, **{f"vgg{d}_bn": "vgg11_bn" for d in (11, 13, 16, 19)},
+    # one builder (`vgg`), with and without batch norm: the step with it takes every layer of the one without
+    **{f"vgg{d}{bn}": "vgg11_bn" for d in (11, 13, 16, 19) for bn in ("", "_bn")},
     "squeezenet1_1": "squeezenet1_1", "simple_cnn": "simple_cnn",
     **{f"convnext_{s}": "convnext_atto"
        for s in ("atto", "femto", "pico", "nano", "tiny", "small", "base", "large")},
