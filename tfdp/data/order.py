@@ -171,7 +171,7 @@ def replayed_epochs(share: Split, cfg: DataConfig, ctx: tf.distribute.InputConte
     if share.kind != "images" or seed is None:
         return None
     buffer = min(cfg.shuffle_buffer, max(share.num_examples, 1))  # as `epoch_payloads` sizes it
-    files = share.files[ctx.input_pipeline_id::ctx.num_input_pipelines] if data_shard else share.files
+    files = image_share(share, ctx, data_shard).files   # as `epoch_payloads` lists them
 
     def order(epoch: int) -> tf.data.Dataset:
         if cfg.cache:  # the cached payloads in listing order, reshuffled by tf.data every epoch
