@@ -40,11 +40,23 @@ def pytest_configure(config):
     env = allocator.with_tcmalloc(os.environ)
     if env is not None:
         os.environ.update(env)
+    # The suite starts a few hundred Python processes (xdist's, `tfdp` runs, cluster workers). Where the environment
+    # says not to write bytecode (PYTHONDONTWRITEBYTECODE, as on the project's CI host), each compiled tfdp's and the
+    # tests' sources anew, about 0.2 CPU-s a process: the test processes and theirs write it, into the __pycache__
+    # folders git and the Docker context ignore.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_addoption(parser):
     parser.addoption("--store-durations", action="store_true",
-                     help="write each test file's total seconds to tests/durations.json (the schedule's order)")
+                     help="write each test file's total seconds in this tier to tests/durations.json (the schedule's "
+                          "order)")
+
+
+def tier() -> str:
+    """The run's key in tests/durations.json: a file's seconds differ between the README's run and the full tier's
+    (test_export_zoo.py holds 5 rows of the one and 11 of the other), so each run is ordered by its own."""
+    return "full" if os.environ.get(FULL_ENV) == "1" else "default"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,12 +64,12 @@ def pytest_collection_modifyitems(config, items):
 
     The suite is split over worker processes file by file (`--dist loadfile --no-loadscope-reorder`): the
     longest files start at once and the short ones fill the gaps at the end, instead of one process
-    running a long file alone while the others idle. The seconds come from tests/durations.json (refresh
-    with `--store-durations`); a file missing from it counts as 60 s, a typical file with a training run.
+    running a long file alone while the others idle. The seconds come from tests/durations.json, this tier's
+    (refresh with `--store-durations`); a file missing from it counts as 60 s, a typical file with a training run.
     Tests marked `full` skip, with the marker's reason, unless TFDP_FULL=1; `gpu` ones skip on a host without one.
     """
     with open(DURATIONS, encoding="utf-8") as f:
-        seconds = json.load(f)
+        seconds = json.load(f)[tier()]
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 60))
     if os.environ.get(FULL_ENV) != "1":
         for item in items:
@@ -84,16 +96,18 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """With `--store-durations`, after a passing run: the files it ran get their new seconds, the others keep theirs."""
+    """With `--store-durations`, after a passing run: the files it ran get their new seconds in this tier, the others
+    keep theirs."""
     if not session.config.getoption("--store-durations") or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if exitstatus != 0 or not _file_seconds:
         return
     with open(DURATIONS, encoding="utf-8") as f:
-        seconds = json.load(f)
-    seconds.update({k: round(v) for k, v in _file_seconds.items()})
+        tiers = json.load(f)
+    seconds = {**tiers[tier()], **{k: round(v) for k, v in _file_seconds.items()}}
+    tiers[tier()] = dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
     with open(DURATIONS, "w", encoding="utf-8") as f:
-        json.dump(dict(sorted(seconds.items(), key=lambda kv: -kv[1])), f, indent=1)
+        json.dump(tiers, f, indent=1)
         f.write("\n")
 
 
