@@ -161,6 +161,9 @@ def test_input_rate_beside_training_counts_whole_batch_intervals():
 
 
 @pytest.mark.slow
+@pytest.mark.full(reason="the command and its probe processes, about 30 CPU-s: its parts run in the README's tier "
+                         "above (the rows from recorded probes, the windows' rule, the input rate beside training, "
+                         "the verdict)")
 def test_benchmark_measures_one_and_two_replicas(tmp_path, digits_dir):
     """The real command, its probe processes included, with windows of one step after one warm-up step: a fit stops
     after 13 steps at most (62 with windows of 5 after 2). What is checked is the wiring and the report, not the
