@@ -299,8 +299,8 @@ def test_a_training_run_names_corrupt_images_and_ignored_files(small_dir, tmp_pa
 
 
 @pytest.mark.full(reason="four `tfdp` processes, about 25 CPU-s: the stderr filter is tests/test_cli.py's "
-                         "test_native_library_lines_are_filtered_and_the_last_line_survives_os_exit, a corrupt image "
-                         "named in training test_a_training_run_names_corrupt_images_and_ignored_files', in "
+                         "test_native_library_lines_are_filtered_and_the_last_line_survives_os_exit; a corrupt image "
+                         "named in training is test_a_training_run_names_corrupt_images_and_ignored_files' check, in "
                          "prediction test_every_file_gets_a_row_and_a_corrupt_one_names_its_error's")
 def test_the_console_says_each_corrupt_image_once_and_nothing_from_library_internals(small_dir, tmp_path):
     """Train (two epochs: every corrupt image is met twice), evaluate and predict on folders with an empty and a

@@ -179,7 +179,7 @@ def test_tfdp_launch_trains_with_dali_on_two_workers_to_one_model(tmp_path, tiny
 
 
 @pytest.mark.full(reason="70 CPU-s: DALI's training input is test_tfdp_trains_the_demo_with_dali, the "
-                         "benchmark's measurement the parts tests/train/test_observability.py checks in the "
+                         "benchmark's measurement is checked in parts by tests/train/test_observability.py in the "
                          "README's tier")
 @pytest.mark.slow
 def test_tfdp_benchmark_measures_the_input_as_tfdp_train_decodes_it(tmp_path, tiny_dir):
