@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
     with open(DURATIONS, encoding="utf-8") as f:
         seconds = json.load(f)[tier()]
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 60))
-    if os.environ.get(FULL_ENV) != "1":
+    if tier() != "full":
         for item in items:
             if marker := item.get_closest_marker("full"):
                 item.add_marker(pytest.mark.skip(reason=f"runs with {FULL_ENV}=1: {marker.kwargs['reason']}"))
